@@ -1,0 +1,13 @@
+"""mlx-chatterbox: Resemble AI's Chatterbox text-to-speech on Apple's MLX."""
+
+from . import _blas
+
+# Before anything imports mlx.core (see _blas).
+_blas.preload()
+
+from .api import TTS  # noqa: E402
+from .convert import convert  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
+
+__version__ = "0.1.0.dev0"
+__all__ = ["TTS", "SamplingParams", "convert", "__version__"]

@@ -1,0 +1,222 @@
+"""Upstream Chatterbox checkpoint (a folder or a Hugging Face repo) -> an MLX model folder.
+
+Output folder:
+  config.json        format, format version, dtype, source, the network configs
+  t3.safetensors     T3 weights under our names (``T3.checkpoint_table``), in the chosen dtype
+  tokenizer.json     the upstream text tokenizer, checked and copied
+  voice.safetensors  the built-in voice from ``conds.pt`` (read without torch and without unpickling code)
+
+Conversion is strict: every expected key must be present with its exact shape, and an unknown key is an
+error. The folder is written under a temporary name and renamed at the end, so a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .generation.voice import Voice
+from .models.t3 import T3, T3Config
+from .text import EnTokenizer
+from .torchfile import TorchFileError, load_torch_file
+
+FORMAT = "mlx-chatterbox"
+FORMAT_VERSION = 1
+DEFAULT_REPO = "ResembleAI/chatterbox"
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+T3_FILE = "t3_cfg.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+CONDS_FILE = "conds.pt"
+# In upstream checkpoints but converted by later stages of the port; accepted and left alone for now.
+NOT_YET_CONVERTED = ("s3gen.safetensors", "ve.safetensors")
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the file and the problem."""
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    revision: str | None = None,
+    overwrite: bool = False,
+    t3_config: T3Config | None = None,
+) -> Path:
+    """Convert an upstream checkpoint to an MLX folder and return its path.
+
+    src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``).
+    dst: the folder to create; it must not exist (or be empty) unless ``overwrite``.
+    dtype: weight precision: float32 (upstream's), bfloat16 or float16.
+    revision: a Hub branch, tag or commit (repo ids only).
+    t3_config: T3 sizes when they differ from the English Chatterbox model.
+    """
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    dst = Path(dst).expanduser()
+    if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())) and not overwrite:
+        raise ConversionError(f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)")
+    src_dir, source = _resolve_source(src, revision)
+    cfg = t3_config or T3Config()
+
+    tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        weights = _read_safetensors(src_dir / T3_FILE)
+        t3 = sanitize(weights, T3.checkpoint_table(cfg), T3_FILE)
+        t3 = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in t3.items()}
+        mx.save_safetensors(str(tmp / "t3.safetensors"), t3, metadata={"format": FORMAT})
+        del weights, t3
+
+        tokenizer_path = _require(src_dir / TOKENIZER_FILE)
+        tokenizer = EnTokenizer.from_file(tokenizer_path)
+        tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+
+        files = {"t3": "t3.safetensors", "tokenizer": "tokenizer.json"}
+        if (src_dir / CONDS_FILE).exists():
+            voice_from_conds(src_dir / CONDS_FILE).save(tmp / "voice.safetensors")
+            files["voice"] = "voice.safetensors"
+
+        config = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype,
+            "source": source,
+            "files": files,
+            "t3": asdict(cfg),
+        }
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def sanitize(
+    weights: dict[str, mx.array], table: dict[str, tuple[str | None, tuple[int, ...]]], filename: str
+) -> dict[str, mx.array]:
+    """Rename upstream keys to ours with a network's key table: every key must be known and present, every
+    shape exact; keys mapped to None are dropped."""
+    unknown = sorted(set(weights) - set(table))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise ConversionError(
+            f"{filename}: unexpected key {unknown[0]!r}{more}; is this a Chatterbox checkpoint of the right "
+            "variant and size?"
+        )
+    missing = sorted(set(table) - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConversionError(f"{filename}: key {missing[0]!r}{more} is missing; the file is incomplete")
+    out = {}
+    for key, (target, shape) in table.items():
+        value = weights[key]
+        if tuple(value.shape) != shape:
+            raise ConversionError(f"{filename}: {key} has shape {tuple(value.shape)}, expected {shape}")
+        if target is not None:
+            out[target] = value
+    return out
+
+
+def voice_from_conds(path: Path) -> Voice:
+    """Upstream ``conds.pt`` (``Conditionals.save``: {'t3': T3Cond fields, 'gen': S3Gen ref dict}) -> Voice."""
+    name = path.name
+    try:
+        data = load_torch_file(path)
+    except TorchFileError as e:
+        raise ConversionError(str(e)) from None
+
+    def need(d: object, where: str, keys: set[str]) -> dict:
+        if not isinstance(d, dict) or set(d) != keys:
+            found = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ConversionError(f"{name}: {where} must hold exactly {sorted(keys)}, found {found}")
+        return d
+
+    def array(d: dict, key: str, ndim: int, kind: str) -> np.ndarray:
+        v = d[key]
+        ok = isinstance(v, np.ndarray) and v.ndim == ndim and v.dtype.kind in kind
+        if not ok:
+            desc = f"{v.dtype} array of shape {v.shape}" if isinstance(v, np.ndarray) else type(v).__name__
+            raise ConversionError(f"{name}: {key} must be a {ndim}-d {'int' if kind == 'iu' else 'float'} array, found {desc}")
+        return v
+
+    top = need(data, "the file", {"t3", "gen"})
+    t3 = need(
+        top["t3"],
+        "'t3'",
+        {"speaker_emb", "clap_emb", "cond_prompt_speech_tokens", "cond_prompt_speech_emb", "emotion_adv"},
+    )
+    gen = need(top["gen"], "'gen'", {"prompt_token", "prompt_token_len", "prompt_feat", "prompt_feat_len", "embedding"})
+    if t3["clap_emb"] is not None or gen["prompt_feat_len"] is not None:
+        raise ConversionError(f"{name}: clap_emb and prompt_feat_len must be None (upstream never sets them)")
+    # cond_prompt_speech_emb is upstream's cache of embedded prompt tokens: derived data, recomputed by T3.
+    # emotion_adv is replaced by generate()'s exaggeration argument on every upstream call, so it never takes
+    # effect; ours is a generation knob (SamplingParams.exaggeration).
+    prompt_len = array(gen, "prompt_token_len", 1, "iu")
+    tokens = array(gen, "prompt_token", 2, "iu")
+    if prompt_len.tolist() != [tokens.shape[1]]:
+        raise ConversionError(f"{name}: prompt_token_len {prompt_len.tolist()} != prompt_token length {tokens.shape[1]}")
+    try:
+        return Voice(
+            speaker_emb=mx.array(array(t3, "speaker_emb", 2, "f").astype(np.float32)),
+            t3_prompt_tokens=mx.array(array(t3, "cond_prompt_speech_tokens", 2, "iu").astype(np.int32)),
+            s3gen_prompt_tokens=mx.array(tokens.astype(np.int32)),
+            s3gen_prompt_mel=mx.array(array(gen, "prompt_feat", 3, "f").astype(np.float32)),
+            xvector=mx.array(array(gen, "embedding", 2, "f").astype(np.float32)),
+        )
+    except ValueError as e:
+        raise ConversionError(f"{name}: {e}") from None
+
+
+def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path, dict]:
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConversionError(f"{path} is a file; pass the folder that holds {T3_FILE}, {TOKENIZER_FILE}, ...")
+        if revision is not None:
+            raise ConversionError("revision applies to Hugging Face repo ids, not to local folders")
+        return path, {"path": str(path.resolve())}
+    text = str(src)
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text):
+        raise ConversionError(f"{text} is neither a folder nor a Hugging Face repo id such as {DEFAULT_REPO}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            text, revision=revision, allow_patterns=[T3_FILE, TOKENIZER_FILE, CONDS_FILE, *NOT_YET_CONVERTED]
+        )
+    except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
+        raise ConversionError(
+            f"{text} is not a local folder, and downloading it from the Hugging Face Hub failed "
+            f"({type(e).__name__}: {e}). Check the network, or download the files ({T3_FILE}, "
+            f"{TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
+        ) from None
+    local = Path(local)
+    return local, {"repo": text, "revision": local.name}
+
+
+def _require(path: Path) -> Path:
+    if not path.is_file():
+        raise ConversionError(f"{path.name} not found in {path.parent}; an upstream Chatterbox checkpoint has it")
+    return path
+
+
+def _read_safetensors(path: Path) -> dict[str, mx.array]:
+    _require(path)
+    try:
+        return mx.load(str(path), format="safetensors")
+    except Exception as e:  # MLX raises bare RuntimeError/ValueError for damaged files
+        raise ConversionError(f"{path.name} cannot be read as safetensors ({e}); is the file truncated?") from None

@@ -1,0 +1,114 @@
+"""Text ids -> speech tokens with T3: the upstream prefill, then a pipelined decode loop (architecture §3.5-§3.7).
+
+The loop queues step i + 1 with ``mx.async_eval`` before it reads token i on the host, so the device never
+waits for Python; the EOS check is the only host sync and runs one step behind.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+
+from ..models.t3 import T3, T3Cond
+from ..sampling import SamplingParams, draw, process_logits
+from .voice import Voice
+
+
+def check_request(model: T3, text_ids: Sequence[int], params: SamplingParams) -> None:
+    """Reject what the model cannot take, before any work."""
+    cfg = model.config
+    if len(text_ids) + 2 > cfg.text_positions:
+        raise ValueError(
+            f"the text is {len(text_ids)} tokens long; the model takes at most {cfg.text_positions - 2}. "
+            "Split it into shorter pieces (e.g. at sentence ends)."
+        )
+    bad = [i for i in text_ids if not 0 <= i < cfg.text_vocab_size]
+    if bad:
+        raise ValueError(f"text id {bad[0]} is outside the model's text vocabulary of {cfg.text_vocab_size}")
+    if params.max_new_tokens > cfg.max_speech_tokens:
+        raise ValueError(f"max_new_tokens={params.max_new_tokens} is out of range: at most {cfg.max_speech_tokens}")
+
+
+def prefill_embeds(model: T3, cond: T3Cond, text_ids: Sequence[int], cfg_weight: float) -> mx.array:
+    """``[cond | SOT text EOT | BOS@0 | BOS@0]``, batch 2 (conditional, unconditional) when cfg_weight > 0.
+
+    Upstream embeds the start-of-speech token once in ``prepare_input_embeds`` and appends it again in
+    ``inference``, both at speech position 0; we reproduce the double BOS on purpose.
+    """
+    cfg = model.config
+    batch = 2 if cfg_weight > 0 else 1
+    text = mx.array([[cfg.start_text_token, *text_ids, cfg.stop_text_token]] * batch, dtype=mx.int32)
+    cond_emb = model.embed_cond(cond)
+    cond_emb = mx.broadcast_to(cond_emb, (batch,) + cond_emb.shape[1:])
+    bos = model.embed_speech(mx.full((batch, 1), cfg.start_speech_token, dtype=mx.int32), start=0)
+    return mx.concatenate([cond_emb, model.embed_text(text, cfg_uncond_row=batch == 2), bos, bos], axis=1)
+
+
+def generate_speech_tokens(
+    model: T3,
+    voice: Voice,
+    text_ids: Sequence[int],
+    params: SamplingParams = SamplingParams(),
+    *,
+    key: mx.array | None = None,
+    uniforms: mx.array | None = None,
+    stop_on_eos: bool = True,
+) -> Iterator[int]:
+    """Yield raw speech ids one by one, the stop token included when it comes.
+
+    text_ids: the tokenized text without SOT/EOT. key: PRNG key for the draws (a fresh one if None).
+    uniforms: (max_new_tokens,) floats in [0, 1) that replace the PRNG with inverse-CDF draws.
+    stop_on_eos: False decodes exactly max_new_tokens (benchmarks).
+    """
+    check_request(model, text_ids, params)
+    cfg = model.config
+    n = params.max_new_tokens
+    if uniforms is not None:
+        if key is not None:
+            raise ValueError("give either key or uniforms, not both")
+        if uniforms.shape != (n,):
+            raise ValueError(f"uniforms must have shape ({n},) (one per token), got {uniforms.shape}")
+    elif not params.greedy:
+        keys = mx.random.split(mx.random.key(secrets.randbits(63)) if key is None else key, n)
+
+    def pick(logits: mx.array, seen: mx.array, i: int) -> mx.array:
+        x = process_logits(logits, seen, params)
+        if params.greedy:
+            return draw(x, params, None, None)
+        if uniforms is not None:
+            return draw(x, params, None, uniforms[i])
+        return draw(x, params, keys[i], None)
+
+    cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, params.exaggeration)
+    embeds = prefill_embeds(model, cond, text_ids, params.cfg_weight)
+    batch = embeds.shape[0]
+    vocab = mx.arange(cfg.speech_vocab_size)
+    cache = model.make_cache()
+    # The repetition penalty covers the start-of-speech id and every generated id.
+    seen = (vocab == cfg.start_speech_token)[None]
+    token = pick(model.step(embeds, cache), seen, 0)
+    mx.async_eval(token)
+    for i in range(n):
+        if i + 1 < n:
+            seen = seen | (vocab == token)
+            # Generated token i is fed back at speech position i + 1.
+            emb = model.embed_speech(mx.broadcast_to(token[:, None], (batch, 1)), start=i + 1)
+            next_token = pick(model.step(emb, cache), seen, i + 1)
+            mx.async_eval(next_token)
+        t = token.item()
+        yield t
+        if stop_on_eos and t == cfg.stop_speech_token:
+            return
+        if i + 1 < n:
+            token = next_token
+
+
+def drop_invalid_tokens(tokens: Sequence[int], start: int, stop: int) -> list[int]:
+    """Upstream post-processing: keep what follows a start-of-speech id, cut at the stop id, then keep only
+    real speech ids (< start). Upstream crashes when the start id occurs twice; we cut after the first."""
+    tokens = list(tokens)
+    begin = tokens.index(start) + 1 if start in tokens else 0
+    end = tokens.index(stop) if stop in tokens else len(tokens)
+    return [t for t in tokens[begin:end] if t < start]

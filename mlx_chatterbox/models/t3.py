@@ -1,0 +1,329 @@
+"""T3: Chatterbox's text-to-speech-token model (Llama-520M backbone, Perceiver conditioning, speech head).
+
+Mirrors upstream ``chatterbox/models/t3`` (0.1.7) with our own Llama; architecture notes §3. Attribute paths
+follow the checkpoint keys so that ``sanitize`` is a visible table of renames and drops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVCache
+
+
+@dataclass(frozen=True)
+class T3Config:
+    """Sizes and special ids of T3; the defaults are the English Chatterbox model (upstream ``T3Config`` +
+    ``LLAMA_520M_CONFIG_DICT``)."""
+
+    hidden_size: int = 1024
+    num_layers: int = 30
+    num_heads: int = 16
+    head_dim: int = 64
+    intermediate_size: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # llama3 RoPE scaling, applied at every sequence length (architecture §3.2)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    llama_vocab_size: int = 8  # the unused ``tfmr.embed_tokens`` placeholder in the checkpoint
+    text_vocab_size: int = 704
+    speech_vocab_size: int = 8194
+    max_text_tokens: int = 2048
+    max_speech_tokens: int = 4096
+    start_text_token: int = 255
+    stop_text_token: int = 0
+    start_speech_token: int = 6561
+    stop_speech_token: int = 6562
+    speaker_embed_size: int = 256
+    speech_cond_prompt_len: int = 150
+    perceiver_queries: int = 32
+    perceiver_heads: int = 4
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "T3Config":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown T3 config fields: {sorted(unknown)}")
+        return cls(**d)
+
+    @property
+    def text_positions(self) -> int:
+        return self.max_text_tokens + 2  # upstream: text_pos_emb covers SOT + text + EOT
+
+    @property
+    def speech_positions(self) -> int:
+        return self.max_speech_tokens + 4
+
+
+@dataclass
+class T3Cond:
+    """Conditioning of one voice for T3.
+
+    speaker_emb: (B, speaker_embed_size) voice-encoder embedding.
+    prompt_tokens: (B, P) int speech tokens of the reference (P <= speech_cond_prompt_len), or None.
+    exaggeration: emotion/exaggeration scalar, a float or a (B,) array (upstream default 0.5).
+    """
+
+    speaker_emb: mx.array
+    prompt_tokens: mx.array | None
+    exaggeration: float | mx.array = 0.5
+
+
+def llama3_inv_freq(cfg: T3Config) -> mx.array:
+    """RoPE inverse frequencies (head_dim / 2,) with llama3 scaling, in fp32 step by step as transformers."""
+    exponents = mx.arange(0, cfg.head_dim, 2).astype(mx.float32) / cfg.head_dim
+    inv_freq = 1.0 / mx.power(mx.array(cfg.rope_theta, mx.float32), exponents)
+    low_wavelen = cfg.rope_original_max_positions / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_positions / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = mx.where(wavelen > low_wavelen, inv_freq / cfg.rope_factor, inv_freq)
+    smooth = (cfg.rope_original_max_positions / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return mx.where(medium, smoothed, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        d, h, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.num_heads, self.head_dim = h, hd
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, h * hd, bias=False)
+        self.v_proj = nn.Linear(d, h * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        # mx.fast.rope takes periods (1 / inv_freq), not inverse frequencies.
+        self._rope_periods = 1.0 / llama3_inv_freq(cfg)
+
+    def _rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._rope_periods
+        )
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)  # (B, H, N, hd)
+        k = self.k_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        q, k = self._rope(q, offset), self._rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if n > 1 and offset > 0:
+            raise ValueError("multi-token input after the prefill is not supported: feed one token per step")
+        # Causal over the whole prefill, conditioning included (architecture §9.1).
+        out = mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.head_dim**-0.5, mask="causal" if n > 1 else None
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """The Llama decoder stack on input embeddings; returns the post-final-norm hidden states, which is what
+    upstream reads as ``hidden_states[-1]`` under transformers 5 (architecture §3.2)."""
+
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None if cache is None else cache[i])
+        return self.norm(x)
+
+
+class AttentionBlock(nn.Module):
+    """Upstream ``AttentionBlock2``: one LayerNorm for both inputs, separate q/k/v/out projections, no mask."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim, eps=1e-5)
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.proj_out = nn.Linear(dim, dim)
+
+    def __call__(self, x1: mx.array, x2: mx.array) -> mx.array:
+        b, n1, d = x1.shape
+        n2 = x2.shape[1]
+        hd = d // self.heads
+        x1n, x2n = self.norm(x1), self.norm(x2)
+        q = self.to_q(x1n).reshape(b, n1, self.heads, hd).transpose(0, 2, 1, 3)
+        k = self.to_k(x2n).reshape(b, n2, self.heads, hd).transpose(0, 2, 1, 3)
+        v = self.to_v(x2n).reshape(b, n2, self.heads, hd).transpose(0, 2, 1, 3)
+        h = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5)
+        return x1 + self.proj_out(h.transpose(0, 2, 1, 3).reshape(b, n1, d))
+
+
+class Perceiver(nn.Module):
+    """Resamples the prompt embeddings to ``perceiver_queries`` vectors: cross-attention from a learned query,
+    then self-attention, with the same block both times (architecture §3.4)."""
+
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        self.pre_attention_query = mx.zeros((1, cfg.perceiver_queries, cfg.hidden_size))
+        self.attn = AttentionBlock(cfg.hidden_size, cfg.perceiver_heads)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        q = mx.broadcast_to(self.pre_attention_query, (h.shape[0],) + self.pre_attention_query.shape[1:])
+        a = self.attn(q, h)
+        return self.attn(a, a)
+
+
+class CondEncoder(nn.Module):
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        self.spkr_enc = nn.Linear(cfg.speaker_embed_size, cfg.hidden_size)
+        self.emotion_adv_fc = nn.Linear(1, cfg.hidden_size, bias=False)
+        self.perceiver = Perceiver(cfg)
+
+    def __call__(self, speaker_emb: mx.array, prompt_emb: mx.array | None, exaggeration: mx.array) -> mx.array:
+        parts = [self.spkr_enc(speaker_emb)[:, None]]  # (B, 1, D)
+        if prompt_emb is not None:
+            parts.append(self.perceiver(prompt_emb))  # (B, 32, D)
+        parts.append(self.emotion_adv_fc(exaggeration.reshape(-1, 1, 1)))  # (B, 1, D)
+        return mx.concatenate(parts, axis=1)
+
+
+class T3(nn.Module):
+    def __init__(self, cfg: T3Config):
+        super().__init__()
+        self.config = cfg
+        d = cfg.hidden_size
+        self.tfmr = Llama(cfg)
+        self.cond_enc = CondEncoder(cfg)
+        self.text_emb = nn.Embedding(cfg.text_vocab_size, d)
+        self.speech_emb = nn.Embedding(cfg.speech_vocab_size, d)
+        self.text_pos_emb = nn.Embedding(cfg.text_positions, d)
+        self.speech_pos_emb = nn.Embedding(cfg.speech_positions, d)
+        self.speech_head = nn.Linear(d, cfg.speech_vocab_size, bias=False)
+
+    # --- embeddings (architecture §3.3) ---
+
+    def embed_cond(self, cond: T3Cond) -> mx.array:
+        """(B, 1 + 32 + 1, D), or (B, 2, D) without prompt tokens."""
+        prompt = None
+        if cond.prompt_tokens is not None:
+            prompt = self.embed_speech(cond.prompt_tokens, start=0)
+        exaggeration = mx.array(cond.exaggeration, dtype=cond.speaker_emb.dtype)
+        return self.cond_enc(cond.speaker_emb, prompt, exaggeration)
+
+    def embed_text(self, tokens: mx.array, cfg_uncond_row: bool = False) -> mx.array:
+        """Token + position embeddings of (B, L) text ids that include SOT and EOT. With ``cfg_uncond_row``
+        (B == 2), row 1's *token* embeddings are zeroed before its positions are added (upstream CFG)."""
+        x = self.text_emb(tokens)
+        if cfg_uncond_row:
+            x = x * mx.array([1.0, 0.0], dtype=x.dtype)[:, None, None]
+        return x + self.text_pos_emb.weight[: tokens.shape[1]]
+
+    def embed_speech(self, tokens: mx.array, start: int) -> mx.array:
+        """(B, S) speech ids placed at speech positions start .. start + S - 1."""
+        return self.speech_emb(tokens) + self.speech_pos_emb.weight[start : start + tokens.shape[1]]
+
+    # --- network ---
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.tfmr.layers]
+
+    def step(self, embeds: mx.array, cache: list[KVCache]) -> mx.array:
+        """Run (B, N, D) input embeddings through the backbone with the cache; speech logits of the last
+        position, (B, speech_vocab)."""
+        h = self.tfmr(embeds, cache)
+        return self.speech_head(h[:, -1])
+
+    def __call__(self, cond: T3Cond, text_tokens: mx.array, speech_tokens: mx.array) -> mx.array:
+        """Teacher-forced pass (upstream ``T3.forward``): [cond | text | speech] in one causal pass.
+
+        text_tokens: (B, L) ids including SOT and EOT; speech_tokens: (B, S) ids, usually starting with the
+        start-of-speech id, at speech positions 0 .. S - 1. Returns the speech logits (B, S, speech_vocab),
+        where position s predicts speech token s + 1.
+        """
+        cond_emb = self.embed_cond(cond)
+        b = text_tokens.shape[0]
+        cond_emb = mx.broadcast_to(cond_emb, (b,) + cond_emb.shape[1:])
+        x = mx.concatenate([cond_emb, self.embed_text(text_tokens), self.embed_speech(speech_tokens, 0)], axis=1)
+        h = self.tfmr(x)
+        return self.speech_head(h[:, -speech_tokens.shape[1] :])
+
+    # --- checkpoint ---
+
+    @staticmethod
+    def checkpoint_table(cfg: T3Config) -> dict[str, tuple[str | None, tuple[int, ...]]]:
+        """Upstream ``t3_cfg.safetensors`` key -> (our key or None to drop, expected shape)."""
+        d, f, a = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+        table: dict[str, tuple[str | None, tuple[int, ...]]] = {
+            # Unused at inference: the Llama token table (custom embeddings feed the backbone) and the text head.
+            "tfmr.embed_tokens.weight": (None, (cfg.llama_vocab_size, d)),
+            "text_head.weight": (None, (cfg.text_vocab_size, d)),
+            "tfmr.norm.weight": ("tfmr.norm.weight", (d,)),
+            "text_emb.weight": ("text_emb.weight", (cfg.text_vocab_size, d)),
+            "speech_emb.weight": ("speech_emb.weight", (cfg.speech_vocab_size, d)),
+            "text_pos_emb.emb.weight": ("text_pos_emb.weight", (cfg.text_positions, d)),
+            "speech_pos_emb.emb.weight": ("speech_pos_emb.weight", (cfg.speech_positions, d)),
+            "speech_head.weight": ("speech_head.weight", (cfg.speech_vocab_size, d)),
+            "cond_enc.spkr_enc.weight": ("cond_enc.spkr_enc.weight", (d, cfg.speaker_embed_size)),
+            "cond_enc.spkr_enc.bias": ("cond_enc.spkr_enc.bias", (d,)),
+            "cond_enc.emotion_adv_fc.weight": ("cond_enc.emotion_adv_fc.weight", (d, 1)),
+            "cond_enc.perceiver.pre_attention_query": (
+                "cond_enc.perceiver.pre_attention_query",
+                (1, cfg.perceiver_queries, d),
+            ),
+        }
+        perceiver = {"norm.weight": (d,), "norm.bias": (d,)}
+        for proj in ("to_q", "to_k", "to_v", "proj_out"):
+            perceiver[f"{proj}.weight"] = (d, d)
+            perceiver[f"{proj}.bias"] = (d,)
+        for name, shape in perceiver.items():
+            key = f"cond_enc.perceiver.attn.{name}"
+            table[key] = (key, shape)
+        layer = {
+            "input_layernorm.weight": (d,),
+            "post_attention_layernorm.weight": (d,),
+            "self_attn.q_proj.weight": (a, d),
+            "self_attn.k_proj.weight": (a, d),
+            "self_attn.v_proj.weight": (a, d),
+            "self_attn.o_proj.weight": (d, a),
+            "mlp.gate_proj.weight": (f, d),
+            "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f),
+        }
+        for i in range(cfg.num_layers):
+            for name, shape in layer.items():
+                key = f"tfmr.layers.{i}.{name}"
+                table[key] = (key, shape)
+        return table

@@ -1,0 +1,128 @@
+"""Per-call generation knobs and T3's logits chain, in upstream order (``T3.inference``, architecture §3.6):
+CFG combine -> repetition penalty -> temperature -> min_p -> top_p -> draw.
+
+Each step is a small pure function on device arrays; nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+# Below this temperature we take the argmax: dividing by ~0 is how other ports produced NaNs, and sampling at
+# such a temperature is greedy decoding anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Knobs of one generation call; defaults are upstream ``ChatterboxTTS.generate``'s."""
+
+    temperature: float = 0.8  # 0 (anything below 1e-5) means greedy decoding
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 disables it
+    min_p: float = 0.05  # drop tokens below min_p * p_max, in [0, 1]; 0 disables it
+    repetition_penalty: float = 1.2  # > 0; 1 disables it
+    cfg_weight: float = 0.5  # classifier-free guidance weight, >= 0; 0 runs without the unconditional row
+    exaggeration: float = 0.5  # emotion exaggeration of the voice, >= 0
+    max_new_tokens: int = 1000  # speech tokens to generate at most (25 per second of audio)
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, allowed: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not ok:
+                raise ValueError(f"{name}={value!r} is out of range: it must be {allowed}")
+
+        def real(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and math.isfinite(v)
+
+        check("temperature", real("temperature") and self.temperature >= 0, "a number >= 0 (0 = greedy)")
+        check("top_p", real("top_p") and 0 < self.top_p <= 1, "in (0, 1]")
+        check("min_p", real("min_p") and 0 <= self.min_p <= 1, "in [0, 1]")
+        check("repetition_penalty", real("repetition_penalty") and self.repetition_penalty > 0, "a number > 0")
+        check("cfg_weight", real("cfg_weight") and self.cfg_weight >= 0, "a number >= 0")
+        check("exaggeration", real("exaggeration") and self.exaggeration >= 0, "a number >= 0")
+        check(
+            "max_new_tokens",
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            "an integer >= 1",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def cfg_combine(logits: mx.array, weight: float) -> mx.array:
+    """(B, V) logits with the conditional row first -> (1, V); a batch of one passes through."""
+    if logits.shape[0] == 1:
+        return logits
+    cond, uncond = logits[0:1], logits[1:2]
+    return cond + weight * (cond - uncond)
+
+
+def repetition_penalty(logits: mx.array, seen: mx.array, penalty: float) -> mx.array:
+    """HF's penalty over the ids marked in the boolean ``seen`` mask (upstream: start-of-speech + all
+    generated ids): positive logits divided by ``penalty``, negative ones multiplied."""
+    if penalty == 1.0:
+        return logits
+    penalised = mx.where(logits < 0, logits * penalty, logits / penalty)
+    return mx.where(seen, penalised, logits)
+
+
+def apply_temperature(logits: mx.array, temperature: float) -> mx.array:
+    """Upstream divides by the temperature unless it is 1. We subtract the row maximum first: softmax, min_p
+    and top_p are shift-invariant, and the shift keeps a tiny temperature from overflowing into NaN."""
+    if temperature == 1.0:
+        return logits
+    return (logits - logits.max(axis=-1, keepdims=True)) / temperature
+
+
+def min_p_filter(logits: mx.array, min_p: float) -> mx.array:
+    """HF ``MinPLogitsWarper``: drop ids with p < min_p * max(p); the arg-max always survives."""
+    if min_p == 0.0:
+        return logits
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    drop = probs < min_p * probs.max(axis=-1, keepdims=True)
+    return mx.where(drop, -mx.inf, logits)
+
+
+def top_p_filter(logits: mx.array, top_p: float) -> mx.array:
+    """HF ``TopPLogitsWarper``: sort ascending, drop ids whose cumulative probability is <= 1 - top_p, always
+    keep the most likely id. Nothing is divided, so underflowed probabilities cannot produce NaN."""
+    if top_p >= 1.0:
+        # Upstream then drops only ids of probability exactly 0, which can never be drawn anyway.
+        return logits
+    order = mx.argsort(logits, axis=-1)
+    cumulative = mx.cumsum(mx.softmax(mx.take_along_axis(logits, order, axis=-1), axis=-1, precise=True), axis=-1)
+    drop_sorted = cumulative <= 1 - top_p
+    keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
+    drop_sorted = drop_sorted & ~keep_last
+    drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
+    return mx.where(drop, -mx.inf, logits)
+
+
+def process_logits(logits: mx.array, seen: mx.array, params: SamplingParams) -> mx.array:
+    """The whole chain before the draw: (B, V) backbone logits -> (1, V) filtered logits."""
+    x = cfg_combine(logits.astype(mx.float32), params.cfg_weight)
+    x = repetition_penalty(x, seen, params.repetition_penalty)
+    if params.greedy:
+        return x  # min_p and top_p keep the arg-max, so greedy needs neither
+    x = apply_temperature(x, params.temperature)
+    x = min_p_filter(x, params.min_p)
+    return top_p_filter(x, params.top_p)
+
+
+def draw(logits: mx.array, params: SamplingParams, key: mx.array | None, uniform: mx.array | None) -> mx.array:
+    """Pick the next id, shape (1,), from processed (1, V) logits: the arg-max when greedy, else a categorical
+    draw with ``key``, or, when ``uniform`` (a scalar in [0, 1)) is given, the inverse-CDF draw
+    ``min{i : cdf_i > u * cdf_last}`` (the hook through which tests inject upstream's random draws)."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    if uniform is not None:
+        cdf = mx.cumsum(mx.softmax(logits, axis=-1, precise=True), axis=-1)
+        idx = (cdf <= uniform * cdf[:, -1:]).sum(axis=-1)
+        return mx.minimum(idx, logits.shape[-1] - 1).astype(mx.int32)
+    return mx.random.categorical(logits, axis=-1, key=key).astype(mx.int32)

@@ -1,0 +1,54 @@
+"""Punctuation clean-up applied to text before tokenisation.
+
+`punc_norm` reproduces upstream ``chatterbox.tts.punc_norm`` character for character, quirks included: the
+model was trained on text that went through it, so "fixing" it would change what the model hears.
+"""
+
+from __future__ import annotations
+
+# What upstream speaks instead of an empty string.
+EMPTY_TEXT = "You need to add some text for me to talk."
+
+# Applied in this order with ``str.replace``; the order is part of the function ("..." must go before any
+# rule that could see a lone "."). Non-ASCII characters are written as escapes on purpose: an editor or a
+# copy-paste that "normalises" the literal characters would silently drop these rules.
+PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = (
+    ("...", ", "),
+    ("\u2026", ", "),  # horizontal ellipsis
+    (":", ","),
+    (" - ", ", "),
+    (";", ", "),
+    ("\u2014", "-"),  # em dash
+    ("\u2013", "-"),  # en dash
+    (" ,", ","),
+    ("\u201c", '"'),  # left double quotation mark
+    ("\u201d", '"'),  # right double quotation mark
+    ("\u2018", "'"),  # left single quotation mark
+    ("\u2019", "'"),  # right single quotation mark
+)
+
+# A text that ends in none of these gets a full stop.
+SENTENCE_ENDERS: tuple[str, ...] = (".", "!", "?", "-", ",")
+
+
+def punc_norm(text: str) -> str:
+    """Clean up punctuation the way upstream Chatterbox does before tokenising."""
+    if len(text) == 0:
+        return EMPTY_TEXT
+
+    # Only the very first character, and before whitespace is collapsed: " hello" stays lower case.
+    # ``str.upper`` may return more than one character ("\u00df" -> "SS"), as upstream's does.
+    if text[0].islower():
+        text = text[0].upper() + text[1:]
+
+    # Collapse every whitespace run (tabs, newlines, ...) to one space and trim the ends. This runs before
+    # the replacements, so two spaces can come back: "a; b" becomes "a,  b", as upstream.
+    text = " ".join(text.split())
+
+    for old, new in PUNCTUATION_REPLACEMENTS:
+        text = text.replace(old, new)
+
+    text = text.rstrip(" ")
+    if not text.endswith(SENTENCE_ENDERS):
+        text += "."
+    return text
