@@ -199,9 +199,10 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
             text, revision=revision, allow_patterns=[T3_FILE, TOKENIZER_FILE, CONDS_FILE, *NOT_YET_CONVERTED]
         )
     except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
+        reason = " ".join(str(e).split())  # hub messages span lines; ours is one
         raise ConversionError(
             f"{text} is not a local folder, and downloading it from the Hugging Face Hub failed "
-            f"({type(e).__name__}: {e}). Check the network, or download the files ({T3_FILE}, "
+            f"({type(e).__name__}: {reason}). Check the network, or download the files ({T3_FILE}, "
             f"{TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
         ) from None
     local = Path(local)

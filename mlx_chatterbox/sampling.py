@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 0.693145751953125, 1.428606765330187e-06  # ln 2 split so that k * _LN2_HI is exact
+
 # Below this temperature we take the argmax: dividing by ~0 is how other ports produced NaNs, and sampling at
 # such a temperature is greedy decoding anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -55,6 +58,39 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def _exp(x: mx.array) -> mx.array:
+    """exp for x <= 0 to about 1e-7 relative error. MLX's CPU exp is a fast approximation (up to ~4e-6),
+    which would put our distributions visibly off upstream's; this is Cody-Waite range reduction plus a
+    degree-7 Taylor polynomial on |r| <= ln(2) / 2, scaled by 2^k built from exponent bits."""
+    x = mx.maximum(x, -110.0)  # exp(-110) underflows to 0 in fp32; -inf lands here too
+    k = mx.round(x * _LOG2E)
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    p = mx.array(1 / 5040, dtype=mx.float32)
+    for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
+        p = p * r + c
+    # 2^k as two exact powers of two, so that results down in the subnormal range round only once.
+    k = k.astype(mx.int32)
+    half = k // 2
+    return p * mx.view((half + 127) << 23, mx.float32) * mx.view((k - half + 127) << 23, mx.float32)
+
+
+def _sum(x: mx.array, width: int = 16) -> mx.array:
+    """Sum over the last axis (kept) as a tree of ``width``-wide partial sums. A plain fp32 reduction over
+    8194 probabilities drifted by ~3e-6 here (MLX's CPU sum accumulates sequentially); torch sums pairwise."""
+    while x.shape[-1] > 1:
+        pad = -x.shape[-1] % width
+        if pad:
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+        x = x.reshape(*x.shape[:-1], -1, width).sum(axis=-1)
+    return x
+
+
+def softmax(logits: mx.array) -> mx.array:
+    """Softmax over the last axis with the accurate ``_exp`` and ``_sum``; -inf logits get probability 0."""
+    e = _exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / _sum(e)
+
+
 def cfg_combine(logits: mx.array, weight: float) -> mx.array:
     """(B, V) logits with the conditional row first -> (1, V); a batch of one passes through."""
     if logits.shape[0] == 1:
@@ -84,7 +120,7 @@ def min_p_filter(logits: mx.array, min_p: float) -> mx.array:
     """HF ``MinPLogitsWarper``: drop ids with p < min_p * max(p); the arg-max always survives."""
     if min_p == 0.0:
         return logits
-    probs = mx.softmax(logits, axis=-1, precise=True)
+    probs = softmax(logits)
     drop = probs < min_p * probs.max(axis=-1, keepdims=True)
     return mx.where(drop, -mx.inf, logits)
 
@@ -96,7 +132,7 @@ def top_p_filter(logits: mx.array, top_p: float) -> mx.array:
         # Upstream then drops only ids of probability exactly 0, which can never be drawn anyway.
         return logits
     order = mx.argsort(logits, axis=-1)
-    cumulative = mx.cumsum(mx.softmax(mx.take_along_axis(logits, order, axis=-1), axis=-1, precise=True), axis=-1)
+    cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
     drop_sorted = cumulative <= 1 - top_p
     keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
     drop_sorted = drop_sorted & ~keep_last
@@ -122,7 +158,7 @@ def draw(logits: mx.array, params: SamplingParams, key: mx.array | None, uniform
     if params.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     if uniform is not None:
-        cdf = mx.cumsum(mx.softmax(logits, axis=-1, precise=True), axis=-1)
+        cdf = mx.cumsum(softmax(logits), axis=-1)
         idx = (cdf <= uniform * cdf[:, -1:]).sum(axis=-1)
         return mx.minimum(idx, logits.shape[-1] - 1).astype(mx.int32)
     return mx.random.categorical(logits, axis=-1, key=key).astype(mx.int32)

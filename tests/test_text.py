@@ -6,17 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-from toy_tokenizer import write_toy_tokenizer
 
 from mlx_chatterbox.text import (
     EMPTY_TEXT,
-    MAX_TEXT_TOKENS,
     PUNCTUATION_REPLACEMENTS,
     EnTokenizer,
-    TextTooLongError,
     TokenizerError,
     punc_norm,
 )
+from tests.toy_tokenizer import write_toy_tokenizer
 
 # (input, expected), each expected string worked out by hand from upstream's rules.
 PUNC_NORM_CASES = [
@@ -208,31 +206,8 @@ def test_unknown_characters_are_unk_one_each(tok: EnTokenizer) -> None:
     assert tok.encode("a\U0001f600") == tok.encode("a") + [1]
 
 
-def test_text_ids_brackets_with_start_and_stop(tok: EnTokenizer) -> None:
-    text = punc_norm("hello there")
-    assert tok.text_ids(text) == [255, *tok.encode(text), 0]
-
-
 def test_round_trip(tok: EnTokenizer) -> None:
     for text in ["Hello there, how are you?", "The quick brown fox. 123!", "  two  spaces  "]:
         assert tok.decode(tok.encode(text)) == text
     assert tok.decode(tok.encode("a\u65e5b")) == "ab"  # [UNK] is dropped, as upstream
-    assert tok.decode(tok.text_ids("Hi.")) == "[START]Hi."  # upstream keeps [START], drops [STOP]
-
-
-def test_too_long_text_is_refused(tok: EnTokenizer) -> None:
-    assert len(tok.encode("." * 10)) == 10
-    assert len(tok.text_ids("." * MAX_TEXT_TOKENS)) == MAX_TEXT_TOKENS + 2
-    with pytest.raises(TextTooLongError) as err:
-        tok.text_ids("." * (MAX_TEXT_TOKENS + 1))
-    message = str(err.value)
-    assert f"{MAX_TEXT_TOKENS + 1} tokens" in message and f"at most {MAX_TEXT_TOKENS}" in message
-    assert "Split the text" in message and isinstance(err.value, ValueError)
-
-
-def test_max_tokens_argument(tok: EnTokenizer) -> None:
-    n = len(tok.encode("Hello there"))
-    assert tok.text_ids("Hello there", max_tokens=n)[1:-1] == tok.encode("Hello there")
-    with pytest.raises(TextTooLongError, match=f"{n} tokens long, but the model accepts at most {n - 1}"):
-        tok.text_ids("Hello there", max_tokens=n - 1)
-    assert len(tok.text_ids("." * 5000, max_tokens=None)) == 5002
+    assert tok.decode([255, *tok.encode("Hi."), 0]) == "[START]Hi."  # upstream keeps [START], drops [STOP]

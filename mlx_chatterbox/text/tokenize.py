@@ -12,18 +12,11 @@ STOP = "[STOP]"
 SPACE = "[SPACE]"
 UNK = "[UNK]"
 
-# The English T3 has 2050 text positions: 2048 tokens plus [START] and [STOP].
-MAX_TEXT_TOKENS = 2048
-
 _FIX = "Use the tokenizer.json that ships with the checkpoint (Hugging Face repo ResembleAI/chatterbox)."
 
 
 class TokenizerError(ValueError):
     """The tokenizer file is missing, unreadable, or does not fit the model."""
-
-
-class TextTooLongError(ValueError):
-    """The text has more tokens than the model has text positions."""
 
 
 class EnTokenizer:
@@ -89,26 +82,11 @@ class EnTokenizer:
         text = "".join(self._tok.id_to_token(i) or "" for i in ids).replace(" ", "")
         return text.replace(SPACE, " ").replace(STOP, "").replace(UNK, "")
 
-    def text_ids(self, text: str, *, max_tokens: int | None = MAX_TEXT_TOKENS) -> list[int]:
-        """``[START] + encode(text) + [STOP]``, the sequence T3 reads.
-
-        ``max_tokens`` bounds the tokens between [START] and [STOP] (None: no bound); exceeding it raises
-        `TextTooLongError` here rather than an index error deep in the model.
-        """
-        ids = self.encode(text)
-        if max_tokens is not None and len(ids) > max_tokens:
-            raise TextTooLongError(
-                f"The text is {len(ids)} tokens long, but the model accepts at most {max_tokens} text tokens "
-                f"({len(text)} characters given). Split the text into shorter pieces, e.g. by sentence, "
-                "and synthesise them one after another."
-            )
-        return [self._start_id, *ids, self._stop_id]
-
     def check_compatible(self, start_text_token: int, stop_text_token: int, text_vocab_size: int) -> None:
         """Raise `TokenizerError` unless this tokenizer's ids fit a T3 with this text config.
 
-        T3 brackets the text with the SOT/EOT ids of its own config; `text_ids` uses the tokenizer's
-        [START]/[STOP], so the two must agree, and every id must index T3's text embedding.
+        T3 brackets the text with the SOT/EOT ids of its own config, which must be the tokenizer's
+        [START]/[STOP], and every id must index T3's text embedding.
         """
         problems = []
         if self._start_id != start_text_token:

@@ -1,0 +1,325 @@
+"""T3 speech-token generation speed: ours (MLX) against upstream PyTorch ``T3.inference``, in one run.
+
+Full-size English T3 with random weights, CFG on (batch 2), EOS disabled so that every run decodes exactly
+``--tokens`` tokens, upstream's default sampling knobs. One warm-up run is excluded; the median of
+``--repeats`` runs is reported. See benchmarks/README.md for what each number means.
+
+    python benchmarks/bench_t3.py --systems ours,upstream --tokens 300 --repeats 3 --dtype float32 \
+        --device gpu --torch-device cuda --out benchmarks/out/t3.jsonl
+"""
+
+from __future__ import annotations
+
+# Import our package before mlx.core: on Linux it preloads OpenBLAS for MLX's CPU backend (mlx_chatterbox/_blas.py).
+import mlx_chatterbox  # noqa: F401  isort: skip
+from mlx_chatterbox import _blas  # isort: skip
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT_LEN = 40  # text ids between SOT and EOT
+PROMPT_LEN = 150  # T3 conditioning prompt tokens, as a built-in voice
+BATCH = 2  # CFG: conditional + unconditional rows
+COND_LEN = 1 + 32 + 1  # speaker embedding + Perceiver queries + emotion
+PREFILL_LEN = COND_LEN + (TEXT_LEN + 2) + 2  # + SOT/EOT + the double start-of-speech (architecture §3.5)
+KNOBS = dict(temperature=0.8, min_p=0.05, top_p=1.0, repetition_penalty=1.2, cfg_weight=0.5)
+EXAGGERATION = 0.5
+# Backbone geometry, for the KV bytes (both systems use the same Llama-520M).
+LAYERS, HEADS, HEAD_DIM, HIDDEN = 30, 16, 64, 1024
+START_TEXT, STOP_TEXT, SPEECH_VOCAB_REAL = 255, 0, 6561
+
+
+def fixed_inputs() -> tuple[list[int], list[int]]:
+    """The same text ids (no SOT/EOT) and prompt speech ids for both systems and every run."""
+    rng = random.Random(0)
+    text = [rng.randrange(1, START_TEXT) for _ in range(TEXT_LEN)]
+    prompt = [rng.randrange(0, SPEECH_VOCAB_REAL) for _ in range(PROMPT_LEN)]
+    return text, prompt
+
+
+def kv_bytes_per_step(tokens: int, itemsize: int) -> int:
+    """KV cache bytes one decode step reads, averaged over the run (context grows from PREFILL_LEN)."""
+    avg_len = PREFILL_LEN + tokens / 2
+    return int(LAYERS * 2 * BATCH * HEADS * avg_len * HEAD_DIM * itemsize)
+
+
+def summarize(first_s: list[float], decode_s: list[float], tokens: int, bytes_per_step: int) -> dict:
+    """Medians over the repeats; decode_s is the time of the tokens - 1 steps after the first token."""
+    decode = statistics.median(decode_s)
+    steps_per_s = (tokens - 1) / decode
+    return dict(
+        prefill_ms=round(1000 * statistics.median(first_s), 2),
+        decode_tok_s=round(steps_per_s, 2),
+        ms_per_step=round(1000 / steps_per_s, 3),
+        gb_s=round(bytes_per_step * steps_per_s / 1e9, 2),
+        bytes_per_step=bytes_per_step,
+    )
+
+
+# --- ours (MLX) ---
+
+
+def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
+    from mlx.utils import tree_flatten
+
+    from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
+    from mlx_chatterbox.generation.voice import Voice
+    from mlx_chatterbox.models.t3 import T3, T3Config
+    from mlx_chatterbox.sampling import SamplingParams
+
+    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+    dtype = getattr(mx, dtype_name)
+    mx.random.seed(0)
+    model = T3(T3Config())
+    model.set_dtype(dtype)  # floating parameters only
+    mx.eval(model.parameters())
+    text, prompt = fixed_inputs()
+    voice = Voice(
+        # In the model dtype, so that the prefill runs (and the KV cache is stored) in that dtype.
+        speaker_emb=mx.random.normal((1, 256)).astype(dtype),
+        t3_prompt_tokens=mx.array([prompt], dtype=mx.int32),
+        s3gen_prompt_tokens=mx.zeros((1, 4), dtype=mx.int32),  # S3Gen parts: unused by T3
+        s3gen_prompt_mel=mx.zeros((1, 8, 80)),
+        xvector=mx.zeros((1, 192)),
+    )
+    mx.eval(voice.speaker_emb)
+    params = SamplingParams(max_new_tokens=tokens, exaggeration=EXAGGERATION, **KNOBS)
+
+    def once() -> tuple[float, float]:
+        # The first token's time includes the prefill; the loop queues step i + 1 before yielding token i.
+        t0 = time.perf_counter()
+        stamps = [time.perf_counter() for _ in generate_speech_tokens(
+            model, voice, text, params, key=mx.random.key(0), stop_on_eos=False)]
+        assert len(stamps) == tokens, f"expected {tokens} tokens, got {len(stamps)}"
+        return stamps[0] - t0, stamps[-1] - stamps[0]
+
+    once()  # warm-up
+    mx.reset_peak_memory()
+    runs = [once() for _ in range(repeats)]
+    weights = [model.tfmr.parameters(), model.speech_head.parameters()]
+    weight_bytes = sum(v.nbytes for tree in weights for _, v in tree_flatten(tree))
+    itemsize = model.speech_head.weight.dtype.size
+    bytes_per_step = weight_bytes + 2 * HIDDEN * itemsize + kv_bytes_per_step(tokens, itemsize)
+    result = summarize([r[0] for r in runs], [r[1] for r in runs], tokens, bytes_per_step)
+    result.update(
+        peak_mem_bytes=mx.get_peak_memory(),
+        peak_mem_kind="mx.get_peak_memory (weights included)",
+        timing="prefill_ms = time to the first yielded token (cond + prefill + first sample); "
+        "decode = first to last token",
+        cpu_blas=_blas.STATUS,
+        mlx_device_name=mx.device_info().get("device_name"),
+    )
+    del model
+    mx.clear_cache()
+    return result
+
+
+# --- upstream (PyTorch) ---
+
+
+def import_upstream_t3(src: str | None) -> types.ModuleType:
+    """Import ``chatterbox.models.t3.t3`` without running ``chatterbox/__init__.py``, which pulls the whole
+    TTS (librosa, perth, diffusers). The T3 subtree needs only torch, transformers, tqdm and einops."""
+    if "chatterbox" not in sys.modules:
+        if src is not None:
+            locations = [str(Path(src).resolve() / "chatterbox")]
+        else:
+            # find_spec on a top-level name only locates the package; it executes nothing.
+            spec = importlib.util.find_spec("chatterbox")
+            if spec is None or not spec.submodule_search_locations:
+                raise SystemExit("upstream chatterbox not found: pip install chatterbox-tts or pass --upstream-src")
+            locations = list(spec.submodule_search_locations)
+        package = types.ModuleType("chatterbox")
+        package.__path__ = locations  # a bare namespace: submodules resolve, __init__.py never runs
+        sys.modules["chatterbox"] = package
+    import chatterbox.models.t3.t3 as t3_module
+
+    t3_module.tqdm = lambda iterable, **_: iterable  # silence the per-token progress bar
+    return t3_module
+
+
+def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: int, src: str | None) -> dict:
+    import torch
+
+    t3_module = import_upstream_t3(src)
+    from chatterbox.models.t3.modules.cond_enc import T3Cond
+    from chatterbox.models.t3.modules.t3_config import T3Config
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, dtype_name)
+    cuda = dev.type == "cuda"
+    if cuda:
+        # Upstream fp32 numerics: no TF32 matmuls (PyTorch's default, set explicitly here).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(0)
+    with dev:  # initialise the random weights directly on the device
+        t3 = t3_module.T3(T3Config.english_only())
+    t3 = t3.to(dtype).eval()
+    t3.hp.stop_speech_token = -1  # an id never sampled: EOS disabled
+    text, prompt = fixed_inputs()
+    text_tokens = torch.tensor([[START_TEXT, *text, STOP_TEXT]] * BATCH, device=dev)
+    speaker_emb = torch.randn(1, 256, device=dev, dtype=dtype)
+    prompt_tokens = torch.tensor([prompt], device=dev)
+
+    def once(n: int) -> float:
+        # A fresh T3Cond each run: prepare_conditioning caches the prompt embedding inside it.
+        cond = T3Cond(
+            speaker_emb=speaker_emb,
+            cond_prompt_speech_tokens=prompt_tokens,
+            emotion_adv=EXAGGERATION * torch.ones(1, 1, 1, device=dev, dtype=dtype),
+        )
+        torch.manual_seed(0)
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = t3.inference(t3_cond=cond, text_tokens=text_tokens, max_new_tokens=n, **KNOBS)
+        sync()
+        assert out.shape[-1] == n, f"expected {n} tokens, got {out.shape[-1]}"
+        return time.perf_counter() - t0
+
+    once(tokens), once(1)  # warm-up
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    t_one, t_all = [], []
+    for _ in range(repeats):
+        t_one.append(once(1))
+        t_all.append(once(tokens))
+    # inference(n) = cond + prefill + n x (sample + forward): its loop also runs the forward after the last
+    # sample. So (n - 1) steps = t(n) - t(1), and prefill + first sample = t(1) - one step.
+    decode = statistics.median(t_all) - statistics.median(t_one)
+    step = decode / (tokens - 1)
+    first = statistics.median(t_one) - step
+    layers = list(t3.tfmr.layers) + [t3.tfmr.norm, t3.speech_head]
+    weight_bytes = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+    itemsize = t3.speech_head.weight.element_size()
+    bytes_per_step = weight_bytes + 2 * HIDDEN * itemsize + kv_bytes_per_step(tokens, itemsize)
+    result = summarize([first], [decode], tokens, bytes_per_step)
+    result.update(
+        torch_device=str(dev),
+        peak_mem_bytes=torch.cuda.max_memory_allocated(dev) if cuda else None,
+        peak_mem_kind="torch.cuda.max_memory_allocated (weights included)" if cuda else "not measured on CPU",
+        timing="derived: decode = t(N) - t(1) over N - 1 steps; prefill_ms = t(1) - one step",
+        tf32=bool(torch.backends.cuda.matmul.allow_tf32) if cuda else None,
+        torch_threads=torch.get_num_threads(),
+    )
+    del t3
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+# --- run description ---
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        smi = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        gpu = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        gpu = None
+    try:
+        git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return dict(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        cpu=cpu,
+        gpu=gpu,
+        versions={n: version(n) for n in ("mlx", "torch", "transformers")},
+        commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'system':9} {'dtype':9} {'device':7} {'tokens':>6} {'prefill ms':>10} {'tok/s':>8} "
+    head += f"{'ms/step':>8} {'GB/s':>7} {'peak MiB':>9}"
+    print(head, file=sys.stderr)
+    for r in rows:
+        peak = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.0f}"
+        print(
+            f"{r['system']:9} {r['dtype']:9} {r['device']:7} {r['tokens']:>6} {r['prefill_ms']:>10.1f} "
+            f"{r['decode_tok_s']:>8.2f} {r['ms_per_step']:>8.2f} {r['gb_s']:>7.2f} {peak:>9}",
+            file=sys.stderr,
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="ours,upstream", help="comma list of: ours, upstream")
+    p.add_argument("--tokens", type=int, default=300, help="speech tokens decoded per run (>= 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--dtype", default="float32", help="comma list of: float32, bfloat16, float16")
+    p.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: gpu when MLX has one)")
+    p.add_argument("--torch-device", choices=("cpu", "cuda"), help="upstream device (default: cuda if available)")
+    p.add_argument("--upstream-src", help="folder holding the upstream 'chatterbox' package (default: installed)")
+    p.add_argument("--out", help="append the JSON lines to this file")
+    args = p.parse_args(argv)
+    systems = args.systems.split(",")
+    dtypes = args.dtype.split(",")
+    if not set(systems) <= {"ours", "upstream"} or not set(dtypes) <= {"float32", "bfloat16", "float16"}:
+        p.error("unknown system or dtype")
+    if args.tokens < 2 or args.repeats < 1:
+        p.error("--tokens must be >= 2 and --repeats >= 1")
+    mlx_device = args.device or ("gpu" if mx.is_available(mx.gpu) else "cpu")
+
+    info = machine_info()
+    print(f"# CPU BLAS for MLX: {_blas.STATUS}", file=sys.stderr)
+    rows = []
+    for dtype in dtypes:
+        for system in systems:
+            print(f"# {system} {dtype} ...", file=sys.stderr)
+            if system == "ours":
+                res = bench_ours(dtype, mlx_device, args.tokens, args.repeats)
+                device = mlx_device
+            else:
+                res = bench_upstream(dtype, args.torch_device, args.tokens, args.repeats, args.upstream_src)
+                device = res.pop("torch_device")
+            row = dict(system=system, dtype=dtype, device=device, tokens=args.tokens, repeats=args.repeats)
+            row.update(res, prefill_len=PREFILL_LEN, **info)
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+            rows.append(row)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
