@@ -60,8 +60,8 @@ class TTS:
         progress: called as progress(tokens_done, max_new_tokens) after every token.
         """
         params = dataclasses.replace(params or SamplingParams(), **knobs)
-        voice = self._voice(voice)
         ids = self.text_ids(text)
+        voice = self._voice(voice)
         key = None if seed is None else mx.random.key(seed)
         raw = []
         for token in generate_speech_tokens(self.t3, voice, ids, params, key=key):

@@ -1,0 +1,83 @@
+"""The mlx-chatterbox command on tiny checkpoints (no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import importlib
+from mlx_chatterbox.cli import main
+from mlx_chatterbox.convert import convert
+from tests.conftest import TINY, random_voice, write_upstream_checkpoint
+
+
+@pytest.fixture
+def model(tmp_path):
+    dst = convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", t3_config=TINY)
+    random_voice(seed=5).save(tmp_path / "voice.safetensors")
+    return dst
+
+
+def tokens(capsys, *args):
+    assert main(["tokens", *args]) == 0
+    return [int(t) for t in capsys.readouterr().out.split()]
+
+
+def test_tokens_are_reproducible_with_a_seed(model, capsys, tmp_path):
+    args = ["Hello there.", "--model", str(model), "--voice", str(tmp_path / "voice.safetensors")]
+    a = tokens(capsys, *args, "--seed", "7", "--max-new-tokens", "15", "--min-p", "0")
+    assert a == tokens(capsys, *args, "--seed", "7", "--max-new-tokens", "15", "--min-p", "0")
+    assert 0 < len(a) <= 15 and all(0 <= t < 6561 for t in a)
+    greedy = tokens(capsys, *args, "--temperature", "0", "--max-new-tokens", "15", "--cfg-weight", "0")
+    out = tmp_path / "tokens.txt"
+    assert main(["tokens", *args, "--temperature", "0", "--max-new-tokens", "15", "--cfg-weight", "0", "-o", str(out)]) == 0
+    assert [int(t) for t in out.read_text().split()] == greedy
+
+
+def test_text_from_stdin(model, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("Hello there."))
+    args = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--temperature", "0"]
+    args += ["--max-new-tokens", "8"]
+    assert tokens(capsys, "-", *args) == tokens(capsys, "Hello there.", *args)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--top-p", "1.5"], "top_p=1.5 is out of range: it must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "max_new_tokens=0 is out of range"),
+        (["--voice", "missing.safetensors"], "voice file missing.safetensors not found"),
+        ([], "has no built-in voice"),
+    ],
+)
+def test_errors_are_one_line_with_exit_code_1(model, capsys, extra, message):
+    assert main(["tokens", "Hi.", "--model", str(model), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
+
+
+def test_empty_text_and_missing_model(model, capsys, tmp_path):
+    assert main(["tokens", "  ", "--model", str(model)]) == 1
+    assert "the text is empty" in capsys.readouterr().err
+    assert main(["tokens", "Hi.", "--model", str(tmp_path / "nope")]) == 1
+    assert "model folder" in capsys.readouterr().err
+
+
+def test_convert_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("mlx_chatterbox.convert"), "T3Config", lambda: TINY)  # the command converts default-size models
+    src = write_upstream_checkpoint(tmp_path / "up")
+    assert main(["convert", str(src), str(tmp_path / "mlx"), "--dtype", "bfloat16"]) == 0
+    assert (tmp_path / "mlx" / "config.json").is_file()
+    assert main(["convert", str(src), str(tmp_path / "mlx")]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+
+
+@pytest.mark.parametrize("argv", [[sys.executable, "-m", "mlx_chatterbox"], ["mlx-chatterbox"]])
+def test_entry_points_show_help(argv):
+    out = subprocess.run([*argv, "tokens", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ["--temperature", "--top-p", "--min-p", "--repetition-penalty", "--cfg-weight", "--exaggeration",
+                 "--max-new-tokens", "--seed", "--voice", "--output"]:
+        assert flag in out

@@ -1,0 +1,66 @@
+"""The import rules of style.md §3: torch never at run time, and imports only point down the levels."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mlx_chatterbox"
+FORBIDDEN = {"torch", "chatterbox", "transformers", "torchaudio", "librosa", "perth"}
+# What each part of the package may import from the package itself (by top-level part name).
+ALLOWED = {
+    "_blas": set(),
+    "models": {"models"},
+    "text": {"text"},
+    "sampling": set(),
+    "torchfile": set(),
+    "generation": {"models", "text", "sampling", "generation"},
+    "convert": {"models", "generation", "text", "torchfile"},
+    "weights": {"models", "generation", "text", "convert"},
+    "api": {"models", "generation", "text", "sampling", "weights", "convert"},
+    "cli": {"api", "convert", "sampling", "_blas"},
+    "__init__": {"_blas", "api", "convert", "sampling"},
+    "__main__": {"cli"},
+}
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    """(absolute module name, level) for each import; relative ones resolved against the package."""
+    tree = ast.parse(path.read_text())
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - node.level]
+                names = [".".join(base + ((node.module,) if node.module else ()))]
+                if not node.module:
+                    names = [".".join(base + (a.name,)) for a in node.names]
+                found += [(n, node.level) for n in names]
+            else:
+                found.append((node.module, 0))
+    return found
+
+
+def test_no_torch_or_upstream_at_run_time():
+    for path in PACKAGE.rglob("*.py"):
+        for name, _ in imports(path):
+            assert name.split(".")[0] not in FORBIDDEN, f"{path} imports {name}"
+
+
+def test_imports_point_down_the_levels():
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("").parts
+        part = rel[0]
+        for name, _ in imports(path):
+            if not name.startswith("mlx_chatterbox"):
+                continue
+            target = name.split(".")
+            if len(target) == 1:
+                continue
+            assert target[1] in ALLOWED[part], f"{path.relative_to(PACKAGE)} imports {name}"
+            if part == "models" and target[1] == "models" and rel[-1] not in ("cache", "layers"):
+                # A network file may import only cache.py and layers.py, never another network.
+                assert target[-1] in ("cache", "layers", "models"), f"{path} imports network {name}"
