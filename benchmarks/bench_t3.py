@@ -10,7 +10,7 @@ Full-size English T3 with random weights, CFG on (batch 2), EOS disabled so that
 
 from __future__ import annotations
 
-# Import our package before mlx.core: on Linux it preloads OpenBLAS for MLX's CPU backend (mlx_chatterbox/_blas.py).
+# Import our package before mlx.core: on Linux it preloads OpenBLAS for MLX's CPU backend (see _blas.py).
 import mlx_chatterbox  # noqa: F401  isort: skip
 from mlx_chatterbox import _blas  # isort: skip
 
@@ -103,8 +103,8 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     def once() -> tuple[float, float]:
         # The first token's time includes the prefill; the loop queues step i + 1 before yielding token i.
         t0 = time.perf_counter()
-        stamps = [time.perf_counter() for _ in generate_speech_tokens(
-            model, voice, text, params, key=mx.random.key(0), stop_on_eos=False)]
+        ids = generate_speech_tokens(model, voice, text, params, key=mx.random.key(0), stop_on_eos=False)
+        stamps = [time.perf_counter() for _ in ids]
         assert len(stamps) == tokens, f"expected {tokens} tokens, got {len(stamps)}"
         return stamps[0] - t0, stamps[-1] - stamps[0]
 
@@ -142,7 +142,7 @@ def import_upstream_t3(src: str | None) -> types.ModuleType:
             # find_spec on a top-level name only locates the package; it executes nothing.
             spec = importlib.util.find_spec("chatterbox")
             if spec is None or not spec.submodule_search_locations:
-                raise SystemExit("upstream chatterbox not found: pip install chatterbox-tts or pass --upstream-src")
+                raise SystemExit("chatterbox not found: install chatterbox-tts or pass --upstream-src")
             locations = list(spec.submodule_search_locations)
         package = types.ModuleType("chatterbox")
         package.__path__ = locations  # a bare namespace: submodules resolve, __init__.py never runs
@@ -282,11 +282,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="ours,upstream", help="comma list of: ours, upstream")
     p.add_argument("--tokens", type=int, default=300, help="speech tokens decoded per run (>= 2)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; medians are reported")
     p.add_argument("--dtype", default="float32", help="comma list of: float32, bfloat16, float16")
     p.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: gpu when MLX has one)")
-    p.add_argument("--torch-device", choices=("cpu", "cuda"), help="upstream device (default: cuda if available)")
-    p.add_argument("--upstream-src", help="folder holding the upstream 'chatterbox' package (default: installed)")
+    p.add_argument("--torch-device", choices=("cpu", "cuda"), help="upstream device (default: cuda if any)")
+    p.add_argument("--upstream-src", help="folder that holds upstream's 'chatterbox' package folder")
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
