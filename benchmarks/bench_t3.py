@@ -10,9 +10,13 @@ Full-size English T3 with random weights, CFG on (batch 2), EOS disabled so that
 
 from __future__ import annotations
 
-# Import our package before mlx.core: on Linux it preloads OpenBLAS for MLX's CPU backend (see _blas.py).
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+# Import our package before mlx.core: it preloads OpenBLAS and keeps fp32 matmuls in fp32 (see _backend.py).
 import mlx_chatterbox  # noqa: F401  isort: skip
-from mlx_chatterbox import _blas  # isort: skip
+from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
 import datetime
@@ -23,11 +27,9 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -121,7 +123,7 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
         peak_mem_kind="mx.get_peak_memory (weights included)",
         timing="prefill_ms = time to the first yielded token (cond + prefill + first sample); "
         "decode = first to last token",
-        cpu_blas=_blas.STATUS,
+        backend=_backend.STATUS,
         mlx_device_name=mx.device_info().get("device_name"),
     )
     del model
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     mlx_device = args.device or ("gpu" if mx.is_available(mx.gpu) else "cpu")
 
     info = machine_info()
-    print(f"# CPU BLAS for MLX: {_blas.STATUS}", file=sys.stderr)
+    print(f"# MLX backend settings: {_backend.STATUS}", file=sys.stderr)
     rows = []
     for dtype in dtypes:
         for system in systems:

@@ -1,9 +1,9 @@
 """mlx-chatterbox: Resemble AI's Chatterbox text-to-speech on Apple's MLX."""
 
-from . import _blas
+from . import _backend
 
-# Before anything imports mlx.core (see _blas).
-_blas.preload()
+# Before anything imports mlx.core (see _backend).
+_backend.configure()
 
 from .api import TTS  # noqa: E402
 from .convert import convert  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _blas
+from . import _backend
 from .api import TTS
 from .convert import DEFAULT_REPO, DTYPES, convert
 from .sampling import SamplingParams
@@ -119,7 +119,7 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, generation {done - loaded:.2f} s, {len(tokens)} tokens "
-            f"({len(tokens) / 25:.1f} s of audio); CPU BLAS: {_blas.STATUS}",
+            f"({len(tokens) / 25:.1f} s of audio)\n" + "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items()),
             file=sys.stderr,
         )
 

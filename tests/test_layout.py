@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlx_chatterbox"
 FORBIDDEN = {"torch", "chatterbox", "transformers", "torchaudio", "librosa", "perth"}
 # What each part of the package may import from the package itself (by top-level part name).
 ALLOWED = {
-    "_blas": set(),
+    "_backend": set(),
     "models": {"models"},
     "text": {"text"},
     "sampling": set(),
@@ -18,8 +18,8 @@ ALLOWED = {
     "convert": {"models", "generation", "text", "torchfile"},
     "weights": {"models", "generation", "text", "convert"},
     "api": {"models", "generation", "text", "sampling", "weights", "convert"},
-    "cli": {"api", "convert", "sampling", "_blas"},
-    "__init__": {"_blas", "api", "convert", "sampling"},
+    "cli": {"api", "convert", "sampling", "_backend"},
+    "__init__": {"_backend", "api", "convert", "sampling"},
     "__main__": {"cli"},
 }
 
