@@ -16,6 +16,15 @@ from .sampling import SamplingParams
 
 PROG = "mlx-chatterbox"
 _DEFAULTS = SamplingParams()
+KNOBS = {  # SamplingParams field -> help
+    "temperature": "sampling temperature, >= 0; 0 = greedy",
+    "top_p": "nucleus probability mass kept, in (0, 1]",
+    "min_p": "drop tokens below min_p x the top probability, in [0, 1]",
+    "repetition_penalty": "penalty on tokens already generated, > 0",
+    "cfg_weight": "classifier-free guidance weight, >= 0",
+    "exaggeration": "emotion exaggeration, >= 0",
+    "max_new_tokens": "most speech tokens to generate, 25 per second of audio",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,20 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voice", type=Path, help="saved voice file (.safetensors); default: the built-in voice")
     p.add_argument("-o", "--output", type=Path, help="write the tokens to this file instead of stdout")
     knobs = p.add_argument_group("sampling")
-    knobs.add_argument("--temperature", type=float, default=_DEFAULTS.temperature,
-                       help="sampling temperature, >= 0; 0 = greedy (default: %(default)s)")
-    knobs.add_argument("--top-p", type=float, default=_DEFAULTS.top_p,
-                       help="nucleus mass kept, in (0, 1] (default: %(default)s)")
-    knobs.add_argument("--min-p", type=float, default=_DEFAULTS.min_p,
-                       help="drop tokens below min_p x the top probability, in [0, 1] (default: %(default)s)")
-    knobs.add_argument("--repetition-penalty", type=float, default=_DEFAULTS.repetition_penalty,
-                       help="penalty on already generated tokens, > 0 (default: %(default)s)")
-    knobs.add_argument("--cfg-weight", type=float, default=_DEFAULTS.cfg_weight,
-                       help="classifier-free guidance weight, >= 0 (default: %(default)s)")
-    knobs.add_argument("--exaggeration", type=float, default=_DEFAULTS.exaggeration,
-                       help="emotion exaggeration, >= 0 (default: %(default)s)")
-    knobs.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens,
-                       help="most tokens to generate (default: %(default)s = 40 s)")
+    for name, help_text in KNOBS.items():
+        default = getattr(_DEFAULTS, name)
+        knobs.add_argument(
+            f"--{name.replace('_', '-')}", type=type(default), default=default, help=f"{help_text} (default: {default})"
+        )
     knobs.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
     return parser
@@ -94,15 +94,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _tokens(args: argparse.Namespace) -> None:
     text = sys.stdin.read() if args.text == "-" else args.text
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        cfg_weight=args.cfg_weight,
-        exaggeration=args.exaggeration,
-        max_new_tokens=args.max_new_tokens,
-    )
+    params = SamplingParams(**{name: getattr(args, name) for name in KNOBS})
     start = time.perf_counter()
     tts = TTS.load(args.model)
     loaded = time.perf_counter()

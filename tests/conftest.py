@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_chatterbox  # noqa: F401  isort: skip  (first: it configures MLX before mlx.core loads)
+import mlx.core as mx  # isort: skip
 import numpy as np
 import pytest
 
