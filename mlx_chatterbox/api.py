@@ -59,6 +59,9 @@ class TTS:
         seed: makes the draws reproducible; None draws a fresh seed.
         progress: called as progress(tokens_done, max_new_tokens) after every token.
         """
+        unknown = sorted(set(knobs) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}")
         params = dataclasses.replace(params or SamplingParams(), **knobs)
         ids = self.text_ids(text)
         voice = self._voice(voice)

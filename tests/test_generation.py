@@ -63,8 +63,10 @@ def test_uniform_draws_replace_the_prng(tiny_t3, voice):
     assert a == run(tiny_t3, voice, max_new_tokens=12, stop_on_eos=False, uniforms=u)
     with pytest.raises(ValueError, match="one per token"):
         run(tiny_t3, voice, max_new_tokens=13, uniforms=u)
-    with pytest.raises(ValueError, match="either key or uniforms"):
+    with pytest.raises(ValueError, match="give no key, and a temperature > 0"):
         run(tiny_t3, voice, max_new_tokens=12, uniforms=u, key=mx.random.key(0))
+    with pytest.raises(ValueError, match="give no key, and a temperature > 0"):
+        run(tiny_t3, voice, max_new_tokens=12, uniforms=u, temperature=0)
 
 
 def test_requests_the_model_cannot_take_fail_before_work(tiny_t3, voice):
@@ -90,3 +92,14 @@ def test_requests_the_model_cannot_take_fail_before_work(tiny_t3, voice):
 )
 def test_drop_invalid_tokens(raw, want):
     assert drop_invalid_tokens(raw, 6561, EOS) == want
+
+
+def test_api_rejects_unknown_knobs(tmp_path):
+    from mlx_chatterbox import TTS
+    from mlx_chatterbox.convert import convert
+    from tests.conftest import TINY, random_voice, write_upstream_checkpoint
+
+    tts = TTS.load(convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", t3_config=TINY))
+    with pytest.raises(TypeError, match="unknown knob 'temprature'; the knobs are temperature, top_p"):
+        tts.speech_tokens("Hello.", random_voice(), temprature=0.5)
+    assert len(tts.speech_tokens("Hello.", random_voice(), temperature=0, max_new_tokens=3)) <= 3

@@ -58,7 +58,8 @@ def generate_speech_tokens(
 ) -> Iterator[int]:
     """Yield raw speech ids one by one, the stop token included when it comes.
 
-    text_ids: the tokenized text without SOT/EOT. key: PRNG key for the draws (a fresh one if None).
+    text_ids: the tokenized text without SOT/EOT.
+    key: PRNG key for the draws (a fresh one if None; greedy decoding draws nothing).
     uniforms: (max_new_tokens,) floats in [0, 1) that replace the PRNG with inverse-CDF draws.
     stop_on_eos: False decodes exactly max_new_tokens (benchmarks).
     """
@@ -66,20 +67,21 @@ def generate_speech_tokens(
     cfg = model.config
     n = params.max_new_tokens
     if uniforms is not None:
-        if key is not None:
-            raise ValueError("give either key or uniforms, not both")
+        if key is not None or params.greedy:
+            raise ValueError("uniforms replace the random draws: give no key, and a temperature > 0")
         if uniforms.shape != (n,):
             raise ValueError(f"uniforms must have shape ({n},) (one per token), got {uniforms.shape}")
-    elif not params.greedy:
+    keys = None
+    if uniforms is None and not params.greedy:
         keys = mx.random.split(mx.random.key(secrets.randbits(63)) if key is None else key, n)
 
     def pick(logits: mx.array, seen: mx.array, i: int) -> mx.array:
-        x = process_logits(logits, seen, params)
-        if params.greedy:
-            return draw(x, params, None, None)
-        if uniforms is not None:
-            return draw(x, params, None, uniforms[i])
-        return draw(x, params, keys[i], None)
+        return draw(
+            process_logits(logits, seen, params),
+            params,
+            None if keys is None else keys[i],
+            None if uniforms is None else uniforms[i],
+        )
 
     cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, params.exaggeration)
     embeds = prefill_embeds(model, cond, text_ids, params.cfg_weight)
@@ -91,6 +93,7 @@ def generate_speech_tokens(
     token = pick(model.step(embeds, cache), seen, 0)
     mx.async_eval(token)
     for i in range(n):
+        next_token = None
         if i + 1 < n:
             seen = seen | (vocab == token)
             # Generated token i is fed back at speech position i + 1.
@@ -101,8 +104,7 @@ def generate_speech_tokens(
         yield t
         if stop_on_eos and t == cfg.stop_speech_token:
             return
-        if i + 1 < n:
-            token = next_token
+        token = next_token
 
 
 def drop_invalid_tokens(tokens: Sequence[int], start: int, stop: int) -> list[int]:
