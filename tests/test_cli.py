@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import importlib
+import io
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
 from tests.conftest import TINY, random_voice, write_upstream_checkpoint
@@ -37,7 +39,7 @@ def test_tokens_are_reproducible_with_a_seed(model, capsys, tmp_path):
 
 
 def test_text_from_stdin(model, capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("Hello there."))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there."))
     args = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--temperature", "0"]
     args += ["--max-new-tokens", "8"]
     assert tokens(capsys, "-", *args) == tokens(capsys, "Hello there.", *args)
@@ -75,7 +77,10 @@ def test_convert_command(tmp_path, capsys, monkeypatch):
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
 
 
-@pytest.mark.parametrize("argv", [[sys.executable, "-m", "mlx_chatterbox"], ["mlx-chatterbox"]])
+# The console script sits beside the interpreter of the environment the package is installed in.
+@pytest.mark.parametrize(
+    "argv", [[sys.executable, "-m", "mlx_chatterbox"], [str(Path(sys.executable).parent / "mlx-chatterbox")]]
+)
 def test_entry_points_show_help(argv):
     out = subprocess.run([*argv, "tokens", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ["--temperature", "--top-p", "--min-p", "--repetition-penalty", "--cfg-weight", "--exaggeration",

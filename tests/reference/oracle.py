@@ -17,7 +17,6 @@ from chatterbox.models.t3.llama_configs import LLAMA_520M_CONFIG_DICT, LLAMA_CON
 from chatterbox.models.t3.modules.cond_enc import T3Cond as UpstreamT3Cond
 from chatterbox.models.t3.modules.perceiver import Perceiver as UpstreamPerceiver
 from chatterbox.models.t3.modules.t3_config import T3Config as UpstreamT3Config
-from chatterbox.tts import Conditionals
 from safetensors.torch import save_file
 
 from mlx_chatterbox.models.t3 import T3Config
@@ -69,8 +68,10 @@ def write_t3_checkpoint(model: UpstreamT3, folder: Path) -> Path:
     return path
 
 
-def random_conds(cfg: T3Config, seed: int = 0, prompt_len: int = 150, gen_tokens: int = 40) -> Conditionals:
-    """A built-in voice like upstream's ``conds.pt``, with random contents."""
+def random_conds(cfg: T3Config, seed: int = 0, prompt_len: int = 150, gen_tokens: int = 40):
+    """A built-in voice like upstream's ``conds.pt`` (a ``chatterbox.tts.Conditionals``), random contents."""
+    from chatterbox.tts import Conditionals  # the whole TTS stack (librosa, perth): only where needed
+
     g = torch.Generator().manual_seed(seed)
     t3 = UpstreamT3Cond(
         speaker_emb=torch.randn(1, cfg.speaker_embed_size, generator=g),
@@ -87,7 +88,7 @@ def random_conds(cfg: T3Config, seed: int = 0, prompt_len: int = 150, gen_tokens
     return Conditionals(t3, gen)
 
 
-def upstream_cond(conds: Conditionals, exaggeration: float) -> UpstreamT3Cond:
+def upstream_cond(conds, exaggeration: float) -> UpstreamT3Cond:
     """A fresh T3Cond (upstream mutates it to cache the prompt embedding) with ``exaggeration``."""
     c = conds.t3
     return UpstreamT3Cond(
@@ -135,6 +136,26 @@ def teacher_forced_logits(
         past = out.past_key_values
         logits.append(out.logits[:, -1].numpy())
     return logits
+
+
+def compare_teacher_forced(
+    upstream: UpstreamT3, cond: UpstreamT3Cond, model, voice, text: list[int], steps: int, seed: int
+) -> list[float]:
+    """Relative errors of our logits (prefill, then ``steps`` cached steps feeding random ids) against
+    upstream's, for an upstream T3 and our T3 holding the same weights."""
+    import mlx.core as mx
+
+    from mlx_chatterbox.generation.speech_tokens import prefill_embeds
+    from mlx_chatterbox.models.t3 import T3Cond
+
+    feed = np.random.default_rng(seed).integers(0, 6561, steps).tolist()
+    ref = teacher_forced_logits(upstream, cond, text, feed)
+    ours_cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, float(cond.emotion_adv.flatten()[0]))
+    cache = model.make_cache()
+    ours = [model.step(prefill_embeds(model, ours_cond, text, 0.5), cache)]
+    for i, tok in enumerate(feed):
+        ours.append(model.step(model.embed_speech(mx.array([[tok], [tok]]), start=i + 1), cache))
+    return [rel_err(o, r) for o, r in zip(ours, ref)]
 
 
 @contextlib.contextmanager

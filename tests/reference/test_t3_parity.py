@@ -89,15 +89,8 @@ def test_prefill_embeds_including_cfg_zeroing_and_double_bos(tiny, cfg_weight):
 
 
 def teacher_forced(upstream, conds, folder, steps, seed):
-    feed = np.random.default_rng(seed).integers(0, 6561, steps).tolist()
-    ref = oracle.teacher_forced_logits(upstream, oracle.upstream_cond(conds, 0.5), TEXT, feed)
-    model = folder.t3
-    cache = model.make_cache()
-    ours = [model.step(prefill_embeds(model, ours_cond(folder, 0.5), TEXT, 0.5), cache)]
-    for i, tok in enumerate(feed):
-        ours.append(model.step(model.embed_speech(mx.array([[tok], [tok]]), start=i + 1), cache))
-    errors = [oracle.rel_err(o, r) for o, r in zip(ours, ref)]
-    return errors
+    cond = oracle.upstream_cond(conds, 0.5)
+    return oracle.compare_teacher_forced(upstream, cond, folder.t3, folder.voice, TEXT, steps, seed)
 
 
 def test_prefill_and_cached_decode_logits_tiny(tiny):
