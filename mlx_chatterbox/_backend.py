@@ -47,7 +47,9 @@ def _blas() -> str:
     try:
         ctypes.CDLL(choice, mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
-        raise OSError(f"{BLAS_VAR}={choice!r} could not be loaded ({e}); unset it or set it to 'auto' or 'off'")
+        raise OSError(
+            f"{BLAS_VAR}={choice!r} could not be loaded ({e}); unset it or set it to 'auto' or 'off'"
+        )
     return f"{choice} ({BLAS_VAR})"
 
 

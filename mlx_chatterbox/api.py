@@ -61,7 +61,9 @@ class TTS:
         """
         unknown = sorted(set(knobs) - set(SamplingParams.__dataclass_fields__))
         if unknown:
-            raise TypeError(f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}")
+            raise TypeError(
+                f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}"
+            )
         params = dataclasses.replace(params or SamplingParams(), **knobs)
         ids = self.text_ids(text)
         voice = self._voice(voice)
@@ -72,7 +74,9 @@ class TTS:
             if progress is not None:
                 progress(len(raw), params.max_new_tokens)
         cfg = self.t3.config
-        return np.array(drop_invalid_tokens(raw, cfg.start_speech_token, cfg.stop_speech_token), dtype=np.int32)
+        return np.array(
+            drop_invalid_tokens(raw, cfg.start_speech_token, cfg.stop_speech_token), dtype=np.int32
+        )
 
     def _voice(self, voice: Voice | str | os.PathLike | None) -> Voice:
         if isinstance(voice, Voice):

@@ -37,9 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert an upstream Chatterbox checkpoint (a local folder or a Hugging Face repo id) "
         "into an MLX model folder. Needs no torch.",
     )
-    p.add_argument("src", help=f"upstream checkpoint folder, or a Hugging Face repo id such as {DEFAULT_REPO}")
+    p.add_argument(
+        "src", help=f"upstream checkpoint folder, or a Hugging Face repo id such as {DEFAULT_REPO}"
+    )
     p.add_argument("dst", type=Path, help="MLX model folder to create")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weight precision (default: float32)")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="weight precision (default: float32)"
+    )
     p.add_argument("--revision", help="Hub branch, tag or commit (repo ids only)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
@@ -51,14 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
         "them space-separated (or write them to a file).",
     )
     p.add_argument("text", help="text to speak; '-' reads standard input")
-    p.add_argument("--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')")
+    p.add_argument(
+        "--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')"
+    )
     p.add_argument("--voice", type=Path, help="saved voice file (.safetensors); default: the built-in voice")
     p.add_argument("-o", "--output", type=Path, help="write the tokens to this file instead of stdout")
     knobs = p.add_argument_group("sampling")
     for name, help_text in KNOBS.items():
         default = getattr(_DEFAULTS, name)
         knobs.add_argument(
-            f"--{name.replace('_', '-')}", type=type(default), default=default, help=f"{help_text} (default: {default})"
+            f"--{name.replace('_', '-')}",
+            type=type(default),
+            default=default,
+            help=f"{help_text} (default: {default})",
         )
     knobs.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
@@ -89,7 +98,10 @@ def _write_atomic(path: Path, text: str) -> None:
 def _convert(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     dst = convert(args.src, args.dst, dtype=args.dtype, revision=args.revision, overwrite=args.overwrite)
-    print(f"converted {args.src} -> {dst} ({args.dtype}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(
+        f"converted {args.src} -> {dst} ({args.dtype}) in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
 
 
 def _tokens(args: argparse.Namespace) -> None:
@@ -111,14 +123,17 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, generation {done - loaded:.2f} s, {len(tokens)} tokens "
-            f"({len(tokens) / 25:.1f} s of audio)\n" + "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items()),
+            f"({len(tokens) / 25:.1f} s of audio)\n"
+            + "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items()),
             file=sys.stderr,
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
     try:
         {"convert": _convert, "tokens": _tokens}[args.command](args)
     except (ValueError, OSError) as e:  # our errors say what is wrong and how to fix it; no traceback

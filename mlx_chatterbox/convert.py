@@ -64,7 +64,9 @@ def convert(
         raise ConversionError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     dst = Path(dst).expanduser()
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())) and not overwrite:
-        raise ConversionError(f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)")
+        raise ConversionError(
+            f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)"
+        )
     src_dir, source = _resolve_source(src, revision)
     cfg = t3_config or T3Config()
 
@@ -150,7 +152,9 @@ def voice_from_conds(path: Path) -> Voice:
         ok = isinstance(v, np.ndarray) and v.ndim == ndim and v.dtype.kind in kind
         if not ok:
             desc = f"{v.dtype} array of shape {v.shape}" if isinstance(v, np.ndarray) else type(v).__name__
-            raise ConversionError(f"{name}: {key} must be a {ndim}-d {'int' if kind == 'iu' else 'float'} array, found {desc}")
+            raise ConversionError(
+                f"{name}: {key} must be a {ndim}-d {'int' if kind == 'iu' else 'float'} array, found {desc}"
+            )
         return v
 
     top = need(data, "the file", {"t3", "gen"})
@@ -159,7 +163,11 @@ def voice_from_conds(path: Path) -> Voice:
         "'t3'",
         {"speaker_emb", "clap_emb", "cond_prompt_speech_tokens", "cond_prompt_speech_emb", "emotion_adv"},
     )
-    gen = need(top["gen"], "'gen'", {"prompt_token", "prompt_token_len", "prompt_feat", "prompt_feat_len", "embedding"})
+    gen = need(
+        top["gen"],
+        "'gen'",
+        {"prompt_token", "prompt_token_len", "prompt_feat", "prompt_feat_len", "embedding"},
+    )
     if t3["clap_emb"] is not None or gen["prompt_feat_len"] is not None:
         raise ConversionError(f"{name}: clap_emb and prompt_feat_len must be None (upstream never sets them)")
     # cond_prompt_speech_emb is upstream's cache of embedded prompt tokens: derived data, recomputed by T3.
@@ -168,7 +176,9 @@ def voice_from_conds(path: Path) -> Voice:
     prompt_len = array(gen, "prompt_token_len", 1, "iu")
     tokens = array(gen, "prompt_token", 2, "iu")
     if prompt_len.tolist() != [tokens.shape[1]]:
-        raise ConversionError(f"{name}: prompt_token_len {prompt_len.tolist()} != prompt_token length {tokens.shape[1]}")
+        raise ConversionError(
+            f"{name}: prompt_token_len {prompt_len.tolist()} != prompt_token length {tokens.shape[1]}"
+        )
     try:
         return Voice(
             speaker_emb=mx.array(array(t3, "speaker_emb", 2, "f").astype(np.float32)),
@@ -185,7 +195,9 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ConversionError(f"{path} is a file; pass the folder that holds {T3_FILE}, {TOKENIZER_FILE}, ...")
+            raise ConversionError(
+                f"{path} is a file; pass the folder that holds {T3_FILE}, {TOKENIZER_FILE}, ..."
+            )
         if revision is not None:
             raise ConversionError("revision applies to Hugging Face repo ids, not to local folders")
         return path, {"path": str(path.resolve())}
@@ -211,7 +223,9 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
 
 def _require(path: Path) -> Path:
     if not path.is_file():
-        raise ConversionError(f"{path.name} not found in {path.parent}; an upstream Chatterbox checkpoint has it")
+        raise ConversionError(
+            f"{path.name} not found in {path.parent}; an upstream Chatterbox checkpoint has it"
+        )
     return path
 
 
@@ -220,4 +234,6 @@ def _read_safetensors(path: Path) -> dict[str, mx.array]:
     try:
         return mx.load(str(path), format="safetensors")
     except Exception as e:  # MLX raises bare RuntimeError/ValueError for damaged files
-        raise ConversionError(f"{path.name} cannot be read as safetensors ({e}); is the file truncated?") from None
+        raise ConversionError(
+            f"{path.name} cannot be read as safetensors ({e}); is the file truncated?"
+        ) from None

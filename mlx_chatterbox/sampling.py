@@ -44,7 +44,9 @@ class SamplingParams:
         check("temperature", real("temperature") and self.temperature >= 0, "a number >= 0 (0 = greedy)")
         check("top_p", real("top_p") and 0 < self.top_p <= 1, "in (0, 1]")
         check("min_p", real("min_p") and 0 <= self.min_p <= 1, "in [0, 1]")
-        check("repetition_penalty", real("repetition_penalty") and self.repetition_penalty > 0, "a number > 0")
+        check(
+            "repetition_penalty", real("repetition_penalty") and self.repetition_penalty > 0, "a number > 0"
+        )
         check("cfg_weight", real("cfg_weight") and self.cfg_weight >= 0, "a number >= 0")
         check("exaggeration", real("exaggeration") and self.exaggeration >= 0, "a number >= 0")
         check(
@@ -151,7 +153,9 @@ def process_logits(logits: mx.array, seen: mx.array, params: SamplingParams) -> 
     return top_p_filter(x, params.top_p)
 
 
-def draw(logits: mx.array, params: SamplingParams, key: mx.array | None, uniform: mx.array | None) -> mx.array:
+def draw(
+    logits: mx.array, params: SamplingParams, key: mx.array | None, uniform: mx.array | None
+) -> mx.array:
     """Pick the next id, shape (1,), from processed (1, V) logits: the arg-max when greedy, else a categorical
     draw with ``key``, or, when ``uniform`` (a scalar in [0, 1)) is given, the inverse-CDF draw
     ``min{i : cdf_i > u * cdf_last}`` (the hook through which tests inject upstream's random draws)."""

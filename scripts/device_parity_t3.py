@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
-import mlx_chatterbox  # noqa: E402, F401  (first: it configures MLX before mlx.core loads)
-import mlx.core as mx  # noqa: E402
+import mlx_chatterbox  # noqa: E402, F401  isort: skip  (first: it configures MLX before mlx.core loads)
+import mlx.core as mx  # noqa: E402  isort: skip
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -49,7 +49,9 @@ def main() -> int:
     upstream = oracle.upstream_t3(cfg, seed=2)
     weights = {k: mx.array(v.numpy()) for k, v in upstream.state_dict().items()}
     model = T3(cfg)
-    model.load_weights(list(sanitize(weights, T3.checkpoint_table(cfg), "t3_cfg.safetensors").items()), strict=True)
+    model.load_weights(
+        list(sanitize(weights, T3.checkpoint_table(cfg), "t3_cfg.safetensors").items()), strict=True
+    )
     voice = random_voice(seed=2)
 
     def cond(exaggeration: float) -> UpstreamT3Cond:
@@ -66,7 +68,15 @@ def main() -> int:
 
     n = args.tokens
     greedy_ref = oracle.upstream_inference(
-        upstream, cond(0.5), TEXT, n, None, temperature=1.0, cfg_weight=0.5, repetition_penalty=1.2, min_p=0.05
+        upstream,
+        cond(0.5),
+        TEXT,
+        n,
+        None,
+        temperature=1.0,
+        cfg_weight=0.5,
+        repetition_penalty=1.2,
+        min_p=0.05,
     )
     greedy = list(generate_speech_tokens(model, voice, TEXT, SamplingParams(temperature=0, max_new_tokens=n)))
     print(f"greedy, {n} tokens: {'identical' if greedy == greedy_ref else 'DIFFERENT'}")
@@ -77,7 +87,9 @@ def main() -> int:
     sampled_ref = oracle.upstream_inference(upstream, cond(0.7), TEXT, n, uniforms, **knobs)
     params = SamplingParams(exaggeration=0.7, max_new_tokens=n, **knobs)
     sampled = list(generate_speech_tokens(model, voice, TEXT, params, uniforms=mx.array(uniforms)))
-    print(f"sampled with injected draws, {n} tokens: {'identical' if sampled == sampled_ref else 'DIFFERENT'}")
+    print(
+        f"sampled with injected draws, {n} tokens: {'identical' if sampled == sampled_ref else 'DIFFERENT'}"
+    )
     ok &= sampled == sampled_ref
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

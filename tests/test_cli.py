@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import importlib
-import io
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
 from tests.conftest import TINY, random_voice, write_upstream_checkpoint
@@ -34,7 +34,23 @@ def test_tokens_are_reproducible_with_a_seed(model, capsys, tmp_path):
     assert 0 < len(a) <= 15 and all(0 <= t < 6561 for t in a)
     greedy = tokens(capsys, *args, "--temperature", "0", "--max-new-tokens", "15", "--cfg-weight", "0")
     out = tmp_path / "tokens.txt"
-    assert main(["tokens", *args, "--temperature", "0", "--max-new-tokens", "15", "--cfg-weight", "0", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tokens",
+                *args,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "15",
+                "--cfg-weight",
+                "0",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [int(t) for t in out.read_text().split()] == greedy
 
 
@@ -68,7 +84,9 @@ def test_empty_text_and_missing_model(model, capsys, tmp_path):
 
 
 def test_convert_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("mlx_chatterbox.convert"), "T3Config", lambda: TINY)  # the command converts default-size models
+    monkeypatch.setattr(
+        importlib.import_module("mlx_chatterbox.convert"), "T3Config", lambda: TINY
+    )  # the command converts default-size models
     src = write_upstream_checkpoint(tmp_path / "up")
     assert main(["convert", str(src), str(tmp_path / "mlx"), "--dtype", "bfloat16"]) == 0
     assert (tmp_path / "mlx" / "config.json").is_file()
@@ -83,6 +101,16 @@ def test_convert_command(tmp_path, capsys, monkeypatch):
 )
 def test_entry_points_show_help(argv):
     out = subprocess.run([*argv, "tokens", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ["--temperature", "--top-p", "--min-p", "--repetition-penalty", "--cfg-weight", "--exaggeration",
-                 "--max-new-tokens", "--seed", "--voice", "--output"]:
+    for flag in [
+        "--temperature",
+        "--top-p",
+        "--min-p",
+        "--repetition-penalty",
+        "--cfg-weight",
+        "--exaggeration",
+        "--max-new-tokens",
+        "--seed",
+        "--voice",
+        "--output",
+    ]:
         assert flag in out

@@ -24,7 +24,11 @@ def test_converts_and_loads(tmp_path):
     dst = convert(src, tmp_path / "mlx", t3_config=TINY)
     assert leftovers(dst) == ["config.json", "t3.safetensors", "tokenizer.json"]
     config = json.loads((dst / "config.json").read_text())
-    assert config["format"] == "mlx-chatterbox" and config["format_version"] == 1 and config["dtype"] == "float32"
+    assert (
+        config["format"] == "mlx-chatterbox"
+        and config["format_version"] == 1
+        and config["dtype"] == "float32"
+    )
     assert config["source"]["path"] == str(src.resolve()) and config["t3"]["hidden_size"] == 64
     folder = load_folder(dst)
     ref = upstream_t3_weights(TINY)
@@ -53,8 +57,14 @@ def corrupt(tmp_path, change):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda w: w.pop("tfmr.layers.1.mlp.up_proj.weight"), "key 'tfmr.layers.1.mlp.up_proj.weight' is missing"),
-        (lambda w: w.update({"tfmr.layers.2.mlp.up_proj.weight": mx.zeros((2,))}), "unexpected key 'tfmr.layers.2"),
+        (
+            lambda w: w.pop("tfmr.layers.1.mlp.up_proj.weight"),
+            "key 'tfmr.layers.1.mlp.up_proj.weight' is missing",
+        ),
+        (
+            lambda w: w.update({"tfmr.layers.2.mlp.up_proj.weight": mx.zeros((2,))}),
+            "unexpected key 'tfmr.layers.2",
+        ),
         (lambda w: w.update({"speech_head.bias": mx.zeros((8194,))}), "unexpected key 'speech_head.bias'"),
         (
             lambda w: w.update({"text_emb.weight": mx.zeros((705, 64))}),
@@ -100,8 +110,11 @@ def test_incompatible_tokenizer(tmp_path):
     for token in data["added_tokens"]:
         if token["content"] == "[START]":
             token["id"] = 254
-    data["model"]["vocab"] = {k: (254 if k == "[START]" else v) for k, v in data["model"]["vocab"].items()
-                              if v != 254 or k == "[START]"}
+    data["model"]["vocab"] = {
+        k: (254 if k == "[START]" else v)
+        for k, v in data["model"]["vocab"].items()
+        if v != 254 or k == "[START]"
+    }
     (src / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"\[START\] is id 254 but the model's start-of-text token is 255"):
         convert(src, tmp_path / "mlx", t3_config=TINY)
@@ -122,7 +135,9 @@ def test_destination_rules(tmp_path):
 
 def test_sources_that_are_not_checkpoints(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConversionError, match="downloading it from the Hugging Face Hub failed.*pass their folder"):
+    with pytest.raises(
+        ConversionError, match="downloading it from the Hugging Face Hub failed.*pass their folder"
+    ):
         convert("ResembleAI/not-a-cached-repo", tmp_path / "mlx")
     with pytest.raises(ConversionError, match="neither a folder nor a Hugging Face repo id"):
         convert(str(tmp_path / "no" / "such" / "dir"), tmp_path / "mlx")
@@ -136,7 +151,9 @@ def test_sources_that_are_not_checkpoints(tmp_path, monkeypatch):
 
 def test_loading_errors_say_what_to_run(tmp_path):
     src = write_upstream_checkpoint(tmp_path / "up")
-    with pytest.raises(ValueError, match="holds an upstream checkpoint; convert it first: mlx-chatterbox convert"):
+    with pytest.raises(
+        ValueError, match="holds an upstream checkpoint; convert it first: mlx-chatterbox convert"
+    ):
         load_folder(src)
     with pytest.raises(FileNotFoundError, match="not found"):
         load_folder(tmp_path / "nothing")

@@ -18,7 +18,9 @@ def run(model, voice, **kw):
     uniforms = kw.pop("uniforms", None)
     stop = kw.pop("stop_on_eos", True)
     return list(
-        generate_speech_tokens(model, voice, TEXT, SamplingParams(**kw), key=key, uniforms=uniforms, stop_on_eos=stop)
+        generate_speech_tokens(
+            model, voice, TEXT, SamplingParams(**kw), key=key, uniforms=uniforms, stop_on_eos=stop
+        )
     )
 
 
@@ -43,9 +45,15 @@ def test_stops_at_eos_and_yields_it(tiny_t3, voice):
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens(tiny_t3, voice):
-    a = run(tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(3), temperature=1.5, min_p=0.0)
-    b = run(tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(3), temperature=1.5, min_p=0.0)
-    c = run(tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(4), temperature=1.5, min_p=0.0)
+    a = run(
+        tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(3), temperature=1.5, min_p=0.0
+    )
+    b = run(
+        tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(3), temperature=1.5, min_p=0.0
+    )
+    c = run(
+        tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(4), temperature=1.5, min_p=0.0
+    )
     assert a == b and a != c
 
 

@@ -23,7 +23,12 @@ from mlx_chatterbox.sampling import (
 def test_defaults_are_upstreams():
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.cfg_weight, p.exaggeration) == (
-        0.8, 1.0, 0.05, 1.2, 0.5, 0.5,
+        0.8,
+        1.0,
+        0.05,
+        1.2,
+        0.5,
+        0.5,
     )
     assert p.max_new_tokens == 1000 and not p.greedy
 
@@ -31,9 +36,19 @@ def test_defaults_are_upstreams():
 @pytest.mark.parametrize(
     "knob, value",
     [
-        ("temperature", -0.1), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01),
-        ("min_p", 1.5), ("repetition_penalty", 0.0), ("cfg_weight", -1.0), ("exaggeration", math.inf),
-        ("max_new_tokens", 0), ("max_new_tokens", 2.5), ("temperature", True), ("top_p", "0.5"),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("cfg_weight", -1.0),
+        ("exaggeration", math.inf),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 2.5),
+        ("temperature", True),
+        ("top_p", "0.5"),
     ],
 )
 def test_out_of_range_knobs_are_rejected_by_name(knob, value):
@@ -101,7 +116,8 @@ def test_draw_greedy_categorical_and_inverse_cdf():
     for u, want in [(0.0, 0), (0.19, 0), (0.21, 1), (0.69, 1), (0.71, 2), (0.999, 2)]:
         assert draw(logits, SamplingParams(), None, mx.array(u)).tolist() == [want]
     counts = np.bincount(
-        [draw(logits, SamplingParams(), k, None).item() for k in mx.random.split(mx.random.key(0), 2000)], minlength=3
+        [draw(logits, SamplingParams(), k, None).item() for k in mx.random.split(mx.random.key(0), 2000)],
+        minlength=3,
     )
     np.testing.assert_allclose(counts / 2000, [0.2, 0.5, 0.3], atol=0.04)
 

@@ -28,7 +28,9 @@ def check_request(model: T3, text_ids: Sequence[int], params: SamplingParams) ->
     if bad:
         raise ValueError(f"text id {bad[0]} is outside the model's text vocabulary of {cfg.text_vocab_size}")
     if params.max_new_tokens > cfg.max_speech_tokens:
-        raise ValueError(f"max_new_tokens={params.max_new_tokens} is out of range: at most {cfg.max_speech_tokens}")
+        raise ValueError(
+            f"max_new_tokens={params.max_new_tokens} is out of range: at most {cfg.max_speech_tokens}"
+        )
 
 
 def prefill_embeds(model: T3, cond: T3Cond, text_ids: Sequence[int], cfg_weight: float) -> mx.array:

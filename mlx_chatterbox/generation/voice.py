@@ -39,7 +39,9 @@ class Voice:
             if tok.ndim != 2 or tok.shape[0] != 1 or tok.shape[1] < 1 or tok.dtype != mx.int32:
                 fail(f"{name} must be an int32 (1, N >= 1) array, got {tok.dtype} {tok.shape}")
         if m.ndim != 3 or m.shape[0] != 1 or m.shape[2] != 80 or m.shape[1] // 2 != g.shape[1]:
-            fail(f"s3gen_prompt_mel must be (1, 2N or 2N + 1, 80) with N = {g.shape[1]} prompt tokens, got {m.shape}")
+            fail(
+                f"s3gen_prompt_mel must be (1, 2N or 2N + 1, 80) with N = {g.shape[1]} prompt tokens, got {m.shape}"
+            )
         if x.ndim != 2 or x.shape[0] != 1 or not mx.issubdtype(x.dtype, mx.floating):
             fail(f"xvector must be a float (1, D) array, got {x.dtype} {x.shape}")
 
@@ -68,7 +70,9 @@ class Voice:
         except Exception as e:  # MLX raises bare RuntimeErrors for unreadable files
             raise ValueError(f"{path} is not a readable safetensors voice file ({e})") from None
         if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not an mlx-chatterbox voice file (format {metadata.get('format')!r})")
+            raise ValueError(
+                f"{path} is not an mlx-chatterbox voice file (format {metadata.get('format')!r})"
+            )
         if metadata.get("format_version") != FORMAT_VERSION:
             raise ValueError(
                 f"{path} has voice format version {metadata.get('format_version')!r}; "

@@ -212,7 +212,9 @@ class CondEncoder(nn.Module):
         self.emotion_adv_fc = nn.Linear(1, cfg.hidden_size, bias=False)
         self.perceiver = Perceiver(cfg)
 
-    def __call__(self, speaker_emb: mx.array, prompt_emb: mx.array | None, exaggeration: mx.array) -> mx.array:
+    def __call__(
+        self, speaker_emb: mx.array, prompt_emb: mx.array | None, exaggeration: mx.array
+    ) -> mx.array:
         parts = [self.spkr_enc(speaker_emb)[:, None]]  # (B, 1, D)
         if prompt_emb is not None:
             parts.append(self.perceiver(prompt_emb))  # (B, 32, D)
@@ -276,7 +278,9 @@ class T3(nn.Module):
         cond_emb = self.embed_cond(cond)
         b = text_tokens.shape[0]
         cond_emb = mx.broadcast_to(cond_emb, (b,) + cond_emb.shape[1:])
-        x = mx.concatenate([cond_emb, self.embed_text(text_tokens), self.embed_speech(speech_tokens, 0)], axis=1)
+        x = mx.concatenate(
+            [cond_emb, self.embed_text(text_tokens), self.embed_speech(speech_tokens, 0)], axis=1
+        )
         h = self.tfmr(x)
         return self.speech_head(h[:, -speech_tokens.shape[1] :])
 

@@ -33,7 +33,9 @@ def upstream_t3(cfg: T3Config, seed: int = 0) -> UpstreamT3:
     torch.manual_seed(seed)
     name = "Llama_520M"
     if cfg != FULL:
-        name = f"test_{cfg.hidden_size}_{cfg.num_layers}_{cfg.num_heads}_{cfg.head_dim}_{cfg.intermediate_size}"
+        name = (
+            f"test_{cfg.hidden_size}_{cfg.num_layers}_{cfg.num_heads}_{cfg.head_dim}_{cfg.intermediate_size}"
+        )
         LLAMA_CONFIGS[name] = dict(
             LLAMA_520M_CONFIG_DICT,
             hidden_size=cfg.hidden_size,
@@ -104,13 +106,17 @@ def cond_embeds(model: UpstreamT3, cond: UpstreamT3Cond) -> np.ndarray:
 
 
 @torch.inference_mode()
-def prefill_embeds(model: UpstreamT3, cond: UpstreamT3Cond, text: list[int], cfg_weight: float) -> torch.Tensor:
+def prefill_embeds(
+    model: UpstreamT3, cond: UpstreamT3Cond, text: list[int], cfg_weight: float
+) -> torch.Tensor:
     """Upstream's prefill as ``T3.inference`` builds it: prepare_input_embeds + the second BOS."""
     hp = model.hp
     row = [hp.start_text_token, *text, hp.stop_text_token]
     tokens = torch.tensor([row, row] if cfg_weight > 0 else [row])
     bos = torch.full((tokens.shape[0], 1), hp.start_speech_token)
-    embeds, _ = model.prepare_input_embeds(t3_cond=cond, text_tokens=tokens, speech_tokens=bos, cfg_weight=cfg_weight)
+    embeds, _ = model.prepare_input_embeds(
+        t3_cond=cond, text_tokens=tokens, speech_tokens=bos, cfg_weight=cfg_weight
+    )
     bos_embed = model.speech_emb(bos[:1]) + model.speech_pos_emb.get_fixed_embedding(0)
     return torch.cat([embeds, bos_embed.expand(tokens.shape[0], -1, -1)], dim=1)
 
@@ -123,7 +129,9 @@ def teacher_forced_logits(
     position i + 1, through upstream's own HF backend and KV cache (the path ``T3.inference`` takes)."""
     from chatterbox.models.t3.inference.t3_hf_backend import T3HuggingfaceBackend
 
-    backend = T3HuggingfaceBackend(model.cfg, model.tfmr, speech_enc=model.speech_emb, speech_head=model.speech_head)
+    backend = T3HuggingfaceBackend(
+        model.cfg, model.tfmr, speech_enc=model.speech_emb, speech_head=model.speech_head
+    )
     embeds = prefill_embeds(model, cond, text, cfg_weight)
     out = backend(inputs_embeds=embeds, past_key_values=None, use_cache=True, output_hidden_states=True)
     logits = [out.logits[:, -1].numpy()]
@@ -182,7 +190,12 @@ def injected_multinomial(uniforms: np.ndarray | None):
 
 @torch.inference_mode()
 def upstream_inference(
-    model: UpstreamT3, cond: UpstreamT3Cond, text: list[int], max_new_tokens: int, uniforms: np.ndarray | None, **knobs
+    model: UpstreamT3,
+    cond: UpstreamT3Cond,
+    text: list[int],
+    max_new_tokens: int,
+    uniforms: np.ndarray | None,
+    **knobs,
 ) -> list[int]:
     """Upstream ``T3.inference`` as ``ChatterboxTTS.generate`` calls it, with the draws injected."""
     hp = model.hp

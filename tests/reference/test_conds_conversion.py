@@ -21,7 +21,9 @@ def test_builtin_voice_round_trips_exactly(tmp_path):
     conds.save(src / "conds.pt")
     voice = load_folder(convert(src, tmp_path / "mlx", t3_config=TINY)).voice
     np.testing.assert_array_equal(np.array(voice.speaker_emb), conds.t3.speaker_emb.numpy())
-    np.testing.assert_array_equal(np.array(voice.t3_prompt_tokens), conds.t3.cond_prompt_speech_tokens.numpy())
+    np.testing.assert_array_equal(
+        np.array(voice.t3_prompt_tokens), conds.t3.cond_prompt_speech_tokens.numpy()
+    )
     np.testing.assert_array_equal(np.array(voice.s3gen_prompt_tokens), conds.gen["prompt_token"].numpy())
     np.testing.assert_array_equal(np.array(voice.s3gen_prompt_mel), conds.gen["prompt_feat"].numpy())
     np.testing.assert_array_equal(np.array(voice.xvector), conds.gen["embedding"].numpy())
@@ -39,7 +41,10 @@ def conds_with(tmp_path, edit):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d["gen"].update(embedding=torch.nn.Linear(2, 2)), "holds a torch.nn.modules.linear.Linear"),
+        (
+            lambda d: d["gen"].update(embedding=torch.nn.Linear(2, 2)),
+            "holds a torch.nn.modules.linear.Linear",
+        ),
         (lambda d: d["t3"].update(speaker_emb=torch.zeros(256)), "speaker_emb must be a 2-d float array"),
         (lambda d: d["gen"].pop("embedding"), r"'gen' must hold exactly"),
         (lambda d: d.update(extra=1), "the file must hold exactly"),

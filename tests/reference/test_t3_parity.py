@@ -6,13 +6,17 @@ The upstream state dict is written as ``t3_cfg.safetensors``, goes through *our*
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 
-import mlx.core as mx
 from mlx_chatterbox import SamplingParams, convert
-from mlx_chatterbox.generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens, prefill_embeds
+from mlx_chatterbox.generation.speech_tokens import (
+    drop_invalid_tokens,
+    generate_speech_tokens,
+    prefill_embeds,
+)
 from mlx_chatterbox.models.t3 import T3Cond, llama3_inv_freq
 from mlx_chatterbox.weights import load_folder
 from tests.toy_tokenizer import write_toy_tokenizer
@@ -52,10 +56,9 @@ def ours_cond(folder, exaggeration):
 
 
 def test_rope_inverse_frequencies_match_transformers():
+    from chatterbox.models.t3.llama_configs import LLAMA_520M_CONFIG_DICT
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from chatterbox.models.t3.llama_configs import LLAMA_520M_CONFIG_DICT
 
     ref = LlamaRotaryEmbedding(LlamaConfig(**LLAMA_520M_CONFIG_DICT)).inv_freq.numpy()
     ours = np.array(llama3_inv_freq(oracle.FULL))
@@ -150,7 +153,9 @@ def test_greedy_decoding_equals_upstream_argmax_loop(tiny, repetition_penalty):
         min_p=0.05,
         top_p=1.0,
     )
-    ours = ours_tokens(folder, SamplingParams(temperature=0.0, repetition_penalty=repetition_penalty, max_new_tokens=n))
+    ours = ours_tokens(
+        folder, SamplingParams(temperature=0.0, repetition_penalty=repetition_penalty, max_new_tokens=n)
+    )
     assert len(set(ours)) > 3  # the penalty makes the random model wander, so the test sees a real sequence
     assert ours == ref
 
@@ -158,7 +163,9 @@ def test_greedy_decoding_equals_upstream_argmax_loop(tiny, repetition_penalty):
 @pytest.mark.parametrize(
     "knobs",
     [
-        dict(temperature=0.8, cfg_weight=0.5, repetition_penalty=1.2, min_p=0.05, top_p=1.0),  # upstream defaults
+        dict(
+            temperature=0.8, cfg_weight=0.5, repetition_penalty=1.2, min_p=0.05, top_p=1.0
+        ),  # upstream defaults
         dict(temperature=1.3, cfg_weight=1.0, repetition_penalty=1.5, min_p=0.0, top_p=0.9),
         dict(temperature=0.5, cfg_weight=0.3, repetition_penalty=1.0, min_p=0.2, top_p=0.5),
     ],
@@ -173,5 +180,7 @@ def test_sampled_tokens_equal_upstream_with_injected_draws(tiny, knobs):
     assert ours == ref
     cfg = folder.t3.config
     assert drop_invalid_tokens(ours, cfg.start_speech_token, cfg.stop_speech_token) == [
-        t for t in ref[: ref.index(cfg.stop_speech_token) if cfg.stop_speech_token in ref else None] if t < 6561
+        t
+        for t in ref[: ref.index(cfg.stop_speech_token) if cfg.stop_speech_token in ref else None]
+        if t < 6561
     ]
