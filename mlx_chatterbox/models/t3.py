@@ -115,11 +115,11 @@ class Attention(nn.Module):
         k = self.k_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
         offset = 0 if cache is None else cache.offset
+        if n > 1 and offset > 0:
+            raise ValueError("multi-token input after the prefill is not supported: feed one token per step")
         q, k = self._rope(q, offset), self._rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if n > 1 and offset > 0:
-            raise ValueError("multi-token input after the prefill is not supported: feed one token per step")
         # Causal over the whole prefill, conditioning included (architecture §9.1).
         out = mx.fast.scaled_dot_product_attention(
             q, k, v, scale=self.head_dim**-0.5, mask="causal" if n > 1 else None
