@@ -33,6 +33,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlx_chatterbox.models.t3 import T3, T3Config
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT_LEN = 40  # text ids between SOT and EOT
 PROMPT_LEN = 150  # T3 conditioning prompt tokens, as a built-in voice
@@ -41,23 +43,22 @@ COND_LEN = 1 + 32 + 1  # speaker embedding + Perceiver queries + emotion
 PREFILL_LEN = COND_LEN + (TEXT_LEN + 2) + 2  # + SOT/EOT + the double start-of-speech (architecture §3.5)
 KNOBS = dict(temperature=0.8, min_p=0.05, top_p=1.0, repetition_penalty=1.2, cfg_weight=0.5)
 EXAGGERATION = 0.5
-# Backbone geometry, for the KV bytes (both systems use the same Llama-520M).
-LAYERS, HEADS, HEAD_DIM, HIDDEN = 30, 16, 64, 1024
-START_TEXT, STOP_TEXT, SPEECH_VOCAB_REAL = 255, 0, 6561
+# Both systems run the same full-size English T3 (Llama-520M); its sizes and ids come from our config.
+CFG = T3Config()
 
 
 def fixed_inputs() -> tuple[list[int], list[int]]:
     """The same text ids (no SOT/EOT) and prompt speech ids for both systems and every run."""
     rng = random.Random(0)
-    text = [rng.randrange(1, START_TEXT) for _ in range(TEXT_LEN)]
-    prompt = [rng.randrange(0, SPEECH_VOCAB_REAL) for _ in range(PROMPT_LEN)]
+    text = [rng.randrange(1, CFG.start_text_token) for _ in range(TEXT_LEN)]
+    prompt = [rng.randrange(0, CFG.start_speech_token) for _ in range(PROMPT_LEN)]
     return text, prompt
 
 
 def kv_bytes_per_step(tokens: int, itemsize: int) -> int:
     """KV cache bytes one decode step reads, averaged over the run (context grows from PREFILL_LEN)."""
     avg_len = PREFILL_LEN + tokens / 2
-    return int(LAYERS * 2 * BATCH * HEADS * avg_len * HEAD_DIM * itemsize)
+    return int(CFG.num_layers * 2 * BATCH * CFG.num_heads * avg_len * CFG.head_dim * itemsize)
 
 
 def summarize(first_s: list[float], decode_s: list[float], tokens: int, bytes_per_step: int) -> dict:
@@ -81,13 +82,12 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
 
     from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
     from mlx_chatterbox.generation.voice import Voice
-    from mlx_chatterbox.models.t3 import T3, T3Config
     from mlx_chatterbox.sampling import SamplingParams
 
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
     dtype = getattr(mx, dtype_name)
     mx.random.seed(0)
-    model = T3(T3Config())
+    model = T3(CFG)
     model.set_dtype(dtype)  # floating parameters only
     mx.eval(model.parameters())
     text, prompt = fixed_inputs()
@@ -116,7 +116,7 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     weights = [model.tfmr.parameters(), model.speech_head.parameters()]
     weight_bytes = sum(v.nbytes for tree in weights for _, v in tree_flatten(tree))
     itemsize = model.speech_head.weight.dtype.size
-    bytes_per_step = weight_bytes + 2 * HIDDEN * itemsize + kv_bytes_per_step(tokens, itemsize)
+    bytes_per_step = weight_bytes + 2 * CFG.hidden_size * itemsize + kv_bytes_per_step(tokens, itemsize)
     result = summarize([r[0] for r in runs], [r[1] for r in runs], tokens, bytes_per_step)
     result.update(
         peak_mem_bytes=mx.get_peak_memory(),
@@ -176,7 +176,7 @@ def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: in
     t3 = t3.to(dtype).eval()
     t3.hp.stop_speech_token = -1  # an id never sampled: EOS disabled
     text, prompt = fixed_inputs()
-    text_tokens = torch.tensor([[START_TEXT, *text, STOP_TEXT]] * BATCH, device=dev)
+    text_tokens = torch.tensor([[CFG.start_text_token, *text, CFG.stop_text_token]] * BATCH, device=dev)
     speaker_emb = torch.randn(1, 256, device=dev, dtype=dtype)
     prompt_tokens = torch.tensor([prompt], device=dev)
 
@@ -211,7 +211,7 @@ def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: in
     layers = list(t3.tfmr.layers) + [t3.tfmr.norm, t3.speech_head]
     weight_bytes = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     itemsize = t3.speech_head.weight.element_size()
-    bytes_per_step = weight_bytes + 2 * HIDDEN * itemsize + kv_bytes_per_step(tokens, itemsize)
+    bytes_per_step = weight_bytes + 2 * CFG.hidden_size * itemsize + kv_bytes_per_step(tokens, itemsize)
     result = summarize([first], [decode], tokens, bytes_per_step)
     result.update(
         torch_device=str(dev),

@@ -57,7 +57,7 @@ def _tf32() -> str:
     if TF32_VAR in os.environ:
         return f"{TF32_VAR}={os.environ[TF32_VAR]} (set by the user)"
     if "mlx.core" in sys.modules:
-        return f"MLX's default (TF32 where supported): mlx.core was imported before mlx_chatterbox"
+        return "MLX's default (TF32 where supported): mlx.core was imported before mlx_chatterbox"
     os.environ[TF32_VAR] = "0"
     return f"{TF32_VAR}=0: fp32 matmuls in full fp32, as upstream (set {TF32_VAR}=1 to allow TF32)"
 

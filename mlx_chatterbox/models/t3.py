@@ -93,7 +93,7 @@ def llama3_inv_freq(cfg: T3Config) -> mx.array:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: T3Config):
+    def __init__(self, cfg: T3Config, rope_periods: mx.array):
         super().__init__()
         d, h, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.num_heads, self.head_dim = h, hd
@@ -101,8 +101,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, h * hd, bias=False)
         self.v_proj = nn.Linear(d, h * hd, bias=False)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
-        # mx.fast.rope takes periods (1 / inv_freq), not inverse frequencies.
-        self._rope_periods = 1.0 / llama3_inv_freq(cfg)
+        self._rope_periods = rope_periods
 
     def _rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(
@@ -139,10 +138,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: T3Config):
+    def __init__(self, cfg: T3Config, rope_periods: mx.array):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, rope_periods)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -157,7 +156,9 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: T3Config):
         super().__init__()
-        self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_layers)]
+        # One table for every layer; mx.fast.rope takes periods (1 / inv_freq), not inverse frequencies.
+        rope_periods = 1.0 / llama3_inv_freq(cfg)
+        self.layers = [DecoderLayer(cfg, rope_periods) for _ in range(cfg.num_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: list[KVCache] | None = None) -> mx.array:
