@@ -107,11 +107,27 @@ def convert(
     return dst
 
 
-def sanitize(
-    weights: dict[str, mx.array], table: dict[str, tuple[str | None, tuple[int, ...]]], filename: str
-) -> dict[str, mx.array]:
+# A key table maps each upstream key to (our key or None to drop, its upstream shape[, layout]). The layout
+# names how a PyTorch tensor moves to MLX's channels-last convolutions (architecture §9.7); it is applied once,
+# here, after the shape check.
+Rule = tuple  # (str | None, tuple[int, ...]) or (str | None, tuple[int, ...], str)
+LAYOUTS = {
+    "conv1d": (0, 2, 1),  # (out, in, k) -> (out, k, in)
+    "conv_transpose1d": (1, 2, 0),  # (in, out, k) -> (out, k, in)
+    "conv2d": (0, 2, 3, 1),  # (out, in, kh, kw) -> (out, kh, kw, in)
+}
+WEIGHT_NORM_G = "parametrizations.weight.original0"
+WEIGHT_NORM_V = "parametrizations.weight.original1"
+
+
+def sanitize(weights: dict[str, mx.array], table: dict[str, Rule], filename: str) -> dict[str, mx.array]:
     """Rename upstream keys to ours with a network's key table: every key must be known and present, every
-    shape exact; keys mapped to None are dropped."""
+    shape exact; keys mapped to None are dropped, layouts are applied.
+
+    Weight-normed layers (``P.parametrizations.weight.original0/1`` = g, v) are folded first into ``P.weight``
+    = g·v/‖v‖, so tables list the folded ``P.weight``.
+    """
+    weights = fold_weight_norm(weights, filename)
     unknown = sorted(set(weights) - set(table))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -124,12 +140,38 @@ def sanitize(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConversionError(f"{filename}: key {missing[0]!r}{more} is missing; the file is incomplete")
     out = {}
-    for key, (target, shape) in table.items():
+    for key, (target, shape, *layout) in table.items():
         value = weights[key]
         if tuple(value.shape) != shape:
             raise ConversionError(f"{filename}: {key} has shape {tuple(value.shape)}, expected {shape}")
         if target is not None:
-            out[target] = value
+            out[target] = value.transpose(LAYOUTS[layout[0]]) if layout else value
+    return out
+
+
+def fold_weight_norm(weights: dict[str, mx.array], filename: str) -> dict[str, mx.array]:
+    """Replace each weight-norm pair (torch.nn.utils.parametrizations.weight_norm, dim 0) by its weight.
+
+    The norm runs over every dim but 0 of the PyTorch layout, which is in_channels for a transposed conv
+    (architecture §4.6), so this happens before any layout change. Computed in float64, rounded once."""
+    out = {k: v for k, v in weights.items() if not k.endswith((WEIGHT_NORM_G, WEIGHT_NORM_V))}
+    prefixes = {k[: -len(WEIGHT_NORM_G)] for k in weights if k.endswith((WEIGHT_NORM_G, WEIGHT_NORM_V))}
+    for p in sorted(prefixes):
+        g, v = weights.get(p + WEIGHT_NORM_G), weights.get(p + WEIGHT_NORM_V)
+        if g is None or v is None:
+            half = WEIGHT_NORM_G if g is None else WEIGHT_NORM_V
+            raise ConversionError(f"{filename}: key {p + half!r} is missing; the file is incomplete")
+        if p + "weight" in weights:
+            raise ConversionError(f"{filename}: {p}weight and a weight-norm pair are both present")
+        expected_g = (v.shape[0],) + (1,) * (v.ndim - 1)
+        if tuple(g.shape) != expected_g:
+            raise ConversionError(
+                f"{filename}: {p + WEIGHT_NORM_G} has shape {tuple(g.shape)}, expected {expected_g}"
+            )
+        v64 = np.asarray(v.astype(mx.float32), dtype=np.float64)
+        norm = np.sqrt((v64**2).sum(axis=tuple(range(1, v.ndim)), keepdims=True))
+        folded = np.asarray(g.astype(mx.float32), dtype=np.float64) * v64 / norm
+        out[p + "weight"] = mx.array(folded.astype(np.float32)).astype(v.dtype)
     return out
 
 
