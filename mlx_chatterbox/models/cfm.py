@@ -1,0 +1,361 @@
+"""S3Gen's conditional flow-matching decoder: the estimator (a causal 1-D U-Net with transformer blocks) and
+the Euler solver with classifier-free guidance.
+
+Mirrors upstream ``chatterbox/models/s3gen`` (0.1.7): ``decoder.py: ConditionalDecoder`` (causal), the matcha
+blocks it builds on, diffusers' ``BasicTransformerBlock``, and ``flow_matching.py: CausalConditionalCFM``;
+architecture notes §4.4 and §4.5. Channels-last (B, T, C) throughout. Attribute paths follow the checkpoint
+keys under ``flow.decoder.estimator.``; ``None`` holds the place of parameter-free Sequential members.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
+TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
+MASK_BIAS = -1.0e10  # decoder.py: mask_to_bias
+
+
+@dataclass(frozen=True)
+class CFMConfig:
+    """Sizes of the estimator and the solver's defaults; the defaults are upstream's (``S3Token2Mel`` builds
+    ``ConditionalDecoder`` with these; ``configs.py: CFM_PARAMS`` holds the guidance rate)."""
+
+    in_channels: int = 320  # x, mu, spks and cond stacked: 4 x out_channels
+    out_channels: int = 80  # mel bins
+    channels: int = 256  # U-Net width (upstream ``channels=[256]``: one level, no down/up-sampling)
+    n_blocks: int = 4  # transformer blocks per stage
+    num_mid_blocks: int = 12
+    num_heads: int = 8
+    head_dim: int = 64
+    n_timesteps: int = 10  # Euler steps (flow.py inference)
+    cfg_rate: float = 0.7  # inference_cfg_rate
+
+    def __post_init__(self) -> None:
+        if self.in_channels != 4 * self.out_channels:
+            raise ValueError(
+                f"in_channels={self.in_channels} must be 4 x out_channels={self.out_channels} "
+                "(x, mu, speaker and cond are stacked)"
+            )
+        if self.in_channels % 2:
+            raise ValueError(f"in_channels={self.in_channels} must be even (sinusoidal time embedding)")
+        for name in ("channels", "n_blocks", "num_heads", "head_dim", "n_timesteps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CFMConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown CFM config fields: {sorted(unknown)}")
+        return cls(**d)
+
+    @property
+    def time_embed_dim(self) -> int:
+        return 4 * self.channels  # decoder.py: channels[0] * 4
+
+
+def timestep_embedding(t: mx.array, dim: int) -> mx.array:
+    """Sinusoidal embedding (matcha ``SinusoidalPosEmb``) of (B,) times in [0, 1] -> (B, dim) float32:
+    [sin | cos] concatenated, not interleaved, with the fp32 operations in upstream's order."""
+    half = dim // 2
+    freqs = mx.exp(mx.arange(half, dtype=mx.float32) * -(math.log(10000) / (half - 1)))
+    arg = (TIME_SCALE * t.astype(mx.float32))[:, None] * freqs[None]
+    return mx.concatenate([mx.sin(arg), mx.cos(arg)], axis=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    """matcha ``TimestepEmbedding``: Linear -> SiLU -> Linear."""
+
+    def __init__(self, in_channels: int, time_embed_dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, time_embed_dim)
+        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear_2(nn.silu(self.linear_1(x)))
+
+
+class CausalConv1d(nn.Conv1d):
+    """A stride-1 convolution that sees only the current and past frames: left-pads kernel - 1 zeros."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.weight.shape[1]
+        return super().__call__(mx.pad(x, [(0, 0), (k - 1, 0), (0, 0)]))
+
+
+class CausalBlock1D(nn.Module):
+    """Mish(LayerNorm(CausalConv1d_k3(x ⊙ m))) ⊙ m; ``block`` mirrors upstream's Sequential
+    (conv, Transpose, LayerNorm, Transpose, Mish), whose parameters sit at 0 and 2."""
+
+    def __init__(self, dim: int, dim_out: int):
+        super().__init__()
+        self.block = [CausalConv1d(dim, dim_out, 3), None, nn.LayerNorm(dim_out, eps=1e-5)]
+
+    def __call__(self, x: mx.array, m: mx.array) -> mx.array:
+        conv, _, norm = self.block
+        return nn.mish(norm(conv(x * m))) * m
+
+
+class CausalResnetBlock1D(nn.Module):
+    """Two causal blocks with the time embedding added between them, plus a 1x1 residual conv; the output is
+    not re-masked (matcha ``ResnetBlock1D``)."""
+
+    def __init__(self, dim: int, dim_out: int, time_embed_dim: int):
+        super().__init__()
+        self.mlp = [None, nn.Linear(time_embed_dim, dim_out)]  # Sequential(Mish, Linear)
+        self.block1 = CausalBlock1D(dim, dim_out)
+        self.block2 = CausalBlock1D(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def __call__(self, x: mx.array, m: mx.array, t_emb: mx.array) -> mx.array:
+        h = self.block1(x, m) + self.mlp[1](nn.mish(t_emb))[:, None, :]
+        h = self.block2(h, m)
+        return h + self.res_conv(x * m)
+
+
+class Attention(nn.Module):
+    """diffusers ``Attention`` as BasicTransformerBlock builds it: self-attention, q/k/v without bias, inner
+    width heads x head_dim (512 at full size, not the block's 256), output projection with bias."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        inner = num_heads * head_dim
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = [nn.Linear(inner, dim)]  # to_out.1 is dropout
+
+    def __call__(self, x: mx.array, bias: mx.array) -> mx.array:
+        b, n, _ = x.shape
+        q = self.to_q(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)  # (B, H, T, hd)
+        k = self.to_k(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
+        v = self.to_v(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=bias)
+        return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class GELUProjection(nn.Module):
+    """diffusers ``GELU`` (exact erf form) with its input projection."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, inner)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return nn.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.net = [GELUProjection(dim, FF_MULT * dim), None, nn.Linear(FF_MULT * dim, dim)]  # net.1: dropout
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.net[2](self.net[0](x))
+
+
+class BasicTransformerBlock(nn.Module):
+    """Pre-norm self-attention and GELU feed-forward, no cross-attention (diffusers, as matcha configures it)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-5)
+        self.attn1 = Attention(dim, num_heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim, eps=1e-5)
+        self.ff = FeedForward(dim)
+
+    def __call__(self, x: mx.array, bias: mx.array) -> mx.array:
+        x = self.attn1(self.norm1(x), bias) + x
+        return self.ff(self.norm3(x)) + x
+
+
+class Estimator(nn.Module):
+    """The velocity field v(x, t | mu, spks, cond): upstream ``ConditionalDecoder`` with ``causal=True`` and one
+    U-Net level (architecture §4.5). Only the convolutions are causal; attention sees every valid frame."""
+
+    def __init__(self, cfg: CFMConfig):
+        super().__init__()
+        self.config = cfg
+        c, temb = cfg.channels, cfg.time_embed_dim
+
+        def transformers() -> list[BasicTransformerBlock]:
+            return [BasicTransformerBlock(c, cfg.num_heads, cfg.head_dim) for _ in range(cfg.n_blocks)]
+
+        self.time_mlp = TimestepEmbedding(cfg.in_channels, temb)
+        # With one level the "downsample" and "upsample" are plain causal k3 convs, without stride.
+        self.down_blocks = [
+            [CausalResnetBlock1D(cfg.in_channels, c, temb), transformers(), CausalConv1d(c, c, 3)]
+        ]
+        self.mid_blocks = [
+            [CausalResnetBlock1D(c, c, temb), transformers()] for _ in range(cfg.num_mid_blocks)
+        ]
+        self.up_blocks = [[CausalResnetBlock1D(2 * c, c, temb), transformers(), CausalConv1d(c, c, 3)]]
+        self.final_block = CausalBlock1D(c, c)
+        self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
+
+    def __call__(
+        self, x: mx.array, mask: mx.array, mu: mx.array, t: mx.array, spks: mx.array, cond: mx.array
+    ) -> mx.array:
+        """Velocity at time t.
+
+        x, mu, cond: (B, T, out_channels) current sample, encoder output and prompt condition (mel frames).
+        mask: (B, T) bool or 0/1 float, True/1 on valid frames. t: (B,) times in [0, 1].
+        spks: (B, out_channels) projected speaker embedding, broadcast over time.
+        Returns (B, T, out_channels), zero on padded frames.
+        """
+        b, n, _ = x.shape
+        m = mask.astype(x.dtype)[:, :, None]  # (B, T, 1)
+        # Key-padding bias (decoder.py: add_optional_chunk_mask + mask_to_bias), the same for every query.
+        # Upstream unmasks a row without any valid frame; its output is zeroed either way.
+        bias = ((1.0 - (mask != 0).astype(x.dtype)) * MASK_BIAS)[:, None, None, :]  # (B, 1, 1, T)
+        t_emb = self.time_mlp(timestep_embedding(t, self.config.in_channels).astype(x.dtype))
+        h = mx.concatenate([x, mu, mx.broadcast_to(spks[:, None, :], (b, n, spks.shape[-1])), cond], axis=-1)
+
+        def stage(h: mx.array, resnet: CausalResnetBlock1D, blocks: list[BasicTransformerBlock]) -> mx.array:
+            h = resnet(h, m, t_emb)
+            for block in blocks:
+                h = block(h, bias)
+            return h
+
+        resnet, blocks, down = self.down_blocks[0]
+        skip = stage(h, resnet, blocks)
+        h = down(skip * m)
+        for resnet, blocks in self.mid_blocks:
+            h = stage(h, resnet, blocks)
+        resnet, blocks, up = self.up_blocks[0]
+        h = stage(mx.concatenate([h, skip], axis=-1), resnet, blocks)
+        h = up(h * m)
+        h = self.final_block(h, m)
+        return self.final_proj(h * m) * m
+
+    @staticmethod
+    def checkpoint_table(cfg: CFMConfig) -> dict[str, tuple]:
+        """Upstream key under ``flow.decoder.estimator.`` -> (our key, expected shape[, layout]). Names are
+        unchanged; convolution kernels move to MLX's layout. (``flow.decoder`` holds nothing else: the CFM
+        wrapper has no parameters or buffers.)"""
+        c, temb, inner, ff = (
+            cfg.channels,
+            cfg.time_embed_dim,
+            cfg.num_heads * cfg.head_dim,
+            FF_MULT * cfg.channels,
+        )
+        shapes: dict[str, tuple] = {
+            "time_mlp.linear_1.weight": (temb, cfg.in_channels),
+            "time_mlp.linear_1.bias": (temb,),
+            "time_mlp.linear_2.weight": (temb, temb),
+            "time_mlp.linear_2.bias": (temb,),
+        }
+
+        def conv(prefix: str, cin: int, cout: int, k: int) -> None:
+            shapes[f"{prefix}.weight"] = (cout, cin, k)
+            shapes[f"{prefix}.bias"] = (cout,)
+
+        def causal_block(prefix: str, cin: int, cout: int) -> None:
+            conv(f"{prefix}.block.0", cin, cout, 3)
+            shapes[f"{prefix}.block.2.weight"] = (cout,)
+            shapes[f"{prefix}.block.2.bias"] = (cout,)
+
+        def resnet(prefix: str, cin: int) -> None:
+            shapes[f"{prefix}.mlp.1.weight"] = (c, temb)
+            shapes[f"{prefix}.mlp.1.bias"] = (c,)
+            causal_block(f"{prefix}.block1", cin, c)
+            causal_block(f"{prefix}.block2", c, c)
+            conv(f"{prefix}.res_conv", cin, c, 1)
+
+        def transformers(prefix: str) -> None:
+            for i in range(cfg.n_blocks):
+                p = f"{prefix}.{i}"
+                for norm in ("norm1", "norm3"):
+                    shapes[f"{p}.{norm}.weight"] = (c,)
+                    shapes[f"{p}.{norm}.bias"] = (c,)
+                for proj in ("to_q", "to_k", "to_v"):
+                    shapes[f"{p}.attn1.{proj}.weight"] = (inner, c)
+                shapes[f"{p}.attn1.to_out.0.weight"] = (c, inner)
+                shapes[f"{p}.attn1.to_out.0.bias"] = (c,)
+                shapes[f"{p}.ff.net.0.proj.weight"] = (ff, c)
+                shapes[f"{p}.ff.net.0.proj.bias"] = (ff,)
+                shapes[f"{p}.ff.net.2.weight"] = (c, ff)
+                shapes[f"{p}.ff.net.2.bias"] = (c,)
+
+        resnet("down_blocks.0.0", cfg.in_channels)
+        transformers("down_blocks.0.1")
+        conv("down_blocks.0.2", c, c, 3)
+        for i in range(cfg.num_mid_blocks):
+            resnet(f"mid_blocks.{i}.0", c)
+            transformers(f"mid_blocks.{i}.1")
+        resnet("up_blocks.0.0", 2 * c)
+        transformers("up_blocks.0.1")
+        conv("up_blocks.0.2", c, c, 3)
+        causal_block("final_block", c, c)
+        conv("final_proj", c, cfg.out_channels, 1)
+        return {
+            key: (key, shape, "conv1d") if len(shape) == 3 else (key, shape) for key, shape in shapes.items()
+        }
+
+
+@functools.lru_cache(maxsize=64)
+def _cosine_times(n_timesteps: int) -> tuple[float, ...]:
+    steps = n_timesteps + 1
+    k = mx.arange(steps, dtype=mx.float32)
+    step = mx.array(1.0, mx.float32) / n_timesteps
+    # torch.linspace fills the first half forwards from 0 and the second half backwards from 1.
+    lin = mx.where(k < steps // 2, step * k, 1.0 - step * (n_timesteps - k))
+    angles = (lin * 0.5 * math.pi).tolist()
+    # MLX's fp32 cos can be 1 ulp off where torch's is correctly rounded: take it in double, round once.
+    cos = mx.array([math.cos(a) for a in angles], dtype=mx.float32)
+    return tuple((1.0 - cos).tolist())
+
+
+def cosine_schedule(n_timesteps: int) -> mx.array:
+    """(n + 1,) float32 times t_k = 1 - cos(pi/2 · k/n) as upstream's fp32
+    ``1 - cos(linspace(0, 1, n + 1) * 0.5 * pi)``, with a correctly rounded cosine: bit-exact with upstream at
+    the default 10 steps; at some counts torch's SIMD linspace/cos land 1-2 ulp away."""
+    return mx.array(_cosine_times(n_timesteps), dtype=mx.float32)
+
+
+def solve(
+    estimator: Estimator,
+    mu: mx.array,
+    mask: mx.array,
+    spks: mx.array,
+    cond: mx.array,
+    noise: mx.array,
+    n_timesteps: int = 10,
+    cfg_rate: float = 0.7,
+) -> mx.array:
+    """Integrate the flow from ``noise`` at t = 0 to a mel at t = 1 (upstream ``CausalConditionalCFM.forward``
+    and ``solve_euler``): Euler steps on the cosine schedule with classifier-free guidance
+    v = (1 + w)·v(mu, spks, cond) - w·v(0, 0, 0), both halves in one batch of 2B.
+
+    mu, cond: (B, T, 80); mask: (B, T) bool or 0/1; spks: (B, 80); noise: (B, T, 80) the initial sample
+    (upstream draws ``randn_like(mu)``: N(0, 1) over every frame, the prompt's included).
+    Returns (B, T, 80). The result is not re-masked, as upstream. The loop only builds the graph; the caller
+    evaluates it.
+    """
+    if n_timesteps < 1:
+        raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
+    b = mu.shape[0]
+    t_span = cosine_schedule(n_timesteps).astype(noise.dtype)  # solve_euler casts it to the model dtype
+    # With cfg_rate 0 the unconditional half's weight is exactly 0: skip it (same result, half the work).
+    guided = cfg_rate != 0
+    if guided:
+        mask = mx.concatenate([mask, mask], axis=0)
+        mu = mx.concatenate([mu, mx.zeros_like(mu)], axis=0)
+        spks = mx.concatenate([spks, mx.zeros_like(spks)], axis=0)
+        cond = mx.concatenate([cond, mx.zeros_like(cond)], axis=0)
+    x = noise
+    for k in range(n_timesteps):
+        t, r = t_span[k], t_span[k + 1]
+        x_in = mx.concatenate([x, x], axis=0) if guided else x
+        v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond)
+        if guided:
+            v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
+        x = x + (r - t) * v
+    return x

@@ -1,0 +1,185 @@
+"""The flow-matching decoder on tiny random configs (no torch): key table, shapes, masks with padded batches,
+odd lengths, the schedule and the Euler/CFG solver."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_chatterbox.convert import sanitize
+from mlx_chatterbox.models.cfm import CFMConfig, Estimator, cosine_schedule, solve
+
+# An 8-bin "mel" keeps it fast; the inner attention width (2 x 8) differs from the 24 channels.
+TINY = CFMConfig(
+    in_channels=32, out_channels=8, channels=24, n_blocks=1, num_mid_blocks=2, num_heads=2, head_dim=8
+)
+MEL = TINY.out_channels
+
+
+def random_upstream_weights(cfg: CFMConfig, seed: int = 0) -> dict[str, mx.array]:
+    """Random tensors under upstream's keys and PyTorch shapes: LayerNorm weights 1 + 0.1·N, biases 0.1·N,
+    weights N / sqrt(fan_in)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, (_, shape, *_) in Estimator.checkpoint_table(cfg).items():
+        w = rng.standard_normal(shape)
+        if len(shape) == 1:
+            w = 1 + 0.1 * w if key.endswith(".weight") else 0.1 * w
+        else:
+            w = w / math.sqrt(np.prod(shape[1:]))
+        out[key] = mx.array(w.astype(np.float32))
+    return out
+
+
+@pytest.fixture(scope="module")
+def estimator() -> Estimator:
+    model = Estimator(TINY)
+    table = Estimator.checkpoint_table(TINY)
+    model.load_weights(list(sanitize(random_upstream_weights(TINY), table, "test").items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def batch(lengths: list[int], seed: int = 0, n: int | None = None):
+    rng = np.random.default_rng(seed)
+    b, n = len(lengths), n or max(lengths)
+    f = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    mask = mx.array(np.arange(n)[None] < np.array(lengths)[:, None])
+    return f(b, n, MEL), mask, f(b, n, MEL), f(b, MEL), f(b, n, MEL)  # x, mask, mu, spks, cond
+
+
+def close(a: mx.array, b: mx.array, tol: float = 1e-5) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max()) <= tol * max(float(np.abs(b).max()), 1e-12)
+
+
+def test_config_defaults_are_upstreams_and_round_trip_through_json():
+    cfg = CFMConfig()
+    assert (cfg.in_channels, cfg.out_channels, cfg.channels, cfg.time_embed_dim) == (320, 80, 256, 1024)
+    assert (cfg.n_blocks, cfg.num_mid_blocks, cfg.num_heads, cfg.head_dim) == (4, 12, 8, 64)
+    assert (cfg.n_timesteps, cfg.cfg_rate) == (10, 0.7)
+    assert CFMConfig.from_dict(json.loads(json.dumps(asdict(TINY)))) == TINY
+    with pytest.raises(ValueError, match="unknown CFM config fields"):
+        CFMConfig.from_dict({"meanflow": True})
+    with pytest.raises(ValueError, match="4 x out_channels"):
+        CFMConfig(in_channels=300)
+
+
+def test_checkpoint_table_matches_our_parameters():
+    for cfg in (TINY, CFMConfig()):
+        table = Estimator.checkpoint_table(cfg)
+        ours = dict(tree_flatten(Estimator(cfg).parameters()))
+        assert {rule[0] for rule in table.values()} == set(ours)
+        for key, (target, shape, *layout) in table.items():
+            expected = (shape[0], shape[2], shape[1]) if layout == ["conv1d"] else shape
+            assert ours[target].shape == expected, key
+    assert len(Estimator.checkpoint_table(CFMConfig())) == 910  # the full model's key count
+
+
+def test_output_shape_and_padded_frames_are_zero(estimator):
+    x, mask, mu, spks, cond = batch([9, 4])
+    out = estimator(x, mask, mu, mx.array([0.2, 0.2]), spks, cond)
+    assert out.shape == (2, 9, MEL) and out.dtype == mx.float32
+    assert np.all(np.asarray(out)[1, 4:] == 0)
+    assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_float_mask_equals_bool_mask(estimator):
+    x, mask, mu, spks, cond = batch([7, 5], seed=1)
+    t = mx.array([0.5, 0.9])
+    a = estimator(x, mask, mu, t, spks, cond)
+    b = estimator(x, mask.astype(mx.float32), mu, t, spks, cond)
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("length", [1, 3, 6])
+def test_valid_frames_of_a_padded_row_equal_the_unpadded_run(estimator, length):
+    """Causal convolutions, per-frame norms and key-padding attention make padding invisible to the valid
+    frames, whatever the padded frames hold."""
+    x, mask, mu, spks, cond = batch([11, length], seed=2)
+    t = mx.array([0.3, 0.7])
+    padded = estimator(x, mask, mu, t, spks, cond)
+    alone = estimator(
+        x[1:, :length], mx.ones((1, length), mx.bool_), mu[1:, :length], t[1:], spks[1:], cond[1:, :length]
+    )
+    assert close(padded[1, :length], alone[0])
+    # and row 0 does not see row 1
+    first = estimator(x[:1], mask[:1], mu[:1], t[:1], spks[:1], cond[:1])
+    assert close(padded[0], first[0])
+
+
+def test_attention_is_bidirectional(estimator):
+    """Only the convolutions are causal (architecture §9.1): a change in the last frame reaches earlier
+    frames through attention."""
+    x, mask, mu, spks, cond = batch([8], seed=3)
+    t = mx.array([0.4])
+    base = estimator(x, mask, mu, t, spks, cond)
+    bumped_x = mx.concatenate([x[:, :-1], x[:, -1:] + 1.0], axis=1)
+    bumped = estimator(bumped_x, mask, mu, t, spks, cond)
+    assert not close(bumped[:, :-1], base[:, :-1], 1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_odd_and_tiny_lengths(estimator, n):
+    x, mask, mu, spks, cond = batch([n], seed=4)
+    out = estimator(x, mask, mu, mx.array([0.1]), spks, cond)
+    assert out.shape == (1, n, MEL) and np.all(np.isfinite(np.asarray(out)))
+
+
+def test_cosine_schedule():
+    for n in (1, 2, 10, 33):
+        t = np.asarray(cosine_schedule(n))
+        assert t.shape == (n + 1,) and t.dtype == np.float32
+        assert t[0] == 0 and t[-1] == 1 and np.all(np.diff(t) > 0)
+        exact = 1 - np.cos(np.pi / 2 * np.arange(n + 1) / n)
+        assert np.abs(t - exact).max() < 2e-7
+
+
+def test_one_step_is_one_guided_euler_step(estimator):
+    x, mask, mu, spks, cond = batch([6, 4], seed=5)
+    z = x
+    out = solve(estimator, mu, mask, spks, cond, z, n_timesteps=1, cfg_rate=0.7)
+    t0 = mx.zeros((2,))
+    v_cond = estimator(z, mask, mu, t0, spks, cond)
+    v_uncond = estimator(z, mask, mx.zeros_like(mu), t0, mx.zeros_like(spks), mx.zeros_like(cond))
+    assert close(out, z + 1.7 * v_cond - 0.7 * v_uncond)
+
+
+def test_ten_steps_follow_the_schedule(estimator):
+    x, mask, mu, spks, cond = batch([5], seed=6)
+    w, n = 0.5, 10
+    t = np.asarray(cosine_schedule(n))
+    ref = x
+    for k in range(n):
+        tk = mx.full((1,), float(t[k]))
+        v = (1 + w) * estimator(ref, mask, mu, tk, spks, cond) - w * estimator(
+            ref, mask, mx.zeros_like(mu), tk, mx.zeros_like(spks), mx.zeros_like(cond)
+        )
+        ref = ref + float(t[k + 1] - t[k]) * v
+    out = solve(estimator, mu, mask, spks, cond, x, n_timesteps=n, cfg_rate=w)
+    one = solve(estimator, mu, mask, spks, cond, x, n_timesteps=1, cfg_rate=w)
+    assert close(out, ref, 1e-4)
+    assert not close(out, one, 1e-2)
+
+
+def test_solver_leaves_padded_frames_at_the_noise_and_rows_independent(estimator):
+    """The estimator is zero on padded frames and upstream does not re-mask x, so they keep the noise."""
+    z, mask, mu, spks, cond = batch([9, 5], seed=7)
+    out = solve(estimator, mu, mask, spks, cond, z, n_timesteps=3)
+    assert np.array_equal(np.asarray(out)[1, 5:], np.asarray(z)[1, 5:])
+    alone = solve(estimator, mu[1:, :5], mask[1:, :5], spks[1:], cond[1:, :5], z[1:, :5], n_timesteps=3)
+    assert close(out[1, :5], alone[0], 1e-4)
+
+
+def test_no_guidance_is_the_conditional_flow(estimator):
+    z, mask, mu, spks, cond = batch([6], seed=8)
+    out = solve(estimator, mu, mask, spks, cond, z, n_timesteps=1, cfg_rate=0.0)
+    assert close(out, z + estimator(z, mask, mu, mx.zeros((1,)), spks, cond))
+    with pytest.raises(ValueError, match="at least 1"):
+        solve(estimator, mu, mask, spks, cond, z, n_timesteps=0)
