@@ -19,23 +19,17 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
-import datetime
-import importlib.metadata
-import importlib.util
-import json
-import platform
 import random
 import statistics
-import subprocess
 import time
 import types
 from collections.abc import Callable
 
 import mlx.core as mx
+from common import bare_upstream, machine_info, write_line
 
 from mlx_chatterbox.models.t3 import T3, T3Config
 
-REPO = Path(__file__).resolve().parents[1]
 TEXT_LEN = 40  # text ids between SOT and EOT
 PROMPT_LEN = 150  # T3 conditioning prompt tokens, as a built-in voice
 BATCH = 2  # CFG: conditional + unconditional rows
@@ -135,23 +129,11 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
 
 
 def import_upstream_t3(src: str | None) -> types.ModuleType:
-    """Import ``chatterbox.models.t3.t3`` without running ``chatterbox/__init__.py``, which pulls the whole
-    TTS (librosa, perth, diffusers). The T3 subtree needs only torch, transformers, tqdm and einops."""
-    if "chatterbox" not in sys.modules:
-        if src is not None:
-            locations = [str(Path(src).resolve() / "chatterbox")]
-        else:
-            # find_spec on a top-level name only locates the package; it executes nothing.
-            spec = importlib.util.find_spec("chatterbox")
-            if spec is None or not spec.submodule_search_locations:
-                raise SystemExit("chatterbox not found: install chatterbox-tts or pass --upstream-src")
-            locations = list(spec.submodule_search_locations)
-        package = types.ModuleType("chatterbox")
-        package.__path__ = locations  # a bare namespace: submodules resolve, __init__.py never runs
-        sys.modules["chatterbox"] = package
+    """``chatterbox.models.t3.t3`` with the per-token progress bar silenced (see ``bare_upstream``)."""
+    bare_upstream(src)
     import chatterbox.models.t3.t3 as t3_module
 
-    t3_module.tqdm = lambda iterable, **_: iterable  # silence the per-token progress bar
+    t3_module.tqdm = lambda iterable, **_: iterable
     return t3_module
 
 
@@ -230,43 +212,6 @@ def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: in
 # --- run description ---
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        smi = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        gpu = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        gpu = None
-    try:
-        git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-
-    def version(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return dict(
-        platform=platform.platform(),
-        python=platform.python_version(),
-        cpu=cpu,
-        gpu=gpu,
-        versions={n: version(n) for n in ("mlx", "torch", "transformers")},
-        commit=commit,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
 def print_table(rows: list[dict]) -> None:
     head = f"{'system':9} {'dtype':9} {'device':7} {'tokens':>6} {'prefill ms':>10} {'tok/s':>8} "
     head += f"{'ms/step':>8} {'GB/s':>7} {'peak MiB':>9}"
@@ -313,12 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                 device = res.pop("torch_device")
             row = dict(system=system, dtype=dtype, device=device, tokens=args.tokens, repeats=args.repeats)
             row.update(res, prefill_len=PREFILL_LEN, **info)
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            write_line(row, args.out)
             rows.append(row)
     print_table(rows)
 

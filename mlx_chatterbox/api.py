@@ -1,6 +1,5 @@
-"""The public entry point: ``TTS.load(folder)`` then ``tts.speech_tokens(text, ...)``.
-
-Text -> speech tokens (T3) is what exists so far; ``generate`` (tokens -> 24 kHz audio) arrives with S3Gen.
+"""The public entry point: ``TTS.load(folder)``, then ``tts.generate(text)`` (text -> 24 kHz audio), or its two
+halves ``tts.speech_tokens(text)`` (T3) and ``tts.vocode(tokens)`` (S3Gen).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
+from .generation.vocode import SAMPLE_RATE, S3Gen
 from .generation.voice import Voice
 from .models.t3 import T3
 from .sampling import SamplingParams
@@ -24,8 +24,13 @@ from .weights import load_folder
 class TTS:
     """A loaded Chatterbox model. Build it with ``TTS.load``."""
 
-    def __init__(self, t3: T3, tokenizer: EnTokenizer, voice: Voice | None, path: Path | None = None):
+    sample_rate = SAMPLE_RATE
+
+    def __init__(
+        self, t3: T3, s3gen: S3Gen, tokenizer: EnTokenizer, voice: Voice | None, path: Path | None = None
+    ):
         self.t3 = t3
+        self.s3gen = s3gen
         self.tokenizer = tokenizer
         self.builtin_voice = voice
         self.path = path
@@ -34,7 +39,7 @@ class TTS:
     def load(cls, path: str | os.PathLike) -> "TTS":
         """Load a folder written by ``mlx_chatterbox.convert`` (``mlx-chatterbox convert``)."""
         folder = load_folder(path)
-        return cls(folder.t3, folder.tokenizer, folder.voice, folder.path)
+        return cls(folder.t3, folder.s3gen, folder.tokenizer, folder.voice, folder.path)
 
     def text_ids(self, text: str) -> list[int]:
         """Normalise (upstream ``punc_norm``) and tokenize ``text``, without SOT/EOT."""
@@ -67,7 +72,7 @@ class TTS:
         params = dataclasses.replace(params or SamplingParams(), **knobs)
         ids = self.text_ids(text)
         voice = self._voice(voice)
-        key = None if seed is None else mx.random.key(seed)
+        key = None if seed is None else _keys(seed)[0]
         raw = []
         for token in generate_speech_tokens(self.t3, voice, ids, params, key=key):
             raw.append(token)
@@ -78,6 +83,50 @@ class TTS:
             drop_invalid_tokens(raw, cfg.start_speech_token, cfg.stop_speech_token), dtype=np.int32
         )
 
+    def vocode(
+        self,
+        tokens: np.ndarray | list[int],
+        voice: Voice | str | os.PathLike | None = None,
+        *,
+        cfm_steps: int | None = None,
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """Speech tokens (ids in [0, 6561), 25 per second) -> float32 mono waveform at ``sample_rate`` (24 kHz),
+        960 samples per token; upstream ``S3Token2Wav.inference`` with its fade-in, without the watermark.
+
+        voice: as for ``speech_tokens``; its S3Gen prompt (tokens, mel, x-vector) sets the timbre.
+        cfm_steps: Euler steps of the flow-matching decoder; None = upstream's 10. Fewer is faster and rougher.
+        seed: makes the CFM noise and the vocoder's source noise reproducible; None draws fresh ones.
+        """
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"tokens must be a 1-d sequence of integer ids, got {ids.dtype} {ids.shape}")
+        key = None if seed is None else _keys(seed)[1]
+        wav = self.s3gen(
+            mx.array(ids.astype(np.int32))[None], self._voice(voice), cfm_steps=cfm_steps, key=key
+        )
+        return np.array(wav[0], dtype=np.float32)
+
+    def generate(
+        self,
+        text: str,
+        voice: Voice | str | os.PathLike | None = None,
+        params: SamplingParams | None = None,
+        *,
+        cfm_steps: int | None = None,
+        seed: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        **knobs: float,
+    ) -> np.ndarray:
+        """Text -> float32 mono waveform at ``sample_rate`` (24 kHz): ``speech_tokens`` then ``vocode``, with
+        the same arguments. With a seed, ``generate(text, seed=s)`` equals
+        ``vocode(speech_tokens(text, seed=s), seed=s)``. Not watermarked yet (upstream adds Perth's)."""
+        voice = self._voice(voice)
+        tokens = self.speech_tokens(text, voice, params, seed=seed, progress=progress, **knobs)
+        if tokens.size == 0:
+            raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+        return self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=seed)
+
     def _voice(self, voice: Voice | str | os.PathLike | None) -> Voice:
         if isinstance(voice, Voice):
             return voice
@@ -86,3 +135,9 @@ class TTS:
         if self.builtin_voice is None:
             raise ValueError(f"{self.path} has no built-in voice (no conds.pt was converted); pass a voice")
         return self.builtin_voice
+
+
+def _keys(seed: int) -> tuple[mx.array, mx.array]:
+    """Independent PRNG keys for T3 and S3Gen from one user seed."""
+    t3, s3gen = mx.random.split(mx.random.key(seed))
+    return t3, s3gen

@@ -1,4 +1,4 @@
-"""The ``mlx-chatterbox`` command: ``convert`` and ``tokens`` (``say`` arrives with the vocoder)."""
+"""The ``mlx-chatterbox`` command: ``convert``, ``say`` (text or speech tokens -> audio file) and ``tokens``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import soundfile as sf
+
 from . import _backend
 from .api import TTS
 from .convert import DEFAULT_REPO, DTYPES, convert
 from .sampling import SamplingParams
 
 PROG = "mlx-chatterbox"
+AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG"}
 _DEFAULTS = SamplingParams()
 KNOBS = {  # SamplingParams field -> help
     "temperature": "sampling temperature, >= 0; 0 = greedy",
@@ -49,29 +53,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
     p = sub.add_parser(
+        "say",
+        help="speak a text (or vocode speech tokens) into an audio file",
+        description="Speak TEXT with the model's built-in voice (or --voice) and write 24 kHz mono audio to "
+        "OUTPUT (.wav, .flac or .ogg, from the extension). With --tokens, vocode saved speech tokens instead.",
+    )
+    p.add_argument("text", nargs="?", help="text to speak; '-' reads standard input")
+    p.add_argument(
+        "--tokens",
+        type=Path,
+        metavar="FILE",
+        help="vocode these speech tokens (as 'mlx-chatterbox tokens' writes them) instead of a text",
+    )
+    _model_arguments(p)
+    p.add_argument("-o", "--output", required=True, type=Path, help="audio file to write")
+    p.add_argument(
+        "--cfm-steps",
+        type=int,
+        help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: 10)",
+    )
+    _knob_arguments(p)
+
+    p = sub.add_parser(
         "tokens",
         help="generate speech tokens for a text",
         description="Generate Chatterbox speech tokens (25 per second of audio) for TEXT with T3, and print "
         "them space-separated (or write them to a file).",
     )
     p.add_argument("text", help="text to speak; '-' reads standard input")
+    _model_arguments(p)
+    p.add_argument("-o", "--output", type=Path, help="write the tokens to this file instead of stdout")
+    _knob_arguments(p)
+    return parser
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')"
     )
     p.add_argument("--voice", type=Path, help="saved voice file (.safetensors); default: the built-in voice")
-    p.add_argument("-o", "--output", type=Path, help="write the tokens to this file instead of stdout")
-    knobs = p.add_argument_group("sampling")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
+
+
+def _knob_arguments(p: argparse.ArgumentParser) -> None:
+    knobs = p.add_argument_group("sampling (speech tokens)")
     for name, help_text in KNOBS.items():
         default = getattr(_DEFAULTS, name)
+        # None = not given, so that a knob given where it has no effect (say --tokens) can be refused.
         knobs.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=type(default),
-            default=default,
-            help=f"{help_text} (default: {default})",
+            f"--{name.replace('_', '-')}", type=type(default), help=f"{help_text} (default: {default})"
         )
-    knobs.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
-    return parser
+    p.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{n: getattr(args, n) for n in KNOBS if getattr(args, n) is not None})
 
 
 def _progress(label: str):
@@ -104,17 +140,58 @@ def _convert(args: argparse.Namespace) -> None:
     )
 
 
-def _tokens(args: argparse.Namespace) -> None:
+def _speech_tokens(tts: TTS, args: argparse.Namespace) -> np.ndarray:
     text = sys.stdin.read() if args.text == "-" else args.text
-    params = SamplingParams(**{name: getattr(args, name) for name in KNOBS})
+    progress = _progress("tokens")
+    tokens = tts.speech_tokens(text, args.voice, _params(args), seed=args.seed, progress=progress)
+    if progress is not None:
+        sys.stderr.write("\n")
+    return tokens
+
+
+def _read_tokens(path: Path) -> np.ndarray:
+    try:
+        return np.array([int(t) for t in path.read_text().split()], dtype=np.int64)
+    except ValueError:
+        raise ValueError(f"{path} must hold speech token ids separated by spaces") from None
+
+
+def _say(args: argparse.Namespace) -> None:
+    if (args.text is None) == (args.tokens is None):
+        raise ValueError("give either a TEXT to speak or --tokens FILE, not both or neither")
+    if args.tokens is not None:
+        given = [n for n in KNOBS if getattr(args, n) is not None]
+        if given:
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} shapes speech tokens; it has no effect with --tokens"
+            )
+    suffix = args.output.suffix.lower()
+    if suffix not in AUDIO_FORMATS:
+        raise ValueError(f"{args.output}: choose an output ending in {', '.join(AUDIO_FORMATS)}")
     start = time.perf_counter()
     tts = TTS.load(args.model)
     loaded = time.perf_counter()
-    progress = _progress("tokens")
-    tokens = tts.speech_tokens(text, args.voice, params, seed=args.seed, progress=progress)
+    tokens = _read_tokens(args.tokens) if args.tokens is not None else _speech_tokens(tts, args)
+    speech = time.perf_counter()
+    wav = tts.vocode(tokens, args.voice, cfm_steps=args.cfm_steps, seed=args.seed)
     done = time.perf_counter()
-    if progress is not None:
-        sys.stderr.write("\n")
+    _write_audio(args.output, wav, tts.sample_rate)
+    if args.verbose:
+        seconds = len(wav) / tts.sample_rate
+        print(
+            f"load {loaded - start:.2f} s, speech tokens {speech - loaded:.2f} s ({len(tokens)} tokens), "
+            f"vocoding {done - speech:.2f} s; {seconds:.2f} s of audio, real-time factor "
+            f"{(done - loaded) / max(seconds, 1e-9):.2f}\n" + _backend_lines(),
+            file=sys.stderr,
+        )
+
+
+def _tokens(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    tts = TTS.load(args.model)
+    loaded = time.perf_counter()
+    tokens = _speech_tokens(tts, args)
+    done = time.perf_counter()
     line = " ".join(map(str, tokens.tolist())) + "\n"
     if args.output is None:
         sys.stdout.write(line)
@@ -123,10 +200,23 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, generation {done - loaded:.2f} s, {len(tokens)} tokens "
-            f"({len(tokens) / 25:.1f} s of audio)\n"
-            + "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items()),
+            f"({len(tokens) / 25:.1f} s of audio)\n" + _backend_lines(),
             file=sys.stderr,
         )
+
+
+def _backend_lines() -> str:
+    return "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items())
+
+
+def _write_audio(path: Path, wav: np.ndarray, sample_rate: int) -> None:
+    """Write through a temporary file in the same folder, so that a failure leaves no partial file."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        sf.write(tmp, wav, sample_rate, format=AUDIO_FORMATS[path.suffix.lower()])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     try:
-        {"convert": _convert, "tokens": _tokens}[args.command](args)
+        {"convert": _convert, "say": _say, "tokens": _tokens}[args.command](args)
     except (ValueError, OSError) as e:  # our errors say what is wrong and how to fix it; no traceback
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1

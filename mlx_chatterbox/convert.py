@@ -1,8 +1,12 @@
 """Upstream Chatterbox checkpoint (a folder or a Hugging Face repo) -> an MLX model folder.
 
 Output folder:
-  config.json        format, format version, dtype, source, the network configs
+  config.json        format, format version, dtype, source, the network configs (``ModelConfig``)
   t3.safetensors     T3 weights under our names (``T3.checkpoint_table``), in the chosen dtype
+  flow.safetensors, cfm.safetensors, hift.safetensors
+                     S3Gen (tokens -> mel -> wav) from ``s3gen.safetensors``, float32
+  s3tokenizer.safetensors, campplus.safetensors
+                     the voice-cloning networks that also live in ``s3gen.safetensors``, float32
   tokenizer.json     the upstream text tokenizer, checked and copied
   voice.safetensors  the built-in voice from ``conds.pt`` (read without torch and without unpickling code)
 
@@ -16,27 +20,44 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from .generation.voice import Voice
-from .models.t3 import T3, T3Config
+from .models.campplus import CAMPPlus
+from .models.cfm import Estimator
+from .models.flow import Flow
+from .models.hift import HiFT
+from .models.s3tokenizer import S3Tokenizer
+from .models.t3 import T3
 from .text import EnTokenizer
 from .torchfile import TorchFileError, load_torch_file
+from .variants import ENGLISH, ModelConfig
 
 FORMAT = "mlx-chatterbox"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: S3Gen, the S3 tokenizer and CAM++ converted too
 DEFAULT_REPO = "ResembleAI/chatterbox"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 T3_FILE = "t3_cfg.safetensors"
+S3GEN_FILE = "s3gen.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 CONDS_FILE = "conds.pt"
-# In upstream checkpoints but converted by later stages of the port; accepted and left alone for now.
-NOT_YET_CONVERTED = ("s3gen.safetensors", "ve.safetensors")
+# In upstream checkpoints but converted by a later stage of the port (voice cloning); left alone for now.
+NOT_YET_CONVERTED = ("ve.safetensors",)
+# s3gen.safetensors holds five networks; each key goes to the first network whose prefix it starts with.
+S3GEN_PARTS = (
+    ("flow.decoder.estimator.", "cfm", Estimator),
+    ("flow.", "flow", Flow),
+    ("mel2wav.", "hift", HiFT),
+    ("tokenizer.", "s3tokenizer", S3Tokenizer),
+    ("speaker_encoder.", "campplus", CAMPPlus),
+)
+# Buffers that upstream recomputes and loads non-strictly (S3Token2Wav.ignore_state_dict_missing): a file
+# may or may not hold them; ours recomputes them too.
+S3GEN_OPTIONAL = {"tokenizer._mel_filters", "tokenizer.window"}
 
 
 class ConversionError(ValueError):
@@ -50,15 +71,15 @@ def convert(
     dtype: str = "float32",
     revision: str | None = None,
     overwrite: bool = False,
-    t3_config: T3Config | None = None,
+    config: ModelConfig = ENGLISH,
 ) -> Path:
     """Convert an upstream checkpoint to an MLX folder and return its path.
 
     src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``).
     dst: the folder to create; it must not exist (or be empty) unless ``overwrite``.
-    dtype: weight precision: float32 (upstream's), bfloat16 or float16.
+    dtype: T3's weight precision: float32 (upstream's), bfloat16 or float16. The S3Gen networks stay float32.
     revision: a Hub branch, tag or commit (repo ids only).
-    t3_config: T3 sizes when they differ from the English Chatterbox model.
+    config: the network sizes (the English Chatterbox model unless a test says otherwise).
     """
     if dtype not in DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -68,7 +89,7 @@ def convert(
             f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)"
         )
     src_dir, source = _resolve_source(src, revision)
-    cfg = t3_config or T3Config()
+    cfg = config.t3
 
     tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -79,13 +100,17 @@ def convert(
         t3 = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in t3.items()}
         mx.save_safetensors(str(tmp / "t3.safetensors"), t3, metadata={"format": FORMAT})
         del weights, t3
+        files = {"t3": "t3.safetensors"}
+        for name, network in convert_s3gen(_read_safetensors(src_dir / S3GEN_FILE), config).items():
+            files[name] = f"{name}.safetensors"
+            mx.save_safetensors(str(tmp / files[name]), network, metadata={"format": FORMAT})
 
         tokenizer_path = _require(src_dir / TOKENIZER_FILE)
         tokenizer = EnTokenizer.from_file(tokenizer_path)
         tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
 
-        files = {"t3": "t3.safetensors", "tokenizer": "tokenizer.json"}
+        files["tokenizer"] = "tokenizer.json"
         if (src_dir / CONDS_FILE).exists():
             voice_from_conds(src_dir / CONDS_FILE).save(tmp / "voice.safetensors")
             files["voice"] = "voice.safetensors"
@@ -96,7 +121,7 @@ def convert(
             "dtype": dtype,
             "source": source,
             "files": files,
-            "t3": asdict(cfg),
+            "networks": config.to_dict(),
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if dst.exists():
@@ -175,6 +200,26 @@ def fold_weight_norm(weights: dict[str, mx.array], filename: str) -> dict[str, m
     return out
 
 
+def convert_s3gen(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, dict[str, mx.array]]:
+    """Split upstream ``s3gen.safetensors`` into its networks and sanitize each with its table (error
+    messages keep the full upstream key; our keys drop the prefix, since each network is its own file)."""
+    parts: dict[str, dict[str, mx.array]] = {name: {} for _, name, _ in S3GEN_PARTS}
+    for key, value in weights.items():
+        if key in S3GEN_OPTIONAL:
+            continue
+        name = next((n for p, n, _ in S3GEN_PARTS if key.startswith(p)), None)
+        if name is None:
+            raise ConversionError(
+                f"{S3GEN_FILE}: unexpected key {key!r}; is this a Chatterbox checkpoint of the right variant?"
+            )
+        parts[name][key] = value
+    out = {}
+    for prefix, name, network in S3GEN_PARTS:
+        table = {prefix + k: rule for k, rule in network.checkpoint_table(getattr(config, name)).items()}
+        out[name] = {k: v.astype(mx.float32) for k, v in sanitize(parts[name], table, S3GEN_FILE).items()}
+    return out
+
+
 def voice_from_conds(path: Path) -> Voice:
     """Upstream ``conds.pt`` (``Conditionals.save``: {'t3': T3Cond fields, 'gen': S3Gen ref dict}) -> Voice."""
     name = path.name
@@ -250,14 +295,16 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
 
     try:
         local = snapshot_download(
-            text, revision=revision, allow_patterns=[T3_FILE, TOKENIZER_FILE, CONDS_FILE, *NOT_YET_CONVERTED]
+            text,
+            revision=revision,
+            allow_patterns=[T3_FILE, S3GEN_FILE, TOKENIZER_FILE, CONDS_FILE, *NOT_YET_CONVERTED],
         )
     except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
         reason = " ".join(str(e).split())  # hub messages span lines; ours is one
         raise ConversionError(
             f"{text} is not a local folder, and downloading it from the Hugging Face Hub failed "
             f"({type(e).__name__}: {reason}). Check the network, or download the files ({T3_FILE}, "
-            f"{TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
+            f"{S3GEN_FILE}, {TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
         ) from None
     local = Path(local)
     return local, {"repo": text, "revision": local.name}

@@ -1,4 +1,4 @@
-"""Read a converted MLX model folder (see ``convert``): config, strict weight load, tokenizer, built-in voice."""
+"""Read a converted MLX model folder (see ``convert``): config, strict weight loads, tokenizer, built-in voice."""
 
 from __future__ import annotations
 
@@ -7,20 +7,42 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
-from .convert import FORMAT, FORMAT_VERSION, T3_FILE
+from .convert import FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
+from .generation.vocode import S3Gen
 from .generation.voice import Voice
-from .models.t3 import T3, T3Config
+from .models.t3 import T3
 from .text import EnTokenizer
+from .variants import ModelConfig
+
+NETWORKS = {"t3": T3, **{name: network for _, name, network in S3GEN_PARTS}}
 
 
 @dataclass
 class ModelFolder:
     path: Path
     config: dict
+    networks: ModelConfig
     t3: T3
+    s3gen: S3Gen
     tokenizer: EnTokenizer
     voice: Voice | None
+
+    def load(self, name: str) -> nn.Module:
+        """Build network ``name`` (a ``ModelConfig`` field, e.g. the voice-cloning ``s3tokenizer``) and load
+        its weights strictly."""
+        return _load_network(self.path, self.config["files"], self.networks, name)
+
+
+def _load_network(folder: Path, files: dict, networks: ModelConfig, name: str) -> nn.Module:
+    path = folder / files[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found in {folder}; convert the checkpoint again")
+    model = NETWORKS[name](getattr(networks, name))
+    model.load_weights(str(path), strict=True)
+    mx.eval(model.parameters())
+    return model
 
 
 def load_folder(path: str | Path) -> ModelFolder:
@@ -45,16 +67,17 @@ def load_folder(path: str | Path) -> ModelFolder:
             f"reads version {FORMAT_VERSION}. Convert the checkpoint again."
         )
     files = config["files"]
+    networks = ModelConfig.from_dict(config["networks"])
 
-    def need(name: str) -> Path:
-        p = path / files[name]
-        if not p.is_file():
-            raise FileNotFoundError(f"{p.name} not found in {path}; convert the checkpoint again")
-        return p
+    def load(name: str) -> nn.Module:
+        return _load_network(path, files, networks, name)
 
-    t3 = T3(T3Config.from_dict(config["t3"]))
-    t3.load_weights(str(need("t3")), strict=True)
-    mx.eval(t3.parameters())
-    tokenizer = EnTokenizer.from_file(need("tokenizer"))
-    voice = Voice.load(need("voice")) if "voice" in files else None
-    return ModelFolder(path, config, t3, tokenizer, voice)
+    return ModelFolder(
+        path,
+        config,
+        networks,
+        t3=load("t3"),
+        s3gen=S3Gen(load("flow"), load("cfm"), load("hift")),
+        tokenizer=EnTokenizer.from_file(path / files["tokenizer"]),
+        voice=Voice.load(path / files["voice"]) if "voice" in files else None,
+    )

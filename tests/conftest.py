@@ -9,12 +9,27 @@ import mlx.core as mx  # isort: skip
 import numpy as np
 import pytest
 
-from mlx_chatterbox.convert import sanitize
+from mlx_chatterbox.convert import S3GEN_PARTS, sanitize
 from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models.campplus import CAMPPlusConfig
+from mlx_chatterbox.models.cfm import CFMConfig
+from mlx_chatterbox.models.flow import FlowConfig
+from mlx_chatterbox.models.hift import HiFTConfig
+from mlx_chatterbox.models.s3tokenizer import S3TokenizerConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
+from mlx_chatterbox.variants import ModelConfig
 from tests.toy_tokenizer import write_toy_tokenizer
 
 TINY = T3Config(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128)
+# Every network small; the interfaces between them (192-d x-vector, 80 mel bins, 6561 tokens) stay real.
+TINY_MODEL = ModelConfig(
+    t3=TINY,
+    flow=FlowConfig(hidden_size=64, num_heads=2, linear_units=128, num_blocks=2, num_up_blocks=1),
+    cfm=CFMConfig(channels=32, n_blocks=1, num_mid_blocks=1, num_heads=2, head_dim=16),
+    hift=HiFTConfig(base_channels=32, f0_cond_channels=32),
+    s3tokenizer=S3TokenizerConfig(n_state=64, n_heads=2, n_layers=1),
+    campplus=CAMPPlusConfig(feat_dim=16, embedding_size=24, growth_rate=8, bn_size=2, init_channels=32),
+)
 
 
 def random_voice(seed: int = 0, prompt_len: int = 150, gen_tokens: int = 40) -> Voice:
@@ -38,13 +53,44 @@ def upstream_t3_weights(cfg: T3Config, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_upstream_checkpoint(folder: Path, cfg: T3Config = TINY, seed: int = 0) -> Path:
-    """An upstream-layout folder (t3_cfg.safetensors + tokenizer.json, no conds.pt) written without torch."""
+def upstream_s3gen_weights(cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights under upstream's ``s3gen.safetensors`` key names and shapes, from our tables; layers that
+    upstream weight-norms are written as plain weights, which conversion accepts as well."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for prefix, name, network in S3GEN_PARTS:
+        for key, (_, shape, *_) in network.checkpoint_table(getattr(cfg, name)).items():
+            if key.endswith("num_batches_tracked"):
+                w = np.zeros(shape, np.int64)
+            elif key.endswith(("running_var", "alpha")):
+                w = rng.uniform(0.5, 1.5, shape)
+            elif len(shape) == 1 and "norm" in key or "_ln." in key:
+                w = (
+                    1 + 0.1 * rng.standard_normal(shape)
+                    if key.endswith("weight")
+                    else 0.1 * rng.standard_normal(shape)
+                )
+            else:
+                w = 0.05 * rng.standard_normal(shape)
+            weights[prefix + key] = w if w.dtype == np.int64 else w.astype(np.float32)
+    return weights
+
+
+def write_upstream_checkpoint(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> Path:
+    """An upstream-layout folder (t3_cfg.safetensors, s3gen.safetensors, tokenizer.json; no conds.pt) written
+    without torch."""
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: mx.array(v) for k, v in upstream_t3_weights(cfg, seed).items()}
+    weights = {k: mx.array(v) for k, v in upstream_t3_weights(cfg.t3, seed).items()}
     mx.save_safetensors(str(folder / "t3_cfg.safetensors"), weights)
+    write_s3gen(folder, cfg, seed)
     write_toy_tokenizer(folder / "tokenizer.json")
     return folder
+
+
+def write_s3gen(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> Path:
+    path = folder / "s3gen.safetensors"
+    mx.save_safetensors(str(path), {k: mx.array(v) for k, v in upstream_s3gen_weights(cfg, seed).items()})
+    return path
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import functools
 import io
 import subprocess
 import sys
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from mlx_chatterbox import cli
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
-from tests.conftest import TINY, random_voice, write_upstream_checkpoint
+from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
 
 @pytest.fixture
 def model(tmp_path):
-    dst = convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", t3_config=TINY)
+    dst = convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", config=TINY_MODEL)
     random_voice(seed=5).save(tmp_path / "voice.safetensors")
     return dst
 
@@ -84,9 +85,8 @@ def test_empty_text_and_missing_model(model, capsys, tmp_path):
 
 
 def test_convert_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(
-        importlib.import_module("mlx_chatterbox.convert"), "T3Config", lambda: TINY
-    )  # the command converts default-size models
+    # The command converts default-size models; give it tiny ones.
+    monkeypatch.setattr(cli, "convert", functools.partial(convert, config=TINY_MODEL))
     src = write_upstream_checkpoint(tmp_path / "up")
     assert main(["convert", str(src), str(tmp_path / "mlx"), "--dtype", "bfloat16"]) == 0
     assert (tmp_path / "mlx" / "config.json").is_file()

@@ -12,7 +12,13 @@ from mlx.utils import tree_flatten
 from mlx_chatterbox.convert import ConversionError, convert
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.weights import load_folder
-from tests.conftest import TINY, upstream_t3_weights, write_upstream_checkpoint
+from tests.conftest import (
+    TINY,
+    TINY_MODEL,
+    upstream_s3gen_weights,
+    upstream_t3_weights,
+    write_upstream_checkpoint,
+)
 
 
 def leftovers(parent):
@@ -21,27 +27,65 @@ def leftovers(parent):
 
 def test_converts_and_loads(tmp_path):
     src = write_upstream_checkpoint(tmp_path / "up")
-    dst = convert(src, tmp_path / "mlx", t3_config=TINY)
-    assert leftovers(dst) == ["config.json", "t3.safetensors", "tokenizer.json"]
+    dst = convert(src, tmp_path / "mlx", config=TINY_MODEL)
+    networks = ["campplus", "cfm", "flow", "hift", "s3tokenizer", "t3"]
+    assert leftovers(dst) == sorted(
+        ["config.json", "tokenizer.json"] + [f"{n}.safetensors" for n in networks]
+    )
     config = json.loads((dst / "config.json").read_text())
     assert (
         config["format"] == "mlx-chatterbox"
-        and config["format_version"] == 1
+        and config["format_version"] == 2
         and config["dtype"] == "float32"
     )
-    assert config["source"]["path"] == str(src.resolve()) and config["t3"]["hidden_size"] == 64
+    assert config["source"]["path"] == str(src.resolve()) and config["networks"]["t3"]["hidden_size"] == 64
     folder = load_folder(dst)
+    assert folder.networks == TINY_MODEL
     ref = upstream_t3_weights(TINY)
     np.testing.assert_array_equal(np.array(folder.t3.text_pos_emb.weight), ref["text_pos_emb.emb.weight"])
     np.testing.assert_array_equal(
         np.array(folder.t3.tfmr.layers[1].mlp.down_proj.weight), ref["tfmr.layers.1.mlp.down_proj.weight"]
     )
     assert folder.voice is None
+    # Every S3Gen-file network loads strictly; spot-check renames and layouts against the upstream tensors.
+    s3gen = upstream_s3gen_weights()
+    np.testing.assert_array_equal(
+        np.array(folder.s3gen.flow.encoder_proj.weight), s3gen["flow.encoder_proj.weight"]
+    )
+    np.testing.assert_array_equal(  # Conv1d (out, in, k) -> (out, k, in)
+        np.array(folder.s3gen.estimator.final_proj.weight),
+        s3gen["flow.decoder.estimator.final_proj.weight"].transpose(0, 2, 1),
+    )
+    np.testing.assert_array_equal(  # ConvTranspose1d (in, out, k) -> (out, k, in)
+        np.array(folder.s3gen.hift.ups[0].weight), s3gen["mel2wav.ups.0.weight"].transpose(1, 2, 0)
+    )
+    tokenizer, campplus = folder.load("s3tokenizer"), folder.load("campplus")
+    np.testing.assert_array_equal(
+        np.array(tokenizer.quantizer.project_down.weight),
+        s3gen["tokenizer.quantizer._codebook.project_down.weight"],
+    )
+    assert campplus.config == TINY_MODEL.campplus
+
+
+def test_weight_norm_pairs_are_folded(tmp_path):
+    src = write_upstream_checkpoint(tmp_path / "up")
+    weights = {k: mx.array(v) for k, v in upstream_s3gen_weights().items()}
+    v = weights.pop("mel2wav.ups.1.weight")  # ConvTranspose1d (in, out, k): the norm runs over (out, k)
+    g = mx.array(np.linspace(0.5, 1.5, v.shape[0], dtype=np.float32).reshape(-1, 1, 1))
+    weights["mel2wav.ups.1.parametrizations.weight.original0"] = g
+    weights["mel2wav.ups.1.parametrizations.weight.original1"] = v
+    mx.save_safetensors(str(src / "s3gen.safetensors"), weights)
+    folder = load_folder(convert(src, tmp_path / "mlx", config=TINY_MODEL))
+    v = np.array(v, dtype=np.float64)
+    want = np.array(g) * v / np.sqrt((v**2).sum(axis=(1, 2), keepdims=True))
+    np.testing.assert_allclose(np.array(folder.s3gen.hift.ups[1].weight), want.transpose(1, 2, 0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype, mx_dtype", [("bfloat16", mx.bfloat16), ("float16", mx.float16)])
 def test_lower_precision(tmp_path, dtype, mx_dtype):
-    dst = convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", dtype=dtype, t3_config=TINY)
+    dst = convert(
+        write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", dtype=dtype, config=TINY_MODEL
+    )
     folder = load_folder(dst)
     assert folder.config["dtype"] == dtype and folder.t3.speech_head.weight.dtype == mx_dtype
 
@@ -75,9 +119,60 @@ def corrupt(tmp_path, change):
 def test_bad_weights_name_the_key_and_leave_nothing(tmp_path, change, message):
     src = corrupt(tmp_path, change)
     with pytest.raises(ConversionError, match=message) as err:
-        convert(src, tmp_path / "mlx", t3_config=TINY)
+        convert(src, tmp_path / "mlx", config=TINY_MODEL)
     assert "t3_cfg.safetensors" in str(err.value)
     assert leftovers(tmp_path) == ["up"]
+
+
+def corrupt_s3gen(tmp_path, change):
+    src = write_upstream_checkpoint(tmp_path / "up")
+    weights = {k: mx.array(v) for k, v in upstream_s3gen_weights().items()}
+    change(weights)
+    mx.save_safetensors(str(src / "s3gen.safetensors"), weights)
+    return src
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda w: w.pop("flow.encoder.encoders.1.self_attn.pos_bias_u"),
+            "key 'flow.encoder.encoders.1.self_attn.pos_bias_u' is missing",
+        ),
+        (
+            lambda w: w.update({"flow.decoder.estimator.mid_blocks.5.0.mlp.1.bias": mx.zeros((32,))}),
+            "unexpected key 'flow.decoder.estimator.mid_blocks.5",
+        ),
+        (lambda w: w.update({"vocoder.conv.weight": mx.zeros((2,))}), "unexpected key 'vocoder.conv.weight'"),
+        (
+            lambda w: w.update({"mel2wav.conv_pre.weight": mx.zeros((32, 80, 5))}),
+            r"mel2wav.conv_pre.weight has shape \(32, 80, 5\), expected \(32, 80, 7\)",
+        ),
+        (
+            lambda w: w.update({"mel2wav.conv_post.parametrizations.weight.original0": mx.ones((18, 1, 1))}),
+            "key 'mel2wav.conv_post.parametrizations.weight.original1' is missing",
+        ),
+        (
+            lambda w: w.update({"speaker_encoder.head.bn1.running_var": mx.ones((31,))}),
+            r"speaker_encoder.head.bn1.running_var has shape \(31,\)",
+        ),
+    ],
+)
+def test_bad_s3gen_weights_name_the_key_and_leave_nothing(tmp_path, change, message):
+    src = corrupt_s3gen(tmp_path, change)
+    with pytest.raises(ConversionError, match=message) as err:
+        convert(src, tmp_path / "mlx", config=TINY_MODEL)
+    assert "s3gen.safetensors" in str(err.value)
+    assert leftovers(tmp_path) == ["up"]
+
+
+def test_s3gen_front_end_buffers_are_optional(tmp_path):
+    # Upstream's S3Token2Wav.state_dict() holds the tokenizer's mel filters and window; the released file may not.
+    def add(w):
+        w["tokenizer._mel_filters"] = mx.zeros((128, 201))
+        w["tokenizer.window"] = mx.zeros((400,))
+
+    load_folder(convert(corrupt_s3gen(tmp_path, add), tmp_path / "mlx", config=TINY_MODEL))
 
 
 def test_full_size_config_rejects_a_tiny_checkpoint(tmp_path):
@@ -91,16 +186,16 @@ def test_truncated_safetensors(tmp_path):
     path = src / "t3_cfg.safetensors"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ConversionError, match="t3_cfg.safetensors cannot be read as safetensors"):
-        convert(src, tmp_path / "mlx", t3_config=TINY)
+        convert(src, tmp_path / "mlx", config=TINY_MODEL)
     assert leftovers(tmp_path) == ["up"]
 
 
-@pytest.mark.parametrize("missing", ["t3_cfg.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("missing", ["t3_cfg.safetensors", "s3gen.safetensors", "tokenizer.json"])
 def test_missing_files(tmp_path, missing):
     src = write_upstream_checkpoint(tmp_path / "up")
     (src / missing).unlink()
     with pytest.raises(ConversionError, match=f"{missing} not found in {src}"):
-        convert(src, tmp_path / "mlx", t3_config=TINY)
+        convert(src, tmp_path / "mlx", config=TINY_MODEL)
     assert leftovers(tmp_path) == ["up"]
 
 
@@ -117,7 +212,7 @@ def test_incompatible_tokenizer(tmp_path):
     }
     (src / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"\[START\] is id 254 but the model's start-of-text token is 255"):
-        convert(src, tmp_path / "mlx", t3_config=TINY)
+        convert(src, tmp_path / "mlx", config=TINY_MODEL)
     assert leftovers(tmp_path) == ["up"]
 
 
@@ -125,11 +220,11 @@ def test_destination_rules(tmp_path):
     src = write_upstream_checkpoint(tmp_path / "up")
     dst = tmp_path / "mlx"
     dst.mkdir()
-    convert(src, dst, t3_config=TINY)  # an empty folder is fine
+    convert(src, dst, config=TINY_MODEL)  # an empty folder is fine
     with pytest.raises(ConversionError, match="already exists.*overwrite"):
-        convert(src, dst, t3_config=TINY)
+        convert(src, dst, config=TINY_MODEL)
     (dst / "stale.txt").write_text("x")
-    convert(src, dst, t3_config=TINY, overwrite=True)
+    convert(src, dst, config=TINY_MODEL, overwrite=True)
     assert "stale.txt" not in leftovers(dst)
 
 
@@ -157,7 +252,7 @@ def test_loading_errors_say_what_to_run(tmp_path):
         load_folder(src)
     with pytest.raises(FileNotFoundError, match="not found"):
         load_folder(tmp_path / "nothing")
-    dst = convert(src, tmp_path / "mlx", t3_config=TINY)
+    dst = convert(src, tmp_path / "mlx", config=TINY_MODEL)
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(dict(config, format_version=99)))
     with pytest.raises(ValueError, match="format version 99.*Convert the checkpoint again"):

@@ -44,14 +44,6 @@ class CAMPPlusConfig:
         if any(k % 2 == 0 for k in (self.tdnn_kernel, *self.block_kernels)):
             raise ValueError("TDNN and CAM kernel sizes must be odd (upstream pads symmetrically)")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "CAMPPlusConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown CAMPPlus config fields: {sorted(unknown)}")
-        tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}  # JSON turns tuples into lists
-        return cls(**{**d, **tuples})
-
     @property
     def head_out_channels(self) -> int:
         return self.head_channels * (self.feat_dim // 8)
@@ -306,17 +298,17 @@ class CAMPPlus(nn.Module):
 
     def __init__(self, cfg: CAMPPlusConfig = CAMPPlusConfig()):
         super().__init__()
-        self.cfg = cfg
+        self.config = cfg
         self.head = FCM(cfg)
         self.xvector = XVector(cfg)
 
     def _check(self, feats: mx.array) -> None:
-        if feats.ndim != 3 or feats.shape[-1] != self.cfg.feat_dim:
-            raise ValueError(f"expected features (B, T, {self.cfg.feat_dim}), got shape {tuple(feats.shape)}")
+        if feats.ndim != 3 or feats.shape[-1] != self.config.feat_dim:
+            raise ValueError(f"expected features (B, T, {self.config.feat_dim}), got shape {tuple(feats.shape)}")
         # the unbiased std needs two frames after the TDNN stride; upstream returns NaN instead
-        frames = -(-feats.shape[1] // self.cfg.tdnn_stride)
+        frames = -(-feats.shape[1] // self.config.tdnn_stride)
         if frames < 2:
-            raise ValueError(f"need at least {self.cfg.tdnn_stride + 1} feature frames, got {feats.shape[1]}")
+            raise ValueError(f"need at least {self.config.tdnn_stride + 1} feature frames, got {feats.shape[1]}")
 
     def head_features(self, feats: mx.array) -> mx.array:
         """FCM head output (B, T, head_out_channels) for features (B, T, feat_dim)."""

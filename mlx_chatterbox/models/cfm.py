@@ -48,13 +48,6 @@ class CFMConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "CFMConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown CFM config fields: {sorted(unknown)}")
-        return cls(**d)
-
     @property
     def time_embed_dim(self) -> int:
         return 4 * self.channels  # decoder.py: channels[0] * 4

@@ -41,13 +41,6 @@ class FlowConfig:
         if self.hidden_size % 2:
             raise ValueError(f"hidden_size {self.hidden_size} must be even (sin/cos position pairs)")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "FlowConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown flow config fields: {sorted(unknown)}")
-        return cls(**d)
-
 
 # --- masks and positions ---
 

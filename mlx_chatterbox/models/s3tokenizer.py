@@ -40,13 +40,6 @@ class S3TokenizerConfig:
                 f"{self.rope_positions} RoPE positions"
             )
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "S3TokenizerConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown S3 tokenizer config fields: {sorted(unknown)}")
-        return cls(**d)
-
     @property
     def head_dim(self) -> int:
         return self.n_state // self.n_heads

@@ -46,13 +46,6 @@ class T3Config:
     perceiver_queries: int = 32
     perceiver_heads: int = 4
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "T3Config":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown T3 config fields: {sorted(unknown)}")
-        return cls(**d)
-
     @property
     def text_positions(self) -> int:
         return self.max_text_tokens + 2  # upstream: text_pos_emb covers SOT + text + EOT

@@ -210,3 +210,9 @@ def rel_err(ours, ref) -> float:
     """max |ours - ref| / max |ref|."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def rel_l2(ours, ref) -> float:
+    """||ours - ref|| / ||ref|| (Frobenius), in float64."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))

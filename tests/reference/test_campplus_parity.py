@@ -23,6 +23,8 @@ from chatterbox.models.s3gen.xvector import CAMPPlus as UpstreamCAMPPlus
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.campplus import CAMLayer, CAMPPlus, CAMPPlusConfig, segment_means
 
+from .oracle import rel_l2
+
 pytestmark = pytest.mark.reference
 
 TOL = 1e-5
@@ -33,11 +35,6 @@ NARROW = CAMPPlusConfig(feat_dim=16, embedding_size=24, growth_rate=8, bn_size=2
 # 202 -> 101 (a 1-frame last segment), 301 -> 151 (a 51-frame last segment).
 LENGTHS = (97, 200, 202, 301)
 CONSTRUCTOR = ("feat_dim", "embedding_size", "growth_rate", "bn_size", "init_channels")
-
-
-def rel_l2(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def randomize_campplus_(module: torch.nn.Module, seed: int) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from mlx_chatterbox.convert import ConversionError, convert
 from mlx_chatterbox.weights import load_folder
-from tests.conftest import TINY, write_upstream_checkpoint
+from tests.conftest import TINY, TINY_MODEL, write_upstream_checkpoint
 
 from . import oracle
 
@@ -19,7 +19,7 @@ def test_builtin_voice_round_trips_exactly(tmp_path):
     src = write_upstream_checkpoint(tmp_path / "up")
     conds = oracle.random_conds(TINY, seed=3, gen_tokens=37)
     conds.save(src / "conds.pt")
-    voice = load_folder(convert(src, tmp_path / "mlx", t3_config=TINY)).voice
+    voice = load_folder(convert(src, tmp_path / "mlx", config=TINY_MODEL)).voice
     np.testing.assert_array_equal(np.array(voice.speaker_emb), conds.t3.speaker_emb.numpy())
     np.testing.assert_array_equal(
         np.array(voice.t3_prompt_tokens), conds.t3.cond_prompt_speech_tokens.numpy()
@@ -56,6 +56,6 @@ def conds_with(tmp_path, edit):
 def test_bad_conds_name_the_problem_and_leave_nothing(tmp_path, edit, message):
     src = conds_with(tmp_path, edit)
     with pytest.raises(ConversionError, match=message) as err:
-        convert(src, tmp_path / "mlx", t3_config=TINY)
+        convert(src, tmp_path / "mlx", config=TINY_MODEL)
     assert "conds.pt" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]

@@ -19,6 +19,8 @@ from s3tokenizer.model_v2 import ModelConfig, S3TokenizerV2
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.s3tokenizer import S3Tokenizer, S3TokenizerConfig
 
+from .oracle import rel_l2
+
 pytestmark = pytest.mark.reference
 
 # Upstream hard-wires RoPE to 64 dims (``precompute_freqs_cis(64, ...)``), so the tiny model keeps heads of 64.
@@ -127,11 +129,6 @@ def run_upstream(model: torch.nn.Module, mel: np.ndarray, lengths: np.ndarray):
     ((hidden, hidden_len),) = caught
     h = model.quantizer._codebook.project_down(hidden).float().tanh() * 0.9990000128746033
     return hidden.numpy(), hidden_len.numpy(), codes.numpy(), code_len.numpy(), h.numpy()
-
-
-def rel_l2(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def build(cfg: S3TokenizerConfig, seed: int) -> tuple[torch.nn.Module, S3Tokenizer]:

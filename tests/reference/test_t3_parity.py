@@ -6,6 +6,8 @@ The upstream state dict is written as ``t3_cfg.safetensors``, goes through *our*
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from mlx_chatterbox.generation.speech_tokens import (
 )
 from mlx_chatterbox.models.t3 import T3Cond, llama3_inv_freq
 from mlx_chatterbox.weights import load_folder
+from tests.conftest import TINY_MODEL, write_s3gen
 from tests.toy_tokenizer import write_toy_tokenizer
 
 from . import oracle
@@ -36,7 +39,9 @@ def build(tmp_path_factory, cfg, seed):
     write_toy_tokenizer(src / "tokenizer.json")
     conds = oracle.random_conds(cfg, seed=seed)
     conds.save(src / "conds.pt")
-    dst = convert(src, tmp_path_factory.mktemp("mlx") / "model", t3_config=cfg)
+    config = dataclasses.replace(TINY_MODEL, t3=cfg)
+    write_s3gen(src, config)
+    dst = convert(src, tmp_path_factory.mktemp("mlx") / "model", config=config)
     return upstream, conds, load_folder(dst)
 
 

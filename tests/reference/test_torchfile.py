@@ -1,6 +1,5 @@
 """The torch-free checkpoint reader against files written by the real torch.save (and upstream Conditionals)."""
 
-import io
 import os
 import pickle
 import zipfile

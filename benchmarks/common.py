@@ -1,0 +1,85 @@
+"""What the benchmarks share: the run description (machine, versions, commit, date) and importing upstream
+without its package ``__init__`` files, which pull the whole TTS (librosa, perth, s3tokenizer)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bare_upstream(src: str | None) -> None:
+    """Make ``chatterbox`` and ``chatterbox.models.s3gen`` bare namespaces: their submodules resolve but their
+    ``__init__.py`` never runs. T3 then needs only torch, transformers, tqdm and einops; the S3Gen networks
+    need diffusers, conformer, omegaconf and scipy. ``src`` is a folder holding ``chatterbox/``, for
+    machines where chatterbox-tts cannot be installed; None finds the installed package."""
+    if "chatterbox" in sys.modules:
+        return
+    if src is not None:
+        root = Path(src).resolve() / "chatterbox"
+    else:
+        # find_spec on a top-level name only locates the package; it executes nothing.
+        spec = importlib.util.find_spec("chatterbox")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("chatterbox not found: install chatterbox-tts or pass --upstream-src")
+        root = Path(list(spec.submodule_search_locations)[0])
+    for name, folder in (("chatterbox", root), ("chatterbox.models.s3gen", root / "models" / "s3gen")):
+        package = types.ModuleType(name)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
+
+
+def write_line(row: dict, out: str | None) -> None:
+    """One JSON line on stdout, appended to ``out`` too."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def machine_info() -> dict:
+    """Platform, CPU, GPU, versions, git commit and date of this run."""
+    cpu = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        smi = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        gpu = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        gpu = None
+    try:
+        git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return dict(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        cpu=cpu,
+        gpu=gpu,
+        versions={n: version(n) for n in ("mlx", "torch", "transformers")},
+        commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
