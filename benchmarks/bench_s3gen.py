@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from common import bare_upstream, machine_info, write_line
 
-from mlx_chatterbox.convert import S3GEN_PARTS, sanitize
+from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation.vocode import Draws, S3Gen
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.cfm import solve
@@ -107,13 +107,12 @@ def ours_from(flow, hift) -> S3Gen:
     state = {f"flow.{k}": v for k, v in flow.state_dict().items()}
     state.update({f"mel2wav.{k}": v for k, v in hift.state_dict().items()})
     weights = {k: mx.array(v.detach().float().cpu().numpy()) for k, v in state.items()}
+    parts = split_s3gen(weights)
     nets = {}
-    for prefix, name, network in S3GEN_PARTS:
+    for _, name, network in S3GEN_PARTS:
         if name in ("flow", "cfm", "hift"):  # the voice-cloning networks are not built here
-            table = {prefix + k: rule for k, rule in network.checkpoint_table(getattr(ENGLISH, name)).items()}
-            part = sanitize({k: v for k, v in weights.items() if k in table}, table, "s3gen")
             nets[name] = network(getattr(ENGLISH, name))
-            nets[name].load_weights(list(part.items()), strict=True)
+            nets[name].load_weights(list(sanitize_s3gen_part(parts[name], name, ENGLISH).items()), strict=True)
     mx.eval([n.parameters() for n in nets.values()])
     return S3Gen(nets["flow"], nets["cfm"], nets["hift"])
 
@@ -180,10 +179,16 @@ def bench_upstream(torch, flow, hift, inputs: dict, steps: int, repeats: int, de
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     marks = {}
-    flow.encoder.register_forward_pre_hook(
-        lambda *_: (sync(), marks.__setitem__("enc0", time.perf_counter()))
-    )
-    flow.encoder.register_forward_hook(lambda *_: (sync(), marks.__setitem__("enc1", time.perf_counter())))
+
+    def mark(name: str):
+        def hook(*_) -> None:  # a hook's return value would replace the module's inputs or outputs
+            sync()
+            marks[name] = time.perf_counter()
+
+        return hook
+
+    flow.encoder.register_forward_pre_hook(mark("enc0"))
+    flow.encoder.register_forward_hook(mark("enc1"))
     t = {k: torch.from_numpy(np.asarray(v)).to(device) for k, v in inputs.items()}
 
     def once() -> dict:

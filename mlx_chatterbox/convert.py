@@ -203,6 +203,12 @@ def fold_weight_norm(weights: dict[str, mx.array], filename: str) -> dict[str, m
 def convert_s3gen(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, dict[str, mx.array]]:
     """Split upstream ``s3gen.safetensors`` into its networks and sanitize each with its table (error
     messages keep the full upstream key; our keys drop the prefix, since each network is its own file)."""
+    parts = split_s3gen(weights)
+    return {name: sanitize_s3gen_part(parts[name], name, config) for _, name, _ in S3GEN_PARTS}
+
+
+def split_s3gen(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
+    """Upstream S3Gen keys grouped by network (``S3GEN_PARTS``), full names kept; an unknown prefix is an error."""
     parts: dict[str, dict[str, mx.array]] = {name: {} for _, name, _ in S3GEN_PARTS}
     for key, value in weights.items():
         if key in S3GEN_OPTIONAL:
@@ -213,11 +219,14 @@ def convert_s3gen(weights: dict[str, mx.array], config: ModelConfig) -> dict[str
                 f"{S3GEN_FILE}: unexpected key {key!r}; is this a Chatterbox checkpoint of the right variant?"
             )
         parts[name][key] = value
-    out = {}
-    for prefix, name, network in S3GEN_PARTS:
-        table = {prefix + k: rule for k, rule in network.checkpoint_table(getattr(config, name)).items()}
-        out[name] = {k: v.astype(mx.float32) for k, v in sanitize(parts[name], table, S3GEN_FILE).items()}
-    return out
+    return parts
+
+
+def sanitize_s3gen_part(weights: dict[str, mx.array], name: str, config: ModelConfig) -> dict[str, mx.array]:
+    """One network's keys (from ``split_s3gen``) -> our float32 weights for that network."""
+    prefix, network = next((p, net) for p, n, net in S3GEN_PARTS if n == name)
+    table = {prefix + k: rule for k, rule in network.checkpoint_table(getattr(config, name)).items()}
+    return {k: v.astype(mx.float32) for k, v in sanitize(weights, table, S3GEN_FILE).items()}
 
 
 def voice_from_conds(path: Path) -> Voice:

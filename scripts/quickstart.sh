@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install mlx-chatterbox into .venv, convert a Chatterbox checkpoint, and generate speech tokens for a sentence.
+# Install mlx-chatterbox into .venv, convert a Chatterbox checkpoint, and speak a sentence into out/quickstart.wav.
 # Usage: scripts/quickstart.sh [SRC]
 #   SRC: a Hugging Face repo id (default: ResembleAI/chatterbox), an upstream checkpoint folder, or "random":
 #        a random-weight checkpoint in upstream layout, written by upstream's own modules (installs torch),
@@ -18,11 +18,16 @@ $PYTHON -m pip install -q -e ".$extra"
 
 if [ "$src" = random ]; then
     scripts/install_oracle.sh
-    [ -f models/random-upstream/t3_cfg.safetensors ] || $PYTHON scripts/random_checkpoint.py models/random-upstream
+    [ -f models/random-upstream/s3gen.safetensors ] || $PYTHON scripts/random_checkpoint.py models/random-upstream
     src=models/random-upstream
     max_tokens=50  # random weights almost never say stop
 fi
 dst=models/$(basename "$src")-mlx
-[ -f "$dst/config.json" ] || .venv/bin/mlx-chatterbox convert "$src" "$dst"
-.venv/bin/mlx-chatterbox tokens "Hello from MLX. This is Chatterbox, running without PyTorch." \
-    --model "$dst" --seed 0 --max-new-tokens "$max_tokens" --verbose
+# Convert once, and again when this version of mlx-chatterbox reads a newer format than the folder has.
+current=$($PYTHON -c "import json, sys; from mlx_chatterbox.convert import FORMAT_VERSION as v
+try: sys.exit(json.load(open('$dst/config.json'))['format_version'] != v)
+except OSError: sys.exit(1)" && echo yes || echo no)
+[ "$current" = yes ] || .venv/bin/mlx-chatterbox convert "$src" "$dst" --overwrite
+mkdir -p out
+.venv/bin/mlx-chatterbox say "Hello from MLX. This is Chatterbox, running without PyTorch." \
+    --model "$dst" --seed 0 --max-new-tokens "$max_tokens" -o out/quickstart.wav --verbose

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlx_chatterbox import cli
@@ -114,3 +115,53 @@ def test_entry_points_show_help(argv):
         "--output",
     ]:
         assert flag in out
+
+
+def test_say_writes_audio_from_text_and_from_tokens(model, capsys, tmp_path):
+    import soundfile as sf
+
+    voice = ["--voice", str(tmp_path / "voice.safetensors")]
+    out = tmp_path / "hello.wav"
+    args = ["say", "Hello there.", "--model", str(model), *voice, "--seed", "3", "--max-new-tokens", "8"]
+    assert main([*args, "--cfm-steps", "2", "-o", str(out)]) == 0
+    wav, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and wav.ndim == 1 and 0 < len(wav) <= 8 * 960 and len(wav) % 960 == 0
+    # The same tokens through --tokens give the same audio (same seed, same steps).
+    ids = tokens(
+        capsys, "Hello there.", "--model", str(model), *voice, "--seed", "3", "--max-new-tokens", "8"
+    )
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
+    flac = tmp_path / "again.flac"
+    assert (
+        main(
+            ["say", "--tokens", str(tmp_path / "ids.txt"), "--model", str(model), *voice]
+            + ["--seed", "3", "--cfm-steps", "2", "-o", str(flac)]
+        )
+        == 0
+    )
+    again, _ = sf.read(flac, dtype="float32")
+    np.testing.assert_allclose(again, wav, atol=1 / 2**15)  # 16-bit PCM in both files
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["Hi.", "--tokens", "ids.txt"], "either a TEXT to speak or --tokens FILE"),
+        ([], "either a TEXT to speak or --tokens FILE"),
+        (["--tokens", "ids.txt", "--temperature", "0.5"], "--temperature shapes speech tokens"),
+        (["--tokens", "bad.txt"], "must hold speech token ids separated by spaces"),
+        (["--tokens", "ids.txt", "--cfm-steps", "0"], "cfm_steps=0 must be an integer >= 1"),
+        (["Hi.", "-o", "out.mp3"], "choose an output ending in .wav, .flac, .ogg"),
+    ],
+)
+def test_say_errors_are_one_line_and_write_nothing(model, capsys, tmp_path, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ids.txt").write_text("1 2 3")
+    (tmp_path / "bad.txt").write_text("1 two 3")
+    if "-o" not in extra:
+        extra = [*extra, "-o", "out.wav"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["say", *extra, "--model", str(model), "--voice", "voice.safetensors"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

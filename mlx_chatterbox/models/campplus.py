@@ -304,11 +304,15 @@ class CAMPPlus(nn.Module):
 
     def _check(self, feats: mx.array) -> None:
         if feats.ndim != 3 or feats.shape[-1] != self.config.feat_dim:
-            raise ValueError(f"expected features (B, T, {self.config.feat_dim}), got shape {tuple(feats.shape)}")
+            raise ValueError(
+                f"expected features (B, T, {self.config.feat_dim}), got shape {tuple(feats.shape)}"
+            )
         # the unbiased std needs two frames after the TDNN stride; upstream returns NaN instead
         frames = -(-feats.shape[1] // self.config.tdnn_stride)
         if frames < 2:
-            raise ValueError(f"need at least {self.config.tdnn_stride + 1} feature frames, got {feats.shape[1]}")
+            raise ValueError(
+                f"need at least {self.config.tdnn_stride + 1} feature frames, got {feats.shape[1]}"
+            )
 
     def head_features(self, feats: mx.array) -> mx.array:
         """FCM head output (B, T, head_out_channels) for features (B, T, feat_dim)."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import Conv1d
+
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
 MASK_BIAS = -1.0e10  # decoder.py: mask_to_bias
@@ -74,7 +76,7 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(nn.silu(self.linear_1(x)))
 
 
-class CausalConv1d(nn.Conv1d):
+class CausalConv1d(Conv1d):
     """A stride-1 convolution that sees only the current and past frames: left-pads kernel - 1 zeros."""
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -104,7 +106,7 @@ class CausalResnetBlock1D(nn.Module):
         self.mlp = [None, nn.Linear(time_embed_dim, dim_out)]  # Sequential(Mish, Linear)
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
-        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+        self.res_conv = Conv1d(dim, dim_out, 1)
 
     def __call__(self, x: mx.array, m: mx.array, t_emb: mx.array) -> mx.array:
         h = self.block1(x, m) + self.mlp[1](nn.mish(t_emb))[:, None, :]
@@ -191,7 +193,7 @@ class Estimator(nn.Module):
         ]
         self.up_blocks = [[CausalResnetBlock1D(2 * c, c, temb), transformers(), CausalConv1d(c, c, 3)]]
         self.final_block = CausalBlock1D(c, c)
-        self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
+        self.final_proj = Conv1d(c, cfg.out_channels, 1)
 
     def __call__(
         self, x: mx.array, mask: mx.array, mu: mx.array, t: mx.array, spks: mx.array, cond: mx.array

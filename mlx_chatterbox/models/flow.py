@@ -15,6 +15,8 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import Conv1d
+
 
 @dataclass(frozen=True)
 class FlowConfig:
@@ -107,8 +109,8 @@ class PreLookaheadLayer(nn.Module):
     def __init__(self, dim: int, lookahead: int):
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(dim, dim, kernel_size=lookahead + 1)
-        self.conv2 = nn.Conv1d(dim, dim, kernel_size=3)
+        self.conv1 = Conv1d(dim, dim, kernel_size=lookahead + 1)
+        self.conv2 = Conv1d(dim, dim, kernel_size=3)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = mx.pad(x, [(0, 0), (0, self.lookahead), (0, 0)])
@@ -124,7 +126,7 @@ class Upsample1D(nn.Module):
     def __init__(self, dim: int, stride: int):
         super().__init__()
         self.stride = stride
-        self.conv = nn.Conv1d(dim, dim, kernel_size=2 * stride + 1)
+        self.conv = Conv1d(dim, dim, kernel_size=2 * stride + 1)
 
     def __call__(self, x: mx.array) -> mx.array:
         x = mx.repeat(x, self.stride, axis=1)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import Conv1d, ConvTranspose1d
+
 # The sine phase is summed in fixed point with this many fractional bits (see ``sine_phase``).
 PHASE_FRACTION_BITS = 40
 
@@ -200,11 +202,11 @@ class ResBlock(nn.Module):
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
         self.convs1 = [
-            nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=d * (kernel_size - 1) // 2)
+            Conv1d(channels, channels, kernel_size, dilation=d, padding=d * (kernel_size - 1) // 2)
             for d in dilations
         ]
         self.convs2 = [
-            nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2) for _ in dilations
+            Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2) for _ in dilations
         ]
         self.activations1 = [Snake(channels) for _ in dilations]
         self.activations2 = [Snake(channels) for _ in dilations]
@@ -222,7 +224,7 @@ class F0Predictor(nn.Module):
         super().__init__()
         self.condnet = []
         for i in range(5):
-            self.condnet += [nn.Conv1d(in_channels if i == 0 else channels, channels, 3, padding=1), ELU()]
+            self.condnet += [Conv1d(in_channels if i == 0 else channels, channels, 3, padding=1), ELU()]
         self.classifier = nn.Linear(channels, 1)
 
     def __call__(self, mel: mx.array) -> mx.array:
@@ -254,9 +256,9 @@ class HiFT(nn.Module):
         base, n_fft = cfg.base_channels, cfg.istft_n_fft
         self.m_source = SourceModule(cfg.num_harmonics)
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
-        self.conv_pre = nn.Conv1d(cfg.in_channels, base, 7, padding=3)
+        self.conv_pre = Conv1d(cfg.in_channels, base, 7, padding=3)
         self.ups = [
-            nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2)
+            ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2)
             for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
         ]
         self.source_downs = []
@@ -266,7 +268,7 @@ class HiFT(nn.Module):
         ):
             ch = base // 2 ** (i + 1)
             if u == 1:
-                self.source_downs.append(nn.Conv1d(n_fft + 2, ch, 1))
+                self.source_downs.append(Conv1d(n_fft + 2, ch, 1))
             else:
                 self.source_downs.append(nn.Conv1d(n_fft + 2, ch, 2 * u, stride=u, padding=u // 2))
             self.source_resblocks.append(ResBlock(ch, k, d))
@@ -275,7 +277,7 @@ class HiFT(nn.Module):
             for i in range(len(self.ups))
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes)
         ]
-        self.conv_post = nn.Conv1d(base // 2 ** len(self.ups), n_fft + 2, 7, padding=3)
+        self.conv_post = Conv1d(base // 2 ** len(self.ups), n_fft + 2, 7, padding=3)
 
     def predict_f0(self, mel: mx.array) -> mx.array:
         """mel: (B, T, 80) log-mel. Returns f0 (B, T) in Hz (not negative)."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from chatterbox.models.s3gen.flow import CausalMaskedDiffWithXvec
+from chatterbox.models.s3gen.transformer.attention import RelPositionMultiHeadedAttention
 from chatterbox.models.t3 import T3 as UpstreamT3
 from chatterbox.models.t3.llama_configs import LLAMA_520M_CONFIG_DICT, LLAMA_CONFIGS
 from chatterbox.models.t3.modules.cond_enc import T3Cond as UpstreamT3Cond
@@ -216,3 +218,159 @@ def rel_l2(ours, ref) -> float:
     """||ours - ref|| / ||ref|| (Frobenius), in float64."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+# --- S3Gen: randomisers for upstream modules of any size ---
+
+
+def upstream_s3gen(seed: int = 0):
+    """Upstream's full-size ``S3Token2Wav`` (flow, CFM, HiFT, S3 tokenizer, CAM++), every network randomised,
+    in eval mode, fp32."""
+    from chatterbox.models.s3gen import S3Gen  # imports torchaudio and s3tokenizer: only where needed
+
+    torch.manual_seed(seed)
+    model = S3Gen().eval()
+    randomize_flow_(model.flow, seed + 1)
+    randomize_cfm_(model.flow.decoder, seed + 2)
+    randomize_hift_(model.mel2wav, seed + 3)
+    randomize_s3tokenizer_(model.tokenizer, seed + 4)
+    randomize_campplus_(model.speaker_encoder, seed + 5)
+    return model
+
+
+def write_s3gen_checkpoint(model: torch.nn.Module, folder: Path) -> Path:
+    """``s3gen.safetensors`` as upstream ships it: the state dict without the tokenizer's front-end buffers
+    (``S3Token2Wav.ignore_state_dict_missing``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "s3gen.safetensors"
+    state = {
+        k: v.contiguous() for k, v in model.state_dict().items() if k not in model.ignore_state_dict_missing
+    }
+    save_file(state, str(path))
+    return path
+
+
+def randomize_flow_(module: torch.nn.Module, seed: int) -> None:
+    """Move every term of an upstream flow front that could hide as an identity away from its initialisation,
+    in place: LayerNorm weight 1 + 0.1·N and bias 0.1·N, every Linear/Conv1d bias 0.1·N, pos_bias_u/v 0.2·N.
+    ``module`` is a ``CausalMaskedDiffWithXvec`` (its ``decoder`` is left alone: the CFM has its own) or an
+    ``UpsampleConformerEncoder``. Weights keep upstream's initialisation, which keeps activations O(1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+    if isinstance(module, CausalMaskedDiffWithXvec):
+        parts = [module.input_embedding, module.spk_embed_affine_layer, module.encoder, module.encoder_proj]
+    else:
+        parts = [module]
+    with torch.no_grad():
+        for part in parts:
+            for m in part.modules():
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.copy_(1 + 0.1 * normal(m.weight))
+                    m.bias.copy_(0.1 * normal(m.bias))
+                elif isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)) and m.bias is not None:
+                    m.bias.copy_(0.1 * normal(m.bias))
+                elif isinstance(m, RelPositionMultiHeadedAttention):
+                    m.pos_bias_u.copy_(0.2 * normal(m.pos_bias_u))
+                    m.pos_bias_v.copy_(0.2 * normal(m.pos_bias_v))
+
+
+def randomize_cfm_(module: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter of an upstream ``ConditionalDecoder`` (or a module holding one, such as
+    ``CausalConditionalCFM``) of any size, in place: Kaiming-normal weights as upstream initialises them,
+    biases 0.1·N, LayerNorm weights 1 + 0.1·N. The residual branches are scaled down (res_conv x 0.7,
+    attention and feed-forward outputs x 0.5) so that the stream grows ~7x over the 14 stages instead of
+    ~500x, which would leave the early blocks invisible in the output."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        p.copy_(mean + std * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    with torch.no_grad():
+        for name, mod in module.named_modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                normal(mod.weight, 0.1, mean=1.0)
+                normal(mod.bias, 0.1)
+            elif isinstance(mod, (torch.nn.Linear, torch.nn.Conv1d)):
+                scale = 1.0
+                if name.endswith("res_conv"):
+                    scale = 0.7
+                elif name.endswith(("to_out.0", "ff.net.2")):
+                    scale = 0.5
+                normal(mod.weight, scale * (2.0 / mod.weight[0].numel()) ** 0.5)
+                if mod.bias is not None:
+                    normal(mod.bias, 0.1)
+
+
+def randomize_hift_(module: torch.nn.Module, seed: int) -> None:
+    """Randomise an upstream ``HiFTGenerator`` (``S3Token2Wav.mel2wav``, any size) in place: weight-norm
+    g = ‖v‖·U(0.5, 1.5), biases 0.1·N, Snake α U(0.5, 1.5). The F0 classifier is scaled so that f0 lands
+    around 100 Hz with a few unvoiced (< 10 Hz) frames, and conv_post is scaled up to a log-magnitude
+    spread of about ±1, well under upstream's clip at exp(4.6) = 100."""
+    g = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
+
+    def uniform(p: torch.Tensor, low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand(p.shape, generator=g)
+
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith("parametrizations.weight.original0"):
+                v = params[name[:-1] + "1"]
+                norm = v.flatten(1).norm(dim=1).reshape(p.shape)
+                p.copy_(norm * uniform(p, 0.5, 1.5))
+            elif name.endswith(".alpha"):
+                p.copy_(uniform(p, 0.5, 1.5))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        classifier = module.f0_predictor.classifier
+        classifier.weight.mul_(3000.0 / classifier.weight.norm())
+        classifier.bias.fill_(30.0)
+        module.conv_post.parametrizations.weight.original0.mul_(5.0)
+
+
+def randomize_s3tokenizer_(module: torch.nn.Module, seed: int) -> None:
+    """Randomise, in place, every term of an upstream S3TokenizerV2 (any size) that could hide as an identity.
+
+    LayerNorm weights 1 + 0.1·N and all biases 0.1·N; the FSMN depthwise kernels N(0, 1/k); ``project_down``
+    N(0, 1/n_state), which with the encoder's O(1) hidden states spreads the pre-tanh values over about ±1 so that
+    every FSQ digit takes all three levels. Other weights keep their (random) initialisation.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(p: torch.Tensor) -> torch.Tensor:
+        return torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("_ln.weight"):
+                p.copy_(1 + 0.1 * normal(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * normal(p))
+            elif name.endswith("fsmn_block.weight"):
+                p.copy_(normal(p) / p.shape[-1] ** 0.5)
+            elif name.endswith("project_down.weight"):
+                p.copy_(normal(p) / p.shape[1] ** 0.5)
+
+
+def randomize_campplus_(module: torch.nn.Module, seed: int) -> None:
+    """Move every BatchNorm and conv bias of an upstream CAM++ (or any part of one) away from its identity
+    initialisation, in place: BN weight 1 + 0.1·N, bias 0.1·N, running_mean 0.1·N, running_var U(0.5, 1.5);
+    conv biases 0.1·N. Conv weights keep upstream's (Kaiming) initialisation, which keeps activations O(1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                if m.affine:
+                    m.weight.copy_(1 + 0.1 * normal(m.weight))
+                    m.bias.copy_(0.1 * normal(m.bias))
+                m.running_mean.copy_(0.1 * normal(m.running_mean))
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+            elif isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d)) and m.bias is not None:
+                m.bias.copy_(0.1 * normal(m.bias))

@@ -23,7 +23,7 @@ from chatterbox.models.s3gen.xvector import CAMPPlus as UpstreamCAMPPlus
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.campplus import CAMLayer, CAMPPlus, CAMPPlusConfig, segment_means
 
-from .oracle import rel_l2
+from .oracle import randomize_campplus_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -35,27 +35,6 @@ NARROW = CAMPPlusConfig(feat_dim=16, embedding_size=24, growth_rate=8, bn_size=2
 # 202 -> 101 (a 1-frame last segment), 301 -> 151 (a 51-frame last segment).
 LENGTHS = (97, 200, 202, 301)
 CONSTRUCTOR = ("feat_dim", "embedding_size", "growth_rate", "bn_size", "init_channels")
-
-
-def randomize_campplus_(module: torch.nn.Module, seed: int) -> None:
-    """Move every BatchNorm and conv bias of an upstream CAM++ (or any part of one) away from its identity
-    initialisation, in place: BN weight 1 + 0.1·N, bias 0.1·N, running_mean 0.1·N, running_var U(0.5, 1.5);
-    conv biases 0.1·N. Conv weights keep upstream's (Kaiming) initialisation, which keeps activations O(1)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(t: torch.Tensor) -> torch.Tensor:
-        return torch.randn(t.shape, generator=g, dtype=t.dtype)
-
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                if m.affine:
-                    m.weight.copy_(1 + 0.1 * normal(m.weight))
-                    m.bias.copy_(0.1 * normal(m.bias))
-                m.running_mean.copy_(0.1 * normal(m.running_mean))
-                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
-            elif isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d)) and m.bias is not None:
-                m.bias.copy_(0.1 * normal(m.bias))
 
 
 def upstream_campplus(cfg: CAMPPlusConfig, seed: int) -> UpstreamCAMPPlus:

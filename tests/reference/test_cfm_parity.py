@@ -22,7 +22,7 @@ from chatterbox.models.s3gen.flow_matching import CausalConditionalCFM
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.cfm import CFMConfig, Estimator, cosine_schedule, solve
 
-from .oracle import rel_err
+from .oracle import randomize_cfm_, rel_err
 
 pytestmark = pytest.mark.reference
 
@@ -31,33 +31,6 @@ TINY = CFMConfig(channels=48, n_blocks=2, num_mid_blocks=2, num_heads=2, head_di
 FULL = CFMConfig()
 CALL_TOL = 1e-5  # one estimator call
 SOLVE_TOL = 1e-4  # the 10-step mel
-
-
-def randomize_cfm_(module: torch.nn.Module, seed: int) -> None:
-    """Redraw every parameter of an upstream ``ConditionalDecoder`` (or a module holding one, such as
-    ``CausalConditionalCFM``) of any size, in place: Kaiming-normal weights as upstream initialises them,
-    biases 0.1·N, LayerNorm weights 1 + 0.1·N. The residual branches are scaled down (res_conv x 0.7,
-    attention and feed-forward outputs x 0.5) so that the stream grows ~7x over the 14 stages instead of
-    ~500x, which would leave the early blocks invisible in the output."""
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
-        p.copy_(mean + std * torch.randn(p.shape, generator=g, dtype=p.dtype))
-
-    with torch.no_grad():
-        for name, mod in module.named_modules():
-            if isinstance(mod, torch.nn.LayerNorm):
-                normal(mod.weight, 0.1, mean=1.0)
-                normal(mod.bias, 0.1)
-            elif isinstance(mod, (torch.nn.Linear, torch.nn.Conv1d)):
-                scale = 1.0
-                if name.endswith("res_conv"):
-                    scale = 0.7
-                elif name.endswith(("to_out.0", "ff.net.2")):
-                    scale = 0.5
-                normal(mod.weight, scale * (2.0 / mod.weight[0].numel()) ** 0.5)
-                if mod.bias is not None:
-                    normal(mod.bias, 0.1)
 
 
 def upstream_cfm(cfg: CFMConfig, seed: int) -> CausalConditionalCFM:

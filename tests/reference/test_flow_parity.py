@@ -31,7 +31,7 @@ from chatterbox.models.s3gen.utils.mask import make_pad_mask
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.flow import Flow, FlowConfig, rel_position_encoding, rel_shift
 
-from .oracle import rel_l2
+from .oracle import randomize_flow_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -52,33 +52,6 @@ CONSTRUCTOR = (
     "spk_embed_dim",
     "mel_dim",
 )
-
-
-def randomize_flow_(module: torch.nn.Module, seed: int) -> None:
-    """Move every term of an upstream flow front that could hide as an identity away from its initialisation,
-    in place: LayerNorm weight 1 + 0.1·N and bias 0.1·N, every Linear/Conv1d bias 0.1·N, pos_bias_u/v 0.2·N.
-    ``module`` is a ``CausalMaskedDiffWithXvec`` (its ``decoder`` is left alone: the CFM has its own) or an
-    ``UpsampleConformerEncoder``. Weights keep upstream's initialisation, which keeps activations O(1)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(t: torch.Tensor) -> torch.Tensor:
-        return torch.randn(t.shape, generator=g, dtype=t.dtype)
-
-    if isinstance(module, CausalMaskedDiffWithXvec):
-        parts = [module.input_embedding, module.spk_embed_affine_layer, module.encoder, module.encoder_proj]
-    else:
-        parts = [module]
-    with torch.no_grad():
-        for part in parts:
-            for m in part.modules():
-                if isinstance(m, torch.nn.LayerNorm):
-                    m.weight.copy_(1 + 0.1 * normal(m.weight))
-                    m.bias.copy_(0.1 * normal(m.bias))
-                elif isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)) and m.bias is not None:
-                    m.bias.copy_(0.1 * normal(m.bias))
-                elif isinstance(m, RelPositionMultiHeadedAttention):
-                    m.pos_bias_u.copy_(0.2 * normal(m.pos_bias_u))
-                    m.pos_bias_v.copy_(0.2 * normal(m.pos_bias_v))
 
 
 def upstream_flow(cfg: FlowConfig, seed: int) -> CausalMaskedDiffWithXvec:

@@ -22,7 +22,7 @@ from chatterbox.models.s3gen.hifigan import HiFTGenerator
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig, istft, stft
 
-from .oracle import rel_err
+from .oracle import randomize_hift_, rel_err
 
 pytestmark = pytest.mark.reference
 
@@ -35,33 +35,6 @@ WAV_TOL = 1e-4
 # 2π·δ·cycles: a few 1e-4 rad after ~500 cycles of the 9th harmonic in 11 frames. Each stage alone is held to
 # the tighter bounds above.
 CHAINED_WAV_TOL = 1e-3
-
-
-def randomize_hift_(module: torch.nn.Module, seed: int) -> None:
-    """Randomise an upstream ``HiFTGenerator`` (``S3Token2Wav.mel2wav``, any size) in place: weight-norm
-    g = ‖v‖·U(0.5, 1.5), biases 0.1·N, Snake α U(0.5, 1.5). The F0 classifier is scaled so that f0 lands
-    around 100 Hz with a few unvoiced (< 10 Hz) frames, and conv_post is scaled up to a log-magnitude
-    spread of about ±1, well under upstream's clip at exp(4.6) = 100."""
-    g = torch.Generator().manual_seed(seed)
-    params = dict(module.named_parameters())
-
-    def uniform(p: torch.Tensor, low: float, high: float) -> torch.Tensor:
-        return low + (high - low) * torch.rand(p.shape, generator=g)
-
-    with torch.no_grad():
-        for name, p in params.items():
-            if name.endswith("parametrizations.weight.original0"):
-                v = params[name[:-1] + "1"]
-                norm = v.flatten(1).norm(dim=1).reshape(p.shape)
-                p.copy_(norm * uniform(p, 0.5, 1.5))
-            elif name.endswith(".alpha"):
-                p.copy_(uniform(p, 0.5, 1.5))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        classifier = module.f0_predictor.classifier
-        classifier.weight.mul_(3000.0 / classifier.weight.norm())
-        classifier.bias.fill_(30.0)
-        module.conv_post.parametrizations.weight.original0.mul_(5.0)
 
 
 def upstream_hift(cfg: HiFTConfig, seed: int) -> HiFTGenerator:

@@ -14,7 +14,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from chatterbox.models.s3gen import S3Gen as UpstreamS3Gen
 from chatterbox.models.s3gen import hifigan
 
 from mlx_chatterbox.convert import convert_s3gen
@@ -27,12 +26,8 @@ from mlx_chatterbox.models.hift import HiFT
 from mlx_chatterbox.models.s3tokenizer import S3Tokenizer
 from mlx_chatterbox.variants import ENGLISH
 
+from . import oracle
 from .oracle import rel_l2
-from .test_campplus_parity import randomize_campplus_
-from .test_cfm_parity import randomize_cfm_
-from .test_flow_parity import randomize_flow_
-from .test_hift_parity import randomize_hift_
-from .test_s3tokenizer_parity import randomize_s3tokenizer_
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
@@ -44,13 +39,7 @@ WAV_TOL = (
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    upstream = UpstreamS3Gen().eval()
-    randomize_flow_(upstream.flow, seed=1)
-    randomize_cfm_(upstream.flow.decoder, seed=2)
-    randomize_hift_(upstream.mel2wav, seed=3)
-    randomize_s3tokenizer_(upstream.tokenizer, seed=4)
-    randomize_campplus_(upstream.speaker_encoder, seed=5)
+    upstream = oracle.upstream_s3gen(seed=0)
     weights = {k: mx.array(v.detach().numpy()) for k, v in upstream.state_dict().items()}
     parts = convert_s3gen(weights, ENGLISH)
     built = {}

@@ -19,7 +19,7 @@ from s3tokenizer.model_v2 import ModelConfig, S3TokenizerV2
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.s3tokenizer import S3Tokenizer, S3TokenizerConfig
 
-from .oracle import rel_l2
+from .oracle import randomize_s3tokenizer_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -30,30 +30,6 @@ TOL_TINY, TOL_FULL = 1e-5, 1e-4
 BOUNDARY = 1e-4  # a digit this close to a rounding boundary may round either way in fp32
 # Buffers of Chatterbox's subclass (its log-mel front-end), recomputed by ours; the converter drops them.
 FRONT_END_BUFFERS = ("_mel_filters", "window")
-
-
-def randomize_s3tokenizer_(module: torch.nn.Module, seed: int) -> None:
-    """Randomise, in place, every term of an upstream S3TokenizerV2 (any size) that could hide as an identity.
-
-    LayerNorm weights 1 + 0.1·N and all biases 0.1·N; the FSMN depthwise kernels N(0, 1/k); ``project_down``
-    N(0, 1/n_state), which with the encoder's O(1) hidden states spreads the pre-tanh values over about ±1 so that
-    every FSQ digit takes all three levels. Other weights keep their (random) initialisation.
-    """
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(p: torch.Tensor) -> torch.Tensor:
-        return torch.randn(p.shape, generator=g, dtype=p.dtype)
-
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("_ln.weight"):
-                p.copy_(1 + 0.1 * normal(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * normal(p))
-            elif name.endswith("fsmn_block.weight"):
-                p.copy_(normal(p) / p.shape[-1] ** 0.5)
-            elif name.endswith("project_down.weight"):
-                p.copy_(normal(p) / p.shape[1] ** 0.5)
 
 
 def upstream_s3tokenizer(cfg: S3TokenizerConfig, seed: int) -> torch.nn.Module:

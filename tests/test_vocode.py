@@ -1,0 +1,110 @@
+"""Speech tokens -> waveform on a tiny S3Gen (no torch): lengths, the prompt cut, the fade-in, randomness, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_chatterbox import TTS
+from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation.vocode import Draws, fade_in
+from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vocode")
+    return TTS.load(convert(write_upstream_checkpoint(tmp / "up"), tmp / "mlx", config=TINY_MODEL))
+
+
+def tokens(n: int, seed: int = 0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, 6561, (1, n)).astype(np.int32))
+
+
+@pytest.mark.parametrize("prompt_frames, frames", [(20, 14), (21, 13)])  # odd prompt mel: 2N - 1 frames
+def test_lengths_follow_upstream(tts, prompt_frames, frames):
+    voice = dataclasses.replace(
+        random_voice(gen_tokens=10), s3gen_prompt_mel=mx.zeros((1, prompt_frames, 80))
+    )
+    mel = tts.s3gen.mel(tokens(7), voice, cfm_steps=2, key=mx.random.key(0))
+    assert mel.shape == (1, frames, 80)
+    wav = tts.s3gen(tokens(7), voice, cfm_steps=2, key=mx.random.key(0))
+    assert wav.shape == (1, 480 * frames) and wav.dtype == mx.float32
+    assert bool(mx.all(mx.abs(wav) <= 0.99))
+
+
+def test_prompt_conditions_the_output(tts):
+    voice = random_voice(gen_tokens=10)
+    other = dataclasses.replace(voice, s3gen_prompt_mel=voice.s3gen_prompt_mel + 1)
+    a = tts.s3gen.mel(tokens(9), voice, cfm_steps=2, key=mx.random.key(1))
+    b = tts.s3gen.mel(tokens(9), other, cfm_steps=2, key=mx.random.key(1))
+    assert a.shape == b.shape and not np.allclose(np.array(a), np.array(b))
+
+
+def test_steps_and_keys(tts):
+    voice = random_voice(gen_tokens=10)
+    run = lambda steps, seed: np.array(tts.s3gen(tokens(6), voice, cfm_steps=steps, key=mx.random.key(seed)))
+    np.testing.assert_array_equal(run(3, 4), run(3, 4))
+    assert not np.allclose(run(3, 4), run(3, 5))
+    assert not np.allclose(run(1, 4), run(10, 4))
+    assert tts.vocode([1, 2, 3], voice, seed=3).tolist() == tts.vocode([1, 2, 3], voice, seed=3).tolist()
+
+
+def test_injected_draws_replace_every_random_input(tts):
+    voice = random_voice(gen_tokens=10)
+    rng = np.random.default_rng(0)
+    frames = 2 * (10 + 5)
+    draws = Draws(
+        cfm_noise=mx.array(rng.standard_normal((1, frames, 80)).astype(np.float32)),
+        phases=mx.array(np.concatenate([[0.0], rng.uniform(-3, 3, 8)])[None].astype(np.float32)),
+        source_noise=mx.array(rng.standard_normal((1, 480 * (frames - 20), 9)).astype(np.float32)),
+    )
+    a = np.array(tts.s3gen(tokens(5), voice, cfm_steps=2, draws=draws))
+    mx.random.seed(123)  # the global generator must not matter
+    np.testing.assert_array_equal(a, np.array(tts.s3gen(tokens(5), voice, cfm_steps=2, draws=draws)))
+    with pytest.raises(ValueError, match="either key or draws"):
+        tts.s3gen(tokens(5), voice, key=mx.random.key(0), draws=draws)
+    wrong = dataclasses.replace(draws, cfm_noise=draws.cfm_noise[:, 1:])
+    with pytest.raises(ValueError, match="cfm_noise has shape"):
+        tts.s3gen(tokens(5), voice, draws=wrong)
+
+
+def test_fade_in_is_upstreams_trim_fade():
+    wav = fade_in(mx.ones((1, 2000)))
+    ramp = (np.cos(np.linspace(np.pi, 0, 480)) + 1) / 2
+    np.testing.assert_allclose(np.array(wav[0, :960]), np.concatenate([np.zeros(480), ramp]), atol=1e-7)
+    np.testing.assert_array_equal(np.array(wav[0, 960:]), 1.0)
+    assert fade_in(mx.ones((1, 700))).shape == (1, 700)  # shorter than the fade: cut, not an error
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([], "no speech tokens"),
+        ([1, 6561], r"must lie in \[0, 6561\), found 6561; drop T3's start/stop ids"),
+        ([-1, 5], "found -1"),
+        ([[1, 2]], "1-d sequence"),
+        (np.array([1.5]), "1-d sequence of integer ids"),
+    ],
+)
+def test_bad_tokens(tts, ids, message):
+    with pytest.raises(ValueError, match=message):
+        tts.vocode(ids, random_voice())
+
+
+@pytest.mark.parametrize("steps", [0, -2, 1.5, True])
+def test_bad_step_counts(tts, steps):
+    with pytest.raises(ValueError, match="cfm_steps"):
+        tts.vocode([1, 2], random_voice(), cfm_steps=steps)
+
+
+def test_generate_is_speech_tokens_then_vocode(tts):
+    voice = random_voice(gen_tokens=10)
+    knobs = dict(max_new_tokens=6, min_p=0.0)
+    wav = tts.generate("Hello there.", voice, seed=11, cfm_steps=2, **knobs)
+    ids = tts.speech_tokens("Hello there.", voice, seed=11, **knobs)
+    np.testing.assert_array_equal(wav, tts.vocode(ids, voice, seed=11, cfm_steps=2))
+    assert wav.dtype == np.float32 and wav.shape == (960 * len(ids),) and tts.sample_rate == 24000
