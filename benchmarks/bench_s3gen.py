@@ -112,7 +112,9 @@ def ours_from(flow, hift) -> S3Gen:
     for _, name, network in S3GEN_PARTS:
         if name in ("flow", "cfm", "hift"):  # the voice-cloning networks are not built here
             nets[name] = network(getattr(ENGLISH, name))
-            nets[name].load_weights(list(sanitize_s3gen_part(parts[name], name, ENGLISH).items()), strict=True)
+            nets[name].load_weights(
+                list(sanitize_s3gen_part(parts[name], name, ENGLISH).items()), strict=True
+            )
     mx.eval([n.parameters() for n in nets.values()])
     return S3Gen(nets["flow"], nets["cfm"], nets["hift"])
 
