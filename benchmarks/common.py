@@ -7,6 +7,7 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -62,11 +63,13 @@ def machine_info() -> dict:
         gpu = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         gpu = None
+    # A copy of the tree on another machine may carry no (or a stale) .git: BENCH_COMMIT names the commit then.
+    commit = os.environ.get("BENCH_COMMIT")
     try:
         git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        commit = commit or subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        pass
 
     def version(name: str) -> str | None:
         try:
@@ -80,6 +83,6 @@ def machine_info() -> dict:
         cpu=cpu,
         gpu=gpu,
         versions={n: version(n) for n in ("mlx", "torch", "transformers")},
-        commit=commit,
+        commit=commit or "unknown",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
