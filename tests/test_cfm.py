@@ -93,6 +93,14 @@ def test_float_mask_equals_bool_mask(estimator):
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_no_mask_equals_an_all_valid_mask(estimator):
+    x, mask, mu, spks, cond = batch([9, 9], seed=2)
+    t = mx.array([0.3, 0.8])
+    assert close(estimator(x, None, mu, t, spks, cond), estimator(x, mask, mu, t, spks, cond), 1e-6)
+    z = mx.array(np.random.default_rng(3).standard_normal(x.shape).astype(np.float32))
+    assert close(solve(estimator, mu, None, spks, cond, z, 3), solve(estimator, mu, mask, spks, cond, z, 3), 1e-6)
+
+
 @pytest.mark.parametrize("length", [1, 3, 6])
 def test_valid_frames_of_a_padded_row_equal_the_unpadded_run(estimator, length):
     """Causal convolutions, per-frame norms and key-padding attention make padding invisible to the valid

@@ -62,7 +62,7 @@ class S3Gen:
         prompt_tokens, prompt_mel = voice.s3gen_prompt_tokens, voice.s3gen_prompt_mel
         everything = mx.concatenate([prompt_tokens, tokens], axis=1)
         lengths = mx.array([everything.shape[1]], dtype=mx.int32)
-        mu, mask = self.flow.encode(everything, lengths)
+        mu, _ = self.flow.encode(everything, lengths)
         prompt_frames = prompt_mel.shape[1]
         # The condition is the prompt mel over the prompt frames and zeros after (flow.py inference).
         cond = mx.concatenate(
@@ -74,7 +74,8 @@ class S3Gen:
         elif cfm_noise.shape != mu.shape:
             raise ValueError(f"cfm_noise has shape {cfm_noise.shape}, expected {mu.shape}")
         spks = self.flow.embed_speaker(voice.xvector)
-        mel = solve(self.estimator, mu, mask, spks, cond, cfm_noise, cfm_steps, cfm.cfg_rate)
+        # One utterance has no padded frame: no mask (the same numbers; fused attention on GPUs).
+        mel = solve(self.estimator, mu, None, spks, cond, cfm_noise, cfm_steps, cfm.cfg_rate)
         return mel[:, prompt_frames:]
 
     def __call__(
