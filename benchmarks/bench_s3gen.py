@@ -26,7 +26,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from common import bare_upstream, machine_info, write_line
+from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
 from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation.vocode import Draws, S3Gen
@@ -328,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
 
     bare_upstream(args.upstream_src)
     device = torch.device(args.torch_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if "upstream" in systems:
+        refuse_torch_cpu_beside_preload(device.type)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # upstream fp32 numerics
         torch.backends.cudnn.allow_tf32 = False

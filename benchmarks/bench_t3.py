@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable
 
 import mlx.core as mx
-from common import bare_upstream, machine_info, write_line
+from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
 from mlx_chatterbox.models.t3 import T3, T3Config
 
@@ -145,6 +145,7 @@ def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: in
     from chatterbox.models.t3.modules.t3_config import T3Config
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    refuse_torch_cpu_beside_preload(dev.type)
     dtype = getattr(torch, dtype_name)
     cuda = dev.type == "cuda"
     if cuda:

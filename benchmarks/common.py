@@ -38,6 +38,18 @@ def bare_upstream(src: str | None) -> None:
         sys.modules[name] = package
 
 
+def refuse_torch_cpu_beside_preload(torch_device: str) -> None:
+    """Upstream on the CPU must not share a process with our OpenBLAS preload: it slows PyTorch's CPU kernels
+    ~20x here (one CFM estimator call: 0.33 s alone, 7.2 s beside it), which would flatter us."""
+    from mlx_chatterbox import _backend
+
+    if torch_device == "cpu" and _backend.BLAS_PRELOADED:
+        raise SystemExit(
+            "upstream on the CPU runs slowed down in a process where mlx_chatterbox preloaded OpenBLAS; time it in "
+            "its own process: MLX_CHATTERBOX_BLAS=off python benchmarks/... --systems upstream"
+        )
+
+
 def write_line(row: dict, out: str | None) -> None:
     """One JSON line on stdout, appended to ``out`` too."""
     line = json.dumps(row)

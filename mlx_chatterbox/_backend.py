@@ -23,6 +23,9 @@ import sys
 BLAS_VAR = "MLX_CHATTERBOX_BLAS"
 TF32_VAR = "MLX_ENABLE_TF32"
 STATUS: dict[str, str] = {}
+# True once a BLAS library was loaded process-wide. It also serves every other library in the process: PyTorch's
+# CPU kernels ran ~20x slower beside it here (benchmarks/README.md), so keep torch CPU work in another process.
+BLAS_PRELOADED = False
 
 logger = logging.getLogger("mlx_chatterbox")
 
@@ -42,15 +45,21 @@ def _blas() -> str:
         path = ctypes.util.find_library("openblas")
         if path is None:
             return "MLX's bundled reference BLAS: no OpenBLAS found (on Debian/Ubuntu: apt-get install libopenblas0-pthread)"
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        _preload(path)
         return f"OpenBLAS ({path})"
     try:
-        ctypes.CDLL(choice, mode=ctypes.RTLD_GLOBAL)
+        _preload(choice)
     except OSError as e:
         raise OSError(
             f"{BLAS_VAR}={choice!r} could not be loaded ({e}); unset it or set it to 'auto' or 'off'"
         )
     return f"{choice} ({BLAS_VAR})"
+
+
+def _preload(path: str) -> None:
+    global BLAS_PRELOADED
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    BLAS_PRELOADED = True
 
 
 def _tf32() -> str:

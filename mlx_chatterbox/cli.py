@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -122,10 +123,11 @@ def _progress(label: str):
     return show
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a temporary file beside ``path`` (same suffix), then rename it: a failure leaves no partial file."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
-        tmp.write_text(text)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -172,10 +174,13 @@ def _say(args: argparse.Namespace) -> None:
     tts = TTS.load(args.model)
     loaded = time.perf_counter()
     tokens = _read_tokens(args.tokens) if args.tokens is not None else _speech_tokens(tts, args)
+    if args.tokens is None and len(tokens) == 0:
+        raise ValueError("T3 stopped before producing any speech token; try another --seed or text")
     speech = time.perf_counter()
     wav = tts.vocode(tokens, args.voice, cfm_steps=args.cfm_steps, seed=args.seed)
     done = time.perf_counter()
-    _write_audio(args.output, wav, tts.sample_rate)
+    audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
+    _write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
     if args.verbose:
         seconds = len(wav) / tts.sample_rate
         print(
@@ -196,7 +201,7 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.output is None:
         sys.stdout.write(line)
     else:
-        _write_atomic(args.output, line)
+        _write_atomic(args.output, lambda tmp: tmp.write_text(line))
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, generation {done - loaded:.2f} s, {len(tokens)} tokens "
@@ -207,16 +212,6 @@ def _tokens(args: argparse.Namespace) -> None:
 
 def _backend_lines() -> str:
     return "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items())
-
-
-def _write_audio(path: Path, wav: np.ndarray, sample_rate: int) -> None:
-    """Write through a temporary file in the same folder, so that a failure leaves no partial file."""
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        sf.write(tmp, wav, sample_rate, format=AUDIO_FORMATS[path.suffix.lower()])
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,5 +17,5 @@ ta=$("$py" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.f
 for so in "$ta"/lib/*.so; do
     [ -e "$so" ] && mv "$so" "$so.disabled"
 done
-"$py" -c 'import chatterbox.models.t3, torch; print("oracle ready: chatterbox-tts 0.1.7, torch", torch.__version__)' \
+"$py" -c 'import chatterbox.models.t3, chatterbox.models.s3gen, torch; print("oracle ready: chatterbox-tts 0.1.7, torch", torch.__version__)' \
     2> >(grep -v pkg_resources >&2)

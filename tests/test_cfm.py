@@ -98,7 +98,9 @@ def test_no_mask_equals_an_all_valid_mask(estimator):
     t = mx.array([0.3, 0.8])
     assert close(estimator(x, None, mu, t, spks, cond), estimator(x, mask, mu, t, spks, cond), 1e-6)
     z = mx.array(np.random.default_rng(3).standard_normal(x.shape).astype(np.float32))
-    assert close(solve(estimator, mu, None, spks, cond, z, 3), solve(estimator, mu, mask, spks, cond, z, 3), 1e-6)
+    assert close(
+        solve(estimator, mu, None, spks, cond, z, 3), solve(estimator, mu, mask, spks, cond, z, 3), 1e-6
+    )
 
 
 @pytest.mark.parametrize("length", [1, 3, 6])

@@ -70,6 +70,8 @@ def test_injected_draws_replace_every_random_input(tts):
     wrong = dataclasses.replace(draws, cfm_noise=draws.cfm_noise[:, 1:])
     with pytest.raises(ValueError, match="cfm_noise has shape"):
         tts.s3gen(tokens(5), voice, draws=wrong)
+    with pytest.raises(ValueError, match="either key or cfm_noise"):
+        tts.s3gen.mel(tokens(5), voice, cfm_noise=draws.cfm_noise, key=mx.random.key(0))
 
 
 def test_fade_in_is_upstreams_trim_fade():

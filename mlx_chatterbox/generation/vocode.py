@@ -6,6 +6,7 @@ in front of the new tokens, the prompt mel conditions the CFM, and the output st
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,8 @@ class S3Gen:
         )
         if cfm_noise is None:
             cfm_noise = mx.random.normal(mu.shape, key=key)
+        elif key is not None:
+            raise ValueError("pass either key or cfm_noise, not both")
         elif cfm_noise.shape != mu.shape:
             raise ValueError(f"cfm_noise has shape {cfm_noise.shape}, expected {mu.shape}")
         spks = self.flow.embed_speaker(voice.xvector)
@@ -125,6 +128,10 @@ def check_tokens(tokens: mx.array, vocab_size: int) -> None:
 def fade_in(wav: mx.array) -> mx.array:
     """Upstream's trim_fade: 480 zeros, then a 480-sample raised cosine, on the first 960 samples."""
     n = min(wav.shape[1], 2 * FADE_IN)
-    ramp = mx.array([(math.cos(math.pi * (1 - i / (FADE_IN - 1))) + 1) / 2 for i in range(FADE_IN)])
-    window = mx.concatenate([mx.zeros((FADE_IN,)), ramp])[:n]
-    return mx.concatenate([wav[:, :n] * window, wav[:, n:]], axis=1)
+    return mx.concatenate([wav[:, :n] * _fade_window()[:n], wav[:, n:]], axis=1)
+
+
+@functools.lru_cache(maxsize=1)
+def _fade_window() -> mx.array:
+    ramp = [(math.cos(math.pi * (1 - i / (FADE_IN - 1))) + 1) / 2 for i in range(FADE_IN)]
+    return mx.array([0.0] * FADE_IN + ramp)
