@@ -36,6 +36,15 @@ def test_lengths_follow_upstream(tts, prompt_frames, frames):
     assert bool(mx.all(mx.abs(wav) <= 0.99))
 
 
+def test_without_a_prompt(tts):
+    v = random_voice()
+    bare = dataclasses.replace(
+        v, s3gen_prompt_tokens=mx.zeros((1, 0), mx.int32), s3gen_prompt_mel=mx.zeros((1, 0, 80))
+    )
+    assert tts.s3gen.mel(tokens(7), bare, cfm_steps=2, key=mx.random.key(0)).shape == (1, 14, 80)
+    assert tts.vocode([5, 6, 7], bare, seed=0).shape == (3 * 960,)
+
+
 def test_prompt_conditions_the_output(tts):
     voice = random_voice(gen_tokens=10)
     other = dataclasses.replace(voice, s3gen_prompt_mel=voice.s3gen_prompt_mel + 1)

@@ -25,12 +25,20 @@ def test_odd_prompt_mel_length_is_accepted():
     Voice(v.speaker_emb, v.t3_prompt_tokens, v.s3gen_prompt_tokens, mx.zeros((1, 21, 80)), v.xvector)
 
 
+def test_a_voice_without_s3gen_prompt_round_trips(tmp_path):
+    v = random_voice()
+    v = Voice(v.speaker_emb, v.t3_prompt_tokens, mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 80)), v.xvector)
+    loaded = Voice.load(v.save(tmp_path / "v.safetensors"))
+    assert loaded.s3gen_prompt_tokens.shape == (1, 0) and loaded.s3gen_prompt_mel.shape == (1, 0, 80)
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
         ("speaker_emb", mx.zeros((256,)), "speaker_emb must be a float"),
         ("t3_prompt_tokens", mx.zeros((1, 5)), "t3_prompt_tokens must be an int32"),
-        ("s3gen_prompt_tokens", mx.zeros((1, 0), mx.int32), "s3gen_prompt_tokens must be an int32"),
+        ("t3_prompt_tokens", mx.zeros((1, 0), mx.int32), r"t3_prompt_tokens must be an int32 \(1, N >= 1\)"),
+        ("s3gen_prompt_tokens", mx.zeros((1, 3)), "s3gen_prompt_tokens must be an int32"),
         ("s3gen_prompt_mel", mx.zeros((1, 79, 80)), "s3gen_prompt_mel must be"),
         ("xvector", mx.zeros((1, 192), mx.int32), "xvector must be a float"),
     ],

@@ -17,7 +17,7 @@ _FIELDS = ("speaker_emb", "t3_prompt_tokens", "s3gen_prompt_tokens", "s3gen_prom
 class Voice:
     """speaker_emb: (1, 256) float voice-encoder embedding (T3).
     t3_prompt_tokens: (1, P) int32 S3 speech tokens of the reference's first 6 s (T3; upstream P = 150).
-    s3gen_prompt_tokens: (1, N) int32 S3 tokens of the reference's first 10 s (S3Gen).
+    s3gen_prompt_tokens: (1, N) int32 S3 tokens of the reference's first 10 s (S3Gen); N may be 0 (no prompt).
     s3gen_prompt_mel: (1, T, 80) float 24 kHz log-mel of the same audio, T = 2N or 2N + 1 (S3Gen).
     xvector: (1, 192) float CAM++ speaker embedding (S3Gen).
     """
@@ -35,9 +35,10 @@ class Voice:
         s, t, g, m, x = (getattr(self, f) for f in _FIELDS)
         if s.ndim != 2 or s.shape[0] != 1 or not mx.issubdtype(s.dtype, mx.floating):
             fail(f"speaker_emb must be a float (1, D) array, got {s.dtype} {s.shape}")
-        for name, tok in (("t3_prompt_tokens", t), ("s3gen_prompt_tokens", g)):
-            if tok.ndim != 2 or tok.shape[0] != 1 or tok.shape[1] < 1 or tok.dtype != mx.int32:
-                fail(f"{name} must be an int32 (1, N >= 1) array, got {tok.dtype} {tok.shape}")
+        # T3 needs a prompt; S3Gen can do without (then only the x-vector sets the timbre).
+        for name, tok, least in (("t3_prompt_tokens", t, 1), ("s3gen_prompt_tokens", g, 0)):
+            if tok.ndim != 2 or tok.shape[0] != 1 or tok.shape[1] < least or tok.dtype != mx.int32:
+                fail(f"{name} must be an int32 (1, N >= {least}) array, got {tok.dtype} {tok.shape}")
         if m.ndim != 3 or m.shape[0] != 1 or m.shape[2] != 80 or m.shape[1] // 2 != g.shape[1]:
             fail(
                 f"s3gen_prompt_mel must be (1, 2N or 2N + 1, 80) with N = {g.shape[1]} prompt tokens, got {m.shape}"

@@ -141,7 +141,8 @@ def upstream_wav(
 
 @pytest.mark.parametrize(
     "prompt_tokens, prompt_frames, tokens, steps",
-    [(23, 47, 20, 10), (17, 34, 25, 1)],  # an odd prompt mel gives 2N - 1 frames
+    # An odd prompt mel gives 2N - 1 frames; a voice may have no S3Gen prompt at all.
+    [(23, 47, 20, 10), (17, 34, 25, 1), (0, 0, 15, 2)],
 )
 def test_tokens_to_waveform_matches_upstream(models, prompt_tokens, prompt_frames, tokens, steps):
     upstream, ours = models
