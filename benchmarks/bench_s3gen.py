@@ -181,6 +181,23 @@ def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int) -> dict:
     return result
 
 
+def upstream_mel(torch, flow, t: dict, steps: int):
+    """Upstream ``CausalMaskedDiffWithXvec.inference`` as ``S3Token2Wav`` calls it (``finalize=True``)."""
+    lengths = {k: torch.tensor([t[k].shape[1]], device=t[k].device) for k in ("token", "prompt_token")}
+    mel, _ = flow.inference(
+        token=t["token"],
+        token_len=lengths["token"],
+        prompt_token=t["prompt_token"],
+        prompt_token_len=lengths["prompt_token"],
+        prompt_feat=t["prompt_feat"],
+        prompt_feat_len=None,
+        embedding=t["embedding"],
+        finalize=True,
+        n_timesteps=steps,
+    )
+    return mel
+
+
 def bench_upstream(torch, flow, hift, inputs: dict, steps: int, repeats: int, device) -> dict:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -201,17 +218,7 @@ def bench_upstream(torch, flow, hift, inputs: dict, steps: int, repeats: int, de
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            mel, _ = flow.inference(
-                token=t["token"],
-                token_len=torch.tensor([t["token"].shape[1]], device=device),
-                prompt_token=t["prompt_token"],
-                prompt_token_len=torch.tensor([t["prompt_token"].shape[1]], device=device),
-                prompt_feat=t["prompt_feat"],
-                prompt_feat_len=None,
-                embedding=t["embedding"],
-                finalize=True,
-                n_timesteps=steps,
-            )
+            mel = upstream_mel(torch, flow, t, steps)
             sync()
             t1 = time.perf_counter()
             wav, _ = hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0, device=device))
@@ -281,17 +288,7 @@ def check(torch, s3gen: S3Gen, flow, hift, inputs: dict, steps: int, device) -> 
     hifigan_module.Uniform = Phases
     try:
         with torch.inference_mode():
-            mel, _ = flow.inference(
-                token=t["token"],
-                token_len=torch.tensor([t["token"].shape[1]], device=device),
-                prompt_token=t["prompt_token"],
-                prompt_token_len=torch.tensor([t["prompt_token"].shape[1]], device=device),
-                prompt_feat=t["prompt_feat"],
-                prompt_feat_len=None,
-                embedding=t["embedding"],
-                finalize=True,
-                n_timesteps=steps,
-            )
+            mel = upstream_mel(torch, flow, t, steps)
             wav, _ = hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0, device=device))
             wav[:, :960] *= torch.cat(
                 [torch.zeros(480), (torch.cos(torch.linspace(torch.pi, 0, 480)) + 1) / 2]
