@@ -115,7 +115,7 @@ def convert(
             voice_from_conds(src_dir / CONDS_FILE).save(tmp / "voice.safetensors")
             files["voice"] = "voice.safetensors"
 
-        config = {
+        manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "dtype": dtype,
@@ -123,7 +123,7 @@ def convert(
             "files": files,
             "networks": config.to_dict(),
         }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
