@@ -7,6 +7,8 @@ Output folder:
                      S3Gen (tokens -> mel -> wav) from ``s3gen.safetensors``, float32
   s3tokenizer.safetensors, campplus.safetensors
                      the voice-cloning networks that also live in ``s3gen.safetensors``, float32
+  voice_encoder.safetensors
+                     the voice encoder from ``ve.safetensors``, float32
   tokenizer.json     the upstream text tokenizer, checked and copied
   voice.safetensors  the built-in voice from ``conds.pt`` (read without torch and without unpickling code)
 
@@ -32,21 +34,21 @@ from .models.flow import Flow
 from .models.hift import HiFT
 from .models.s3tokenizer import S3Tokenizer
 from .models.t3 import T3
+from .models.voice_encoder import VoiceEncoder
 from .text import EnTokenizer
 from .torchfile import TorchFileError, load_torch_file
 from .variants import ENGLISH, ModelConfig
 
 FORMAT = "mlx-chatterbox"
-FORMAT_VERSION = 2  # 2: S3Gen, the S3 tokenizer and CAM++ converted too
+FORMAT_VERSION = 3  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too
 DEFAULT_REPO = "ResembleAI/chatterbox"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 T3_FILE = "t3_cfg.safetensors"
 S3GEN_FILE = "s3gen.safetensors"
+VE_FILE = "ve.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 CONDS_FILE = "conds.pt"
-# In upstream checkpoints but converted by a later stage of the port (voice cloning); left alone for now.
-NOT_YET_CONVERTED = ("ve.safetensors",)
 # s3gen.safetensors holds five networks; each key goes to the first network whose prefix it starts with.
 S3GEN_PARTS = (
     ("flow.decoder.estimator.", "cfm", Estimator),
@@ -104,6 +106,15 @@ def convert(
         for name, network in convert_s3gen(_read_safetensors(src_dir / S3GEN_FILE), config).items():
             files[name] = f"{name}.safetensors"
             mx.save_safetensors(str(tmp / files[name]), network, metadata={"format": FORMAT})
+        ve = sanitize(
+            _read_safetensors(src_dir / VE_FILE), VoiceEncoder.checkpoint_table(config.voice_encoder), VE_FILE
+        )
+        files["voice_encoder"] = "voice_encoder.safetensors"
+        mx.save_safetensors(
+            str(tmp / files["voice_encoder"]),
+            {k: v.astype(mx.float32) for k, v in ve.items()},
+            metadata={"format": FORMAT},
+        )
 
         tokenizer_path = _require(src_dir / TOKENIZER_FILE)
         tokenizer = EnTokenizer.from_file(tokenizer_path)
@@ -306,14 +317,14 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
         local = snapshot_download(
             text,
             revision=revision,
-            allow_patterns=[T3_FILE, S3GEN_FILE, TOKENIZER_FILE, CONDS_FILE, *NOT_YET_CONVERTED],
+            allow_patterns=[T3_FILE, S3GEN_FILE, VE_FILE, TOKENIZER_FILE, CONDS_FILE],
         )
     except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
         reason = " ".join(str(e).split())  # hub messages span lines; ours is one
         raise ConversionError(
             f"{text} is not a local folder, and downloading it from the Hugging Face Hub failed "
             f"({type(e).__name__}: {reason}). Check the network, or download the files ({T3_FILE}, "
-            f"{S3GEN_FILE}, {TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
+            f"{S3GEN_FILE}, {VE_FILE}, {TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
         ) from None
     local = Path(local)
     return local, {"repo": text, "revision": local.name}

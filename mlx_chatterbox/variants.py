@@ -16,6 +16,7 @@ from .models.flow import FlowConfig
 from .models.hift import HiFTConfig
 from .models.s3tokenizer import S3TokenizerConfig
 from .models.t3 import T3Config
+from .models.voice_encoder import VoiceEncoderConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ModelConfig:
     hift: HiFTConfig = field(default_factory=HiFTConfig)
     s3tokenizer: S3TokenizerConfig = field(default_factory=S3TokenizerConfig)
     campplus: CAMPPlusConfig = field(default_factory=CAMPPlusConfig)
+    voice_encoder: VoiceEncoderConfig = field(default_factory=VoiceEncoderConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

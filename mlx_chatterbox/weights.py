@@ -13,10 +13,11 @@ from .convert import FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
 from .generation.vocode import S3Gen
 from .generation.voice import Voice
 from .models.t3 import T3
+from .models.voice_encoder import VoiceEncoder
 from .text import EnTokenizer
 from .variants import ModelConfig
 
-NETWORKS = {"t3": T3, **{name: network for _, name, network in S3GEN_PARTS}}
+NETWORKS = {"t3": T3, "voice_encoder": VoiceEncoder, **{name: network for _, name, network in S3GEN_PARTS}}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On Linux, make sure OpenBLAS is installed: mlx_chatterbox loads it so that MLX's CPU matmuls run ~30x faster
-# than with the reference BLAS in the mlx[cpu] wheel (mlx_chatterbox/_blas.py). Nothing to do elsewhere.
+# than with the reference BLAS in the mlx[cpu] wheel (mlx_chatterbox/_backend.py). Nothing to do elsewhere.
 set -euo pipefail
 [ "$(uname)" = Linux ] || exit 0
 ldconfig -p | grep -q libopenblas.so.0 && exit 0

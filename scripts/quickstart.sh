@@ -18,7 +18,7 @@ $PYTHON -m pip install -q -e ".$extra"
 
 if [ "$src" = random ]; then
     scripts/install_oracle.sh
-    [ -f models/random-upstream/s3gen.safetensors ] || $PYTHON scripts/random_checkpoint.py models/random-upstream
+    [ -f models/random-upstream/ve.safetensors ] || $PYTHON scripts/random_checkpoint.py models/random-upstream
     src=models/random-upstream
     max_tokens=50  # random weights almost never say stop
 fi

@@ -3,6 +3,7 @@
 For machines without Hub access (the real ResembleAI/chatterbox weights cannot be downloaded there):
   t3_cfg.safetensors  full-size upstream T3 with seeded random weights (norms and biases randomised too)
   s3gen.safetensors   full-size upstream S3Gen (flow, CFM, HiFT, S3 tokenizer, CAM++), randomised the same way
+  ve.safetensors      upstream's voice encoder, randomised
   tokenizer.json      a toy BPE tokenizer with upstream's special ids ([STOP]=0, [SPACE]=2, [START]=255)
   conds.pt            a random built-in voice saved by upstream's Conditionals.save
 Needs the test environment (torch + chatterbox-tts): scripts/install_oracle.sh.
@@ -28,6 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     oracle.write_t3_checkpoint(oracle.upstream_t3(oracle.FULL, seed=args.seed), args.dst)
     oracle.write_s3gen_checkpoint(oracle.upstream_s3gen(seed=args.seed), args.dst)
+    oracle.write_ve_checkpoint(args.dst, seed=args.seed)
     write_toy_tokenizer(args.dst / "tokenizer.json")
     oracle.random_conds(oracle.FULL, seed=args.seed).save(args.dst / "conds.pt")
     print(f"wrote a random-weight upstream checkpoint to {args.dst}")

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/install_openblas.sh
+scripts/install_test_tools.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
 export PYTHON=.venv/bin/python
 $PYTHON -m pip install -q --upgrade pip

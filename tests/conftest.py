@@ -17,6 +17,7 @@ from mlx_chatterbox.models.flow import FlowConfig
 from mlx_chatterbox.models.hift import HiFTConfig
 from mlx_chatterbox.models.s3tokenizer import S3TokenizerConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
+from mlx_chatterbox.models.voice_encoder import VoiceEncoder, VoiceEncoderConfig
 from mlx_chatterbox.variants import ModelConfig
 from tests.toy_tokenizer import write_toy_tokenizer
 
@@ -29,6 +30,7 @@ TINY_MODEL = ModelConfig(
     hift=HiFTConfig(base_channels=32, f0_cond_channels=32),
     s3tokenizer=S3TokenizerConfig(n_state=64, n_heads=2, n_layers=1),
     campplus=CAMPPlusConfig(feat_dim=16, embedding_size=24, growth_rate=8, bn_size=2, init_channels=32),
+    voice_encoder=VoiceEncoderConfig(hidden_size=32),
 )
 
 
@@ -59,38 +61,46 @@ def upstream_s3gen_weights(cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> dict
     rng = np.random.default_rng(seed)
     weights = {}
     for prefix, name, network in S3GEN_PARTS:
-        for key, (_, shape, *_) in network.checkpoint_table(getattr(cfg, name)).items():
-            if key.endswith("num_batches_tracked"):
-                w = np.zeros(shape, np.int64)
-            elif key.endswith(("running_var", "alpha")):
-                w = rng.uniform(0.5, 1.5, shape)
-            elif len(shape) == 1 and "norm" in key or "_ln." in key:
-                w = (
-                    1 + 0.1 * rng.standard_normal(shape)
-                    if key.endswith("weight")
-                    else 0.1 * rng.standard_normal(shape)
-                )
-            else:
-                w = 0.05 * rng.standard_normal(shape)
-            weights[prefix + key] = w if w.dtype == np.int64 else w.astype(np.float32)
+        weights.update(random_weights(network.checkpoint_table(getattr(cfg, name)), rng, prefix))
+    return weights
+
+
+def random_weights(table: dict, rng: np.random.Generator, prefix: str = "") -> dict[str, np.ndarray]:
+    """Random arrays for a key table: norm weights near 1, variances in [0.5, 1.5], other weights small."""
+    weights = {}
+    for key, (_, shape, *_) in table.items():
+        if key.endswith("num_batches_tracked"):
+            w = np.zeros(shape, np.int64)
+        elif key.endswith(("running_var", "alpha")):
+            w = rng.uniform(0.5, 1.5, shape)
+        elif (len(shape) == 1 and "norm" in key or "_ln." in key) and key.endswith("weight"):
+            w = 1 + 0.1 * rng.standard_normal(shape)
+        elif len(shape) == 1 and "norm" in key or "_ln." in key:
+            w = 0.1 * rng.standard_normal(shape)
+        else:
+            w = 0.05 * rng.standard_normal(shape)
+        weights[prefix + key] = w if w.dtype == np.int64 else w.astype(np.float32)
     return weights
 
 
 def write_upstream_checkpoint(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> Path:
-    """An upstream-layout folder (t3_cfg.safetensors, s3gen.safetensors, tokenizer.json; no conds.pt) written
-    without torch."""
+    """An upstream-layout folder (t3_cfg.safetensors, s3gen.safetensors, ve.safetensors, tokenizer.json; no
+    conds.pt) written without torch."""
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: mx.array(v) for k, v in upstream_t3_weights(cfg.t3, seed).items()}
     mx.save_safetensors(str(folder / "t3_cfg.safetensors"), weights)
-    write_s3gen(folder, cfg, seed)
+    write_s3gen_and_ve(folder, cfg, seed)
     write_toy_tokenizer(folder / "tokenizer.json")
     return folder
 
 
-def write_s3gen(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> Path:
-    path = folder / "s3gen.safetensors"
-    mx.save_safetensors(str(path), {k: mx.array(v) for k, v in upstream_s3gen_weights(cfg, seed).items()})
-    return path
+def write_s3gen_and_ve(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> None:
+    """The checkpoint's files besides T3's, in upstream layout, with random weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    s3gen = upstream_s3gen_weights(cfg, seed)
+    mx.save_safetensors(str(folder / "s3gen.safetensors"), {k: mx.array(v) for k, v in s3gen.items()})
+    ve = random_weights(VoiceEncoder.checkpoint_table(cfg.voice_encoder), np.random.default_rng(seed))
+    mx.save_safetensors(str(folder / "ve.safetensors"), {k: mx.array(v) for k, v in ve.items()})
 
 
 @pytest.fixture

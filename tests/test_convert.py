@@ -28,14 +28,14 @@ def leftovers(parent):
 def test_converts_and_loads(tmp_path):
     src = write_upstream_checkpoint(tmp_path / "up")
     dst = convert(src, tmp_path / "mlx", config=TINY_MODEL)
-    networks = ["campplus", "cfm", "flow", "hift", "s3tokenizer", "t3"]
+    networks = ["campplus", "cfm", "flow", "hift", "s3tokenizer", "t3", "voice_encoder"]
     assert leftovers(dst) == sorted(
         ["config.json", "tokenizer.json"] + [f"{n}.safetensors" for n in networks]
     )
     config = json.loads((dst / "config.json").read_text())
     assert (
         config["format"] == "mlx-chatterbox"
-        and config["format_version"] == 2
+        and config["format_version"] == 3
         and config["dtype"] == "float32"
     )
     assert config["source"]["path"] == str(src.resolve()) and config["networks"]["t3"]["hidden_size"] == 64
@@ -65,6 +65,7 @@ def test_converts_and_loads(tmp_path):
         s3gen["tokenizer.quantizer._codebook.project_down.weight"],
     )
     assert campplus.config == TINY_MODEL.campplus
+    assert folder.load("voice_encoder").lstm[2].weight_hh.shape == (128, 32)
 
 
 def test_weight_norm_pairs_are_folded(tmp_path):
@@ -190,7 +191,9 @@ def test_truncated_safetensors(tmp_path):
     assert leftovers(tmp_path) == ["up"]
 
 
-@pytest.mark.parametrize("missing", ["t3_cfg.safetensors", "s3gen.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize(
+    "missing", ["t3_cfg.safetensors", "s3gen.safetensors", "ve.safetensors", "tokenizer.json"]
+)
 def test_missing_files(tmp_path, missing):
     src = write_upstream_checkpoint(tmp_path / "up")
     (src / missing).unlink()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -374,3 +375,35 @@ def randomize_campplus_(module: torch.nn.Module, seed: int) -> None:
                 m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
             elif isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d)) and m.bias is not None:
                 m.bias.copy_(0.1 * normal(m.bias))
+
+
+def randomize_voice_encoder_(module: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter of an upstream ``VoiceEncoder`` (any size) in place: weights uniform in PyTorch's
+    init range, biases (b_ih and b_hh independently) 0.1·N, the unused similarity scale/offset perturbed."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = module.lstm.hidden_size
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.startswith("lstm.weight"):
+                bound = 1 / math.sqrt(hidden)
+                p.copy_((2 * torch.rand(p.shape, generator=g) - 1) * bound)
+            elif name == "proj.weight":
+                bound = 1 / math.sqrt(p.shape[1])
+                p.copy_((2 * torch.rand(p.shape, generator=g) - 1) * bound)
+            elif name.startswith("similarity"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            else:  # LSTM and proj biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def write_ve_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """``ve.safetensors`` from upstream's full-size ``VoiceEncoder``, randomised."""
+    from chatterbox.models.voice_encoder import VoiceEncoder
+
+    torch.manual_seed(seed)
+    model = VoiceEncoder().eval()
+    randomize_voice_encoder_(model, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ve.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path

@@ -21,7 +21,7 @@ from mlx_chatterbox.generation.speech_tokens import (
 )
 from mlx_chatterbox.models.t3 import T3Cond, llama3_inv_freq
 from mlx_chatterbox.weights import load_folder
-from tests.conftest import TINY_MODEL, write_s3gen
+from tests.conftest import TINY_MODEL, write_s3gen_and_ve
 from tests.toy_tokenizer import write_toy_tokenizer
 
 from . import oracle
@@ -40,7 +40,7 @@ def build(tmp_path_factory, cfg, seed):
     conds = oracle.random_conds(cfg, seed=seed)
     conds.save(src / "conds.pt")
     config = dataclasses.replace(TINY_MODEL, t3=cfg)
-    write_s3gen(src, config)
+    write_s3gen_and_ve(src, config)
     dst = convert(src, tmp_path_factory.mktemp("mlx") / "model", config=config)
     return upstream, conds, load_folder(dst)
 

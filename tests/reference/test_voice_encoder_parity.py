@@ -10,7 +10,6 @@ Error measure: relative L2, ||ours - ref|| / ||ref||.
 
 from __future__ import annotations
 
-import math
 import subprocess
 
 import librosa
@@ -27,7 +26,7 @@ from chatterbox.models.voice_encoder.voice_encoder import get_frame_step, get_nu
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.voice_encoder import VoiceEncoder, VoiceEncoderConfig, num_partials
 
-from .oracle import rel_l2
+from .oracle import randomize_voice_encoder_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -38,25 +37,6 @@ TINY = VoiceEncoderConfig(n_mels=8, hidden_size=32, embedding_size=16)  # upstre
 # ignored); 205: 128/160 = 0.8 coverage, kept with 32 padded frames; 237: exactly two; 282: three, padded;
 # 1000: twelve; 2700: 34 windows, so upstream's batch_size=32 splits them into two chunks.
 LENGTHS = (1, 100, 160, 204, 205, 237, 282, 1000, 2700)
-
-
-def randomize_voice_encoder_(module: torch.nn.Module, seed: int) -> None:
-    """Redraw every parameter of an upstream ``VoiceEncoder`` (any size) in place: weights uniform in PyTorch's
-    init range, biases (b_ih and b_hh independently) 0.1·N, the unused similarity scale/offset perturbed."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = module.lstm.hidden_size
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.startswith("lstm.weight"):
-                bound = 1 / math.sqrt(hidden)
-                p.copy_((2 * torch.rand(p.shape, generator=g) - 1) * bound)
-            elif name == "proj.weight":
-                bound = 1 / math.sqrt(p.shape[1])
-                p.copy_((2 * torch.rand(p.shape, generator=g) - 1) * bound)
-            elif name.startswith("similarity"):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            else:  # LSTM and proj biases
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def upstream_voice_encoder(cfg: VoiceEncoderConfig, seed: int) -> UpstreamVoiceEncoder:
