@@ -1,0 +1,104 @@
+"""Short-time Fourier transform with torch/librosa conventions (periodic Hann, centered reflect padding)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+def as_waveform(x: object, ndims: tuple[int, ...] = (1, 2), name: str = "wav") -> np.ndarray:
+    """Validate a waveform and return it as float64 for computation.
+
+    Floating input of any precision is rounded to float32 first, as upstream's ``.float()`` does, so a float64
+    clip gives the same features as its float32 copy. Integer PCM is refused rather than guessed: upstream
+    expects float samples in [-1, 1] (architecture §4.7), so divide int16 by 32768 before calling.
+
+    Args:
+        x: a numpy array (or anything ``np.asarray`` takes, an ``mx.array`` included), samples last.
+        ndims: the accepted numbers of dimensions.
+        name: how error messages call the argument.
+    Returns:
+        float64 array of the same shape.
+    """
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise TypeError(
+            f"{name} must hold float samples in [-1, 1], got dtype {a.dtype}; "
+            "convert integer PCM first (int16: x / 32768)"
+        )
+    if a.ndim not in ndims:
+        want = " or ".join(f"{n}-D" for n in ndims)
+        raise ValueError(f"{name} must be {want} (samples last), got shape {a.shape}")
+    return a.astype(np.float32).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=16)
+def hann_window(n: int, periodic: bool = True) -> np.ndarray:
+    """Hann window of ``n`` points, float64, read-only. ``periodic=True`` is ``torch.hann_window``'s default and
+    librosa's ``'hann'`` (architecture §9.9); ``periodic=False`` is the symmetric one Kaldi's Povey window uses.
+    """
+    if n < 1:
+        raise ValueError(f"window length must be >= 1, got {n}")
+    if n == 1:
+        w = np.ones(1)
+    else:
+        denom = n if periodic else n - 1
+        w = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / denom)
+    w.flags.writeable = False
+    return w
+
+
+def frame(x: np.ndarray, size: int, hop: int) -> np.ndarray:
+    """Frames of ``size`` samples every ``hop`` samples, without padding: (..., L) -> (..., 1 + (L - size)//hop,
+    size), a read-only strided view."""
+    if x.shape[-1] < size:
+        raise ValueError(f"signal of {x.shape[-1]} samples is shorter than one {size}-sample frame")
+    return np.lib.stride_tricks.sliding_window_view(x, size, axis=-1)[..., ::hop, :]
+
+
+def reflect_pad(x: np.ndarray, left: int, right: int) -> np.ndarray:
+    """Reflect padding of the last axis that excludes the edge sample ([2, 1, 0, 1, 2]), as torch's and numpy's
+    ``reflect``. Torch needs pads shorter than the signal; numpy, used here, reflects again beyond that (as
+    librosa does)."""
+    pad = [(0, 0)] * (x.ndim - 1) + [(left, right)]
+    return np.pad(x, pad, mode="reflect")
+
+
+def stft(
+    x: np.ndarray,
+    n_fft: int,
+    hop: int,
+    win_length: int | None = None,
+    center: bool = True,
+    dtype: type = np.complex64,
+) -> np.ndarray:
+    """One-sided STFT as ``torch.stft(..., window=torch.hann_window(win_length), center, pad_mode='reflect',
+    return_complex=True)`` and ``librosa.stft``, but frames before bins.
+
+    Args:
+        x: (..., L) float samples (integer PCM is refused, see ``as_waveform``).
+        n_fft: FFT size; a shorter window is zero-padded on both sides to it, as torch and librosa do.
+        hop: hop in samples.
+        win_length: periodic Hann window length, ``n_fft`` if None.
+        center: reflect-pad ``n_fft // 2`` samples on each side first, so frame t is centered on sample t·hop.
+        dtype: the output dtype; computed in float64 either way (the mels keep complex128 until their output).
+    Returns:
+        (..., frames, n_fft // 2 + 1) of ``dtype``, frames = 1 + L // hop when centered, else
+        1 + (L - n_fft) // hop.
+    """
+    win_length = n_fft if win_length is None else win_length
+    if not 1 <= win_length <= n_fft:
+        raise ValueError(f"win_length must lie in [1, n_fft={n_fft}], got {win_length}")
+    if hop < 1:
+        raise ValueError(f"hop must be >= 1, got {hop}")
+    x = as_waveform(x, ndims=tuple(range(1, 8)), name="x")
+    if x.shape[-1] == 0:
+        raise ValueError("cannot take the STFT of an empty signal")
+    if center:
+        x = reflect_pad(x, n_fft // 2, n_fft // 2)
+    left = (n_fft - win_length) // 2
+    window = np.zeros(n_fft)
+    window[left : left + win_length] = hann_window(win_length)
+    frames = frame(x, n_fft, hop)  # (..., T, n_fft)
+    return np.fft.rfft(frames * window, axis=-1).astype(dtype, copy=False)
