@@ -1,5 +1,5 @@
 """The public entry point: ``TTS.load(folder)``, then ``tts.generate(text)`` (text -> 24 kHz audio), or its two
-halves ``tts.speech_tokens(text)`` (T3) and ``tts.vocode(tokens)`` (S3Gen).
+halves ``tts.speech_tokens(text)`` (T3) and ``tts.vocode(tokens)`` (S3Gen); ``tts.voice("me.wav")`` clones a voice.
 """
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .audio.io import load_audio
+from .audio.resample import resample_soxr_hq
 from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
-from .generation.vocode import SAMPLE_RATE, S3Gen
-from .generation.voice import Voice
-from .models.t3 import T3
+from .generation.vocode import SAMPLE_RATE
+from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .sampling import SamplingParams
-from .text import EnTokenizer, punc_norm
-from .weights import load_folder
+from .text import punc_norm
+from .weights import ModelFolder, load_folder
+
+VOICE_SUFFIX = ".safetensors"
 
 
 class TTS:
@@ -26,20 +29,51 @@ class TTS:
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(
-        self, t3: T3, s3gen: S3Gen, tokenizer: EnTokenizer, voice: Voice | None, path: Path | None = None
-    ):
-        self.t3 = t3
-        self.s3gen = s3gen
-        self.tokenizer = tokenizer
-        self.builtin_voice = voice
-        self.path = path
+    def __init__(self, folder: ModelFolder):
+        self.folder = folder
+        self.path = folder.path
+        self.t3 = folder.t3
+        self.s3gen = folder.s3gen
+        self.tokenizer = folder.tokenizer
+        self.builtin_voice = folder.voice
+        self._cloner: VoiceCloner | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TTS":
         """Load a folder written by ``mlx_chatterbox.convert`` (``mlx-chatterbox convert``)."""
-        folder = load_folder(path)
-        return cls(folder.t3, folder.s3gen, folder.tokenizer, folder.voice, folder.path)
+        return cls(load_folder(path))
+
+    def voice(self, audio: str | os.PathLike | np.ndarray, sample_rate: int | None = None) -> Voice:
+        """Clone a voice from a recording of one speaker (upstream ``prepare_conditionals``; 5-10 s of clean
+        speech works best, only the first 10 s are used for S3Gen and 6 s for T3's prompt).
+
+        audio: an audio file (wav, flac, ogg, mp3, ... read as ``librosa.load`` does: channels averaged,
+        resampled to 24 kHz), or mono float samples in [-1, 1] with their ``sample_rate``.
+        Save the result with ``voice.save(path)`` and pass the path (or the Voice) as ``voice=`` later.
+        """
+        if isinstance(audio, (str, os.PathLike)):
+            if sample_rate is not None:
+                raise ValueError("sample_rate is for sample arrays; an audio file carries its own rate")
+            wav = load_audio(audio, S3GEN_SR)
+        else:
+            if sample_rate is None:
+                raise ValueError("give the sample_rate of the audio samples")
+            wav = np.asarray(audio, dtype=np.float32)
+            if wav.ndim != 1:
+                raise ValueError(
+                    f"audio samples must be mono (L,), got shape {wav.shape}; average the channels"
+                )
+            if sample_rate != S3GEN_SR:
+                wav = resample_soxr_hq(wav, sample_rate, S3GEN_SR)
+        if self._cloner is None:
+            load = self.folder.load
+            self._cloner = VoiceCloner(
+                load("voice_encoder"),
+                load("s3tokenizer"),
+                load("campplus"),
+                self.t3.config.speech_cond_prompt_len,
+            )
+        return self._cloner(wav)
 
     def text_ids(self, text: str) -> list[int]:
         """Normalise (upstream ``punc_norm``) and tokenize ``text``, without SOT/EOT."""
@@ -59,7 +93,8 @@ class TTS:
     ) -> np.ndarray:
         """Speech tokens (int32, 25 per second of audio) for ``text``, upstream ``T3.inference`` + post-processing.
 
-        voice: a Voice, a saved voice file, or None for the model's built-in voice.
+        voice: a Voice, a saved voice file (.safetensors), a recording to clone (any other file), or None for
+            the model's built-in voice.
         params: sampling knobs; keyword knobs (``temperature=0.5``, ...) override single fields.
         seed: makes the draws reproducible; None draws a fresh seed.
         progress: called as progress(tokens_done, max_new_tokens) after every token.
@@ -128,10 +163,11 @@ class TTS:
         return self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=seed)
 
     def _voice(self, voice: Voice | str | os.PathLike | None) -> Voice:
+        """A Voice as given, a saved voice (.safetensors), a recording to clone, or the built-in voice."""
         if isinstance(voice, Voice):
             return voice
         if voice is not None:
-            return Voice.load(voice)
+            return Voice.load(voice) if Path(voice).suffix.lower() == VOICE_SUFFIX else self.voice(voice)
         if self.builtin_voice is None:
             raise ValueError(f"{self.path} has no built-in voice (no conds.pt was converted); pass a voice")
         return self.builtin_voice

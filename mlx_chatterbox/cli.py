@@ -1,4 +1,5 @@
-"""The ``mlx-chatterbox`` command: ``convert``, ``say`` (text or speech tokens -> audio file) and ``tokens``."""
+"""The ``mlx-chatterbox`` command: ``convert``, ``say`` (text or speech tokens -> audio file), ``voice`` (a recording
+-> a voice file) and ``tokens``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import soundfile as sf
 
 from . import _backend
-from .api import TTS
+from .api import TTS, VOICE_SUFFIX
 from .convert import DEFAULT_REPO, DTYPES, convert
 from .sampling import SamplingParams
 
@@ -76,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     _knob_arguments(p)
 
     p = sub.add_parser(
+        "voice",
+        help="clone a voice from a recording into a voice file",
+        description="Clone the voice in REFERENCE (an audio file of one speaker; 5-10 s of clean speech works "
+        "best) into a voice file, to pass as --voice later.",
+    )
+    p.add_argument("reference", type=Path, help="audio file (wav, flac, ogg, mp3, ...)")
+    p.add_argument(
+        "--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')"
+    )
+    p.add_argument("-o", "--output", required=True, type=Path, help="voice file to write (.safetensors)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
+
+    p = sub.add_parser(
         "tokens",
         help="generate speech tokens for a text",
         description="Generate Chatterbox speech tokens (25 per second of audio) for TEXT with T3, and print "
@@ -92,7 +106,12 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')"
     )
-    p.add_argument("--voice", type=Path, help="saved voice file (.safetensors); default: the built-in voice")
+    p.add_argument(
+        "--voice",
+        type=Path,
+        help="a voice file (.safetensors, from 'mlx-chatterbox voice') or a recording to clone; "
+        "default: the built-in voice",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
 
 
@@ -191,6 +210,22 @@ def _say(args: argparse.Namespace) -> None:
         )
 
 
+def _voice(args: argparse.Namespace) -> None:
+    if args.output.suffix.lower() != VOICE_SUFFIX:
+        raise ValueError(f"{args.output}: a voice file ends in {VOICE_SUFFIX}")
+    start = time.perf_counter()
+    tts = TTS.load(args.model)
+    loaded = time.perf_counter()
+    voice = tts.voice(args.reference)
+    done = time.perf_counter()
+    voice.save(args.output)
+    if args.verbose:
+        print(
+            f"load {loaded - start:.2f} s, cloning {done - loaded:.2f} s\n" + _backend_lines(),
+            file=sys.stderr,
+        )
+
+
 def _tokens(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tts = TTS.load(args.model)
@@ -220,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     try:
-        {"convert": _convert, "say": _say, "tokens": _tokens}[args.command](args)
+        {"convert": _convert, "say": _say, "voice": _voice, "tokens": _tokens}[args.command](args)
     except (ValueError, OSError) as e:  # our errors say what is wrong and how to fix it; no traceback
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1

@@ -29,7 +29,7 @@ TINY_MODEL = ModelConfig(
     cfm=CFMConfig(channels=32, n_blocks=1, num_mid_blocks=1, num_heads=2, head_dim=16),
     hift=HiFTConfig(base_channels=32, f0_cond_channels=32),
     s3tokenizer=S3TokenizerConfig(n_state=64, n_heads=2, n_layers=1),
-    campplus=CAMPPlusConfig(feat_dim=16, embedding_size=24, growth_rate=8, bn_size=2, init_channels=32),
+    campplus=CAMPPlusConfig(growth_rate=8, bn_size=2, init_channels=32),
     voice_encoder=VoiceEncoderConfig(hidden_size=32),
 )
 
