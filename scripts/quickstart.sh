@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install mlx-chatterbox into .venv, convert a Chatterbox checkpoint, and speak a sentence into out/quickstart.wav.
+# Install mlx-chatterbox into .venv, convert a Chatterbox checkpoint, speak a sentence into out/quickstart.wav,
+# then clone the voice of that recording (out/voice.safetensors) and speak with it into out/cloned.wav.
 # Usage: scripts/quickstart.sh [SRC]
 #   SRC: a Hugging Face repo id (default: ResembleAI/chatterbox), an upstream checkpoint folder, or "random":
 #        a random-weight checkpoint in upstream layout, written by upstream's own modules (installs torch),
@@ -31,3 +32,6 @@ except OSError: sys.exit(1)" && echo yes || echo no)
 mkdir -p out
 .venv/bin/mlx-chatterbox say "Hello from MLX. This is Chatterbox, running without PyTorch." \
     --model "$dst" --seed 0 --max-new-tokens "$max_tokens" -o out/quickstart.wav --verbose
+.venv/bin/mlx-chatterbox voice out/quickstart.wav --model "$dst" -o out/voice.safetensors --verbose
+.venv/bin/mlx-chatterbox say "And this is a cloned voice." --voice out/voice.safetensors \
+    --model "$dst" --seed 0 --max-new-tokens "$max_tokens" -o out/cloned.wav --verbose

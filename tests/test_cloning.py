@@ -91,3 +91,61 @@ def test_cli_voice_then_say(tts, tmp_path, capsys):
     assert main(["voice", str(ref), "--model", model, "-o", str(tmp_path / "x.wav")]) == 1
     assert "a voice file ends in .safetensors" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.wav").exists()
+
+
+def write(path, wav, sr, subtype=None):
+    sf.write(path, wav, sr, subtype=subtype)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: write(d / "empty.wav", np.zeros(0, np.float32), 24000), "contains no samples"),
+        (lambda d: write(d / "silent.wav", np.zeros(48000, np.float32), 24000), "silent"),
+        (lambda d: write(d / "short.wav", speechlike(0.2, 24000), 24000), "give at least 0.5 s"),
+        (
+            lambda d: write(
+                d / "nan.wav", np.where(np.arange(48000) == 7, np.nan, speechlike(2, 24000)), 24000, "FLOAT"
+            ),
+            "NaN or inf",
+        ),
+        (lambda d: d / "missing.wav", "no such file"),
+        (lambda d: (d / "notes.wav").write_text("not audio") and d / "notes.wav", "not an audio file"),
+        (
+            lambda d: (d / "header.wav").write_bytes(
+                write(d / "w.wav", speechlike(1, 24000), 24000).read_bytes()[:30]
+            )
+            and d / "header.wav",
+            "not an audio file",
+        ),
+    ],
+    ids=["empty", "silent", "too-short", "nan", "missing", "not-audio", "header-only"],
+)
+def test_bad_reference_files(tts, tmp_path, make, message):
+    with pytest.raises(ValueError, match=message):
+        tts.voice(make(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: write(d / "clipped.wav", np.clip(5 * speechlike(3, 24000), -1, 1), 24000),
+        lambda d: write(
+            d / "stereo.wav", np.stack([speechlike(3, 44100), speechlike(3, 44100, 1)], 1), 44100
+        ),
+        lambda d: write(d / "u8.wav", speechlike(3, 16000), 16000, "PCM_U8"),
+        lambda d: write(d / "8k.wav", speechlike(3, 8000), 8000),
+        lambda d: write(d / "192k.flac", speechlike(3, 192000), 192000),
+        lambda d: write(d / "ogg.ogg", speechlike(3, 48000), 48000),
+        # Cut in the middle of the data chunk: libsndfile (and so librosa) reads the samples that are there.
+        lambda d: (d / "cut.wav").write_bytes(
+            write(d / "w.wav", speechlike(4, 24000), 24000).read_bytes()[:100_000]
+        )
+        and d / "cut.wav",
+    ],
+    ids=["clipped", "stereo-44k", "8-bit", "8kHz", "192kHz-flac", "ogg", "truncated"],
+)
+def test_unusual_files_are_read_as_upstream_reads_them(tts, tmp_path, make):
+    voice = tts.voice(make(tmp_path))
+    assert voice.s3gen_prompt_mel.shape[1] >= 100 and np.isfinite(np.array(voice.speaker_emb)).all()
