@@ -11,6 +11,7 @@ import logging
 import math
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import torch
 from chatterbox.models.s3gen.flow import CausalMaskedDiffWithXvec
@@ -407,3 +408,15 @@ def write_ve_checkpoint(folder: Path, seed: int = 0) -> Path:
     path = folder / "ve.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     return path
+
+
+def ours_from(upstream: torch.nn.Module, network: type, cfg, drop: tuple[str, ...] = ()):
+    """Our ``network(cfg)`` holding ``upstream``'s weights, through our conversion (``sanitize`` with the
+    network's key table: renames, weight-norm folding, layouts), loaded strictly. ``drop`` lists upstream buffers
+    that conversion drops before sanitizing (the S3 tokenizer's front-end buffers)."""
+    from mlx_chatterbox.convert import sanitize
+
+    weights = {k: mx.array(v.detach().numpy()) for k, v in upstream.state_dict().items() if k not in drop}
+    model = network(cfg)
+    model.load_weights(list(sanitize(weights, network.checkpoint_table(cfg), "test").items()), strict=True)
+    return model

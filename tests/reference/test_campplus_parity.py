@@ -23,7 +23,7 @@ from chatterbox.models.s3gen.xvector import CAMPPlus as UpstreamCAMPPlus
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.campplus import CAMLayer, CAMPPlus, CAMPPlusConfig, segment_means
 
-from .oracle import randomize_campplus_, rel_l2
+from .oracle import ours_from, randomize_campplus_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -49,15 +49,6 @@ def upstream_campplus(cfg: CAMPPlusConfig, seed: int) -> UpstreamCAMPPlus:
     return model.eval()
 
 
-def ours_from(upstream: torch.nn.Module, cfg: CAMPPlusConfig) -> CAMPPlus:
-    weights = {k: mx.array(v.numpy()) for k, v in upstream.state_dict().items()}
-    model = CAMPPlus(cfg)
-    model.load_weights(
-        list(sanitize(weights, CAMPPlus.checkpoint_table(cfg), "s3gen.safetensors").items()), strict=True
-    )
-    return model
-
-
 def features(batch: int, frames: int, feat_dim: int, seed: int) -> np.ndarray:
     """Log-mel-like features after upstream's CMN (per-utterance mean over time removed)."""
     x = 3.0 * np.random.default_rng(seed).standard_normal((batch, frames, feat_dim)).astype(np.float32)
@@ -75,13 +66,13 @@ def reference(upstream: UpstreamCAMPPlus, feats: np.ndarray) -> tuple[np.ndarray
 @pytest.fixture(scope="module")
 def full():
     upstream = upstream_campplus(FULL, seed=0)
-    return upstream, ours_from(upstream, FULL)
+    return upstream, ours_from(upstream, CAMPPlus, FULL)
 
 
 @pytest.fixture(scope="module")
 def narrow():
     upstream = upstream_campplus(NARROW, seed=1)
-    return upstream, ours_from(upstream, NARROW)
+    return upstream, ours_from(upstream, CAMPPlus, NARROW)
 
 
 def check(upstream, ours, feats, what: str) -> None:

@@ -19,10 +19,9 @@ from chatterbox.models.s3gen.configs import CFM_PARAMS
 from chatterbox.models.s3gen.decoder import ConditionalDecoder
 from chatterbox.models.s3gen.flow_matching import CausalConditionalCFM
 
-from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.cfm import CFMConfig, Estimator, cosine_schedule, solve
 
-from .oracle import randomize_cfm_, rel_err
+from .oracle import ours_from, randomize_cfm_, rel_err
 
 pytestmark = pytest.mark.reference
 
@@ -54,18 +53,10 @@ def upstream_cfm(cfg: CFMConfig, seed: int) -> CausalConditionalCFM:
     return cfm.eval()
 
 
-def ours_from(upstream: CausalConditionalCFM, cfg: CFMConfig) -> Estimator:
-    weights = {k: mx.array(v.numpy()) for k, v in upstream.estimator.state_dict().items()}
-    model = Estimator(cfg)
-    table = Estimator.checkpoint_table(cfg)
-    model.load_weights(list(sanitize(weights, table, "s3gen.safetensors").items()), strict=True)
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny():
     upstream = upstream_cfm(TINY, seed=1)
-    return upstream, ours_from(upstream, TINY)
+    return upstream, ours_from(upstream.estimator, Estimator, TINY)
 
 
 def inputs(lengths: list[int], seed: int, mel: int = 80) -> dict[str, np.ndarray]:
@@ -245,7 +236,7 @@ def test_cfm_mel_without_guidance(tiny):
 def test_full_size_estimator_and_solve():
     start = time.perf_counter()
     upstream = upstream_cfm(FULL, seed=7)
-    ours = ours_from(upstream, FULL)
+    ours = ours_from(upstream.estimator, Estimator, FULL)
     d = inputs([40, 29], seed=8)
     ref = upstream_estimator(upstream, d, 0.43)
     l2, mx_err = errors(ours_estimator(ours, d, 0.43), ref, "full-size estimator")

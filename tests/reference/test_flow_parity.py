@@ -28,10 +28,9 @@ from chatterbox.models.s3gen.transformer.upsample_encoder import (
 )
 from chatterbox.models.s3gen.utils.mask import make_pad_mask
 
-from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.flow import Flow, FlowConfig, rel_position_encoding, rel_shift
 
-from .oracle import randomize_flow_, rel_l2
+from .oracle import ours_from, randomize_flow_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -96,15 +95,6 @@ def upstream_flow(cfg: FlowConfig, seed: int) -> CausalMaskedDiffWithXvec:
     return flow.eval()
 
 
-def ours_from(upstream: CausalMaskedDiffWithXvec, cfg: FlowConfig) -> Flow:
-    weights = {k: mx.array(v.numpy()) for k, v in upstream.state_dict().items()}
-    model = Flow(cfg)
-    model.load_weights(
-        list(sanitize(weights, Flow.checkpoint_table(cfg), "s3gen.safetensors").items()), strict=True
-    )
-    return model
-
-
 @torch.inference_mode()
 def upstream_encode(flow: CausalMaskedDiffWithXvec, tokens: np.ndarray, lengths: np.ndarray):
     """h (after after_norm), mu (after encoder_proj) and the (B, 2N) mask, as ``inference`` computes them."""
@@ -124,7 +114,7 @@ def batch(cfg: FlowConfig, lengths: tuple[int, ...], seed: int) -> tuple[np.ndar
 @pytest.fixture(scope="module")
 def tiny():
     upstream = upstream_flow(TINY, seed=1)
-    return upstream, ours_from(upstream, TINY)
+    return upstream, ours_from(upstream, Flow, TINY)
 
 
 @pytest.mark.parametrize("dim", [64, 512])
@@ -229,7 +219,7 @@ def test_table_covers_the_real_flow_state_dict():
 @pytest.mark.slow
 def test_encoder_full_size():
     upstream = upstream_flow(FULL, seed=2)
-    ours = ours_from(upstream, FULL)
+    ours = ours_from(upstream, Flow, FULL)
     tokens, lens = batch(FULL, (25, 18), seed=4)
     ref_h, ref_mu, ref_mask = upstream_encode(upstream, tokens, lens)
     mu, mask = ours.encode(mx.array(tokens), mx.array(lens))

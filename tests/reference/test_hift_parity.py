@@ -19,10 +19,9 @@ from chatterbox.models.s3gen import hifigan
 from chatterbox.models.s3gen.f0_predictor import ConvRNNF0Predictor
 from chatterbox.models.s3gen.hifigan import HiFTGenerator
 
-from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig, istft, stft
 
-from .oracle import randomize_hift_, rel_err
+from .oracle import ours_from, randomize_hift_, rel_err
 
 pytestmark = pytest.mark.reference
 
@@ -61,15 +60,6 @@ def upstream_hift(cfg: HiFTConfig, seed: int) -> HiFTGenerator:
     )
     randomize_hift_(module, seed)
     return module.eval()
-
-
-def ours_from(module: HiFTGenerator, cfg: HiFTConfig) -> HiFT:
-    weights = {k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()}
-    model = HiFT(cfg)
-    model.load_weights(
-        list(sanitize(weights, HiFT.checkpoint_table(cfg), "s3gen.safetensors").items()), strict=True
-    )
-    return model
 
 
 @contextlib.contextmanager
@@ -128,13 +118,13 @@ def random_mel(batch: int, frames: int, seed: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny():
     up = upstream_hift(TINY, seed=1)
-    return up, ours_from(up, TINY)
+    return up, ours_from(up, HiFT, TINY)
 
 
 @pytest.fixture(scope="module")
 def full():
     up = upstream_hift(FULL, seed=1)
-    return up, ours_from(up, FULL)
+    return up, ours_from(up, HiFT, FULL)
 
 
 @torch.inference_mode()
@@ -298,7 +288,7 @@ def test_magnitude_clip_and_output_clamp(tiny):
     with torch.no_grad():
         loud.conv_post.parametrizations.weight.original0.mul_(8.0)
         loud.conv_post.bias.add_(4.0)
-    ours = ours_from(loud, TINY)
+    ours = ours_from(loud, HiFT, TINY)
     clipped = []
     original_istft = loud._istft
 

@@ -16,10 +16,9 @@ import torch
 from chatterbox.models.s3tokenizer.s3tokenizer import S3Tokenizer as ChatterboxS3Tokenizer
 from s3tokenizer.model_v2 import ModelConfig, S3TokenizerV2
 
-from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.s3tokenizer import S3Tokenizer, S3TokenizerConfig
 
-from .oracle import randomize_s3tokenizer_, rel_l2
+from .oracle import ours_from, randomize_s3tokenizer_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -52,14 +51,6 @@ def upstream_s3tokenizer(cfg: S3TokenizerConfig, seed: int) -> torch.nn.Module:
         model = S3TokenizerV2("speech_tokenizer_v2_25hz", config)
     randomize_s3tokenizer_(model, seed)
     return model.eval()
-
-
-def ours_from(upstream: torch.nn.Module, cfg: S3TokenizerConfig) -> S3Tokenizer:
-    weights = {k: mx.array(v.numpy()) for k, v in upstream.state_dict().items() if k not in FRONT_END_BUFFERS}
-    model = S3Tokenizer(cfg)
-    table = S3Tokenizer.checkpoint_table(cfg)
-    model.load_weights(list(sanitize(weights, table, "s3gen.safetensors").items()), strict=True)
-    return model
 
 
 def log_mel_like(rng: np.random.Generator, lengths: list[int], n_mels: int = 128) -> np.ndarray:
@@ -112,7 +103,7 @@ def build(cfg: S3TokenizerConfig, seed: int) -> tuple[torch.nn.Module, S3Tokeniz
     calibration = [200, 120]
     mel = log_mel_like(np.random.default_rng(seed + 100), calibration, cfg.n_mels)
     calibrate_project_down_(upstream, mel, np.array(calibration, np.int32), seed)
-    return upstream, ours_from(upstream, cfg)
+    return upstream, ours_from(upstream, S3Tokenizer, cfg, drop=FRONT_END_BUFFERS)
 
 
 @pytest.fixture(scope="module")

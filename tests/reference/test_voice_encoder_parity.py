@@ -23,10 +23,9 @@ from chatterbox.models.voice_encoder import VoiceEncoder as UpstreamVoiceEncoder
 from chatterbox.models.voice_encoder.melspec import melspectrogram
 from chatterbox.models.voice_encoder.voice_encoder import get_frame_step, get_num_wins
 
-from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.models.voice_encoder import VoiceEncoder, VoiceEncoderConfig, num_partials
 
-from .oracle import randomize_voice_encoder_, rel_l2
+from .oracle import ours_from, randomize_voice_encoder_, rel_l2
 
 pytestmark = pytest.mark.reference
 
@@ -55,15 +54,6 @@ def upstream_voice_encoder(cfg: VoiceEncoderConfig, seed: int) -> UpstreamVoiceE
     model = UpstreamVoiceEncoder(hp)
     randomize_voice_encoder_(model, seed)
     return model.eval()
-
-
-def ours_from(upstream: torch.nn.Module, cfg: VoiceEncoderConfig) -> VoiceEncoder:
-    weights = {k: mx.array(v.numpy()) for k, v in upstream.state_dict().items()}
-    model = VoiceEncoder(cfg)
-    model.load_weights(
-        list(sanitize(weights, VoiceEncoder.checkpoint_table(cfg), "ve.safetensors").items()), strict=True
-    )
-    return model
 
 
 @torch.inference_mode()
@@ -118,7 +108,7 @@ def compare(ours: VoiceEncoder, ref: dict[str, np.ndarray], mel: np.ndarray, lab
 @pytest.fixture(scope="module")
 def full():
     upstream = upstream_voice_encoder(FULL, seed=0)
-    return upstream, ours_from(upstream, FULL)
+    return upstream, ours_from(upstream, VoiceEncoder, FULL)
 
 
 @pytest.mark.parametrize("rate, min_coverage", [(1.3, 0.8), (1.0, 0.8), (2.0, 0.5), (1.3, 1.0), (0.9, 0.01)])
@@ -142,7 +132,9 @@ def test_full_size_from_mel(full, frames):
 def test_tiny_from_mel(frames):
     upstream = upstream_voice_encoder(TINY, seed=1)
     mel = random_mel(frames, TINY.n_mels, seed=frames)
-    compare(ours_from(upstream, TINY), from_mel(upstream, mel, TINY), mel, f"tiny, {frames} frames")
+    compare(
+        ours_from(upstream, VoiceEncoder, TINY), from_mel(upstream, mel, TINY), mel, f"tiny, {frames} frames"
+    )
 
 
 def speech_16k(tmp_path) -> np.ndarray:
