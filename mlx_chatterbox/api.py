@@ -5,6 +5,7 @@ halves ``tts.speech_tokens(text)`` (T3) and ``tts.vocode(tokens)`` (S3Gen); ``tt
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,14 +15,18 @@ import numpy as np
 
 from .audio.io import load_audio
 from .audio.resample import resample_soxr_hq
+from .convert import DEFAULT_REPO, prepare
 from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
-from .generation.vocode import SAMPLE_RATE
+from .generation.vocode import SAMPLE_RATE, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .sampling import SamplingParams
-from .text import punc_norm
+from .text import punc_norm, split_text
+from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
 
 VOICE_SUFFIX = ".safetensors"
+CROSSFADE = 960  # samples (40 ms) shared by consecutive pieces of a long text
+logger = logging.getLogger(__name__)
 
 
 class TTS:
@@ -39,9 +44,19 @@ class TTS:
         self._cloner: VoiceCloner | None = None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TTS":
-        """Load a folder written by ``mlx_chatterbox.convert`` (``mlx-chatterbox convert``)."""
-        return cls(load_folder(path))
+    def load(
+        cls,
+        source: str | os.PathLike = DEFAULT_REPO,
+        *,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        config: ModelConfig | None = None,
+    ) -> "TTS":
+        """Load a model: a folder written by ``convert``, or an upstream checkpoint (a local folder, or a Hugging
+        Face repo id, ``ResembleAI/chatterbox`` by default) that is converted on first use and cached
+        (``convert.prepare``: ``revision`` pins a Hub branch, tag or commit; ``cache_dir`` and ``config`` as there).
+        """
+        return cls(load_folder(prepare(source, revision=revision, cache_dir=cache_dir, config=config)))
 
     def voice(self, audio: str | os.PathLike | np.ndarray, sample_rate: int | None = None) -> Voice:
         """Clone a voice from a recording of one speaker (upstream ``prepare_conditionals``; 5-10 s of clean
@@ -155,12 +170,29 @@ class TTS:
     ) -> np.ndarray:
         """Text -> float32 mono waveform at ``sample_rate`` (24 kHz): ``speech_tokens`` then ``vocode``, with
         the same arguments. With a seed, ``generate(text, seed=s)`` equals
-        ``vocode(speech_tokens(text, seed=s), seed=s)``. Not watermarked yet (upstream adds Perth's)."""
+        ``vocode(speech_tokens(text, seed=s), seed=s)``. Not watermarked yet (upstream adds Perth's).
+
+        A text longer than T3 takes in one call (2046 text tokens) is split at sentence ends (then clause marks,
+        then words) into pieces that fit; piece i is generated with seed s + i and the pieces are joined with
+        a 40 ms crossfade."""
         voice = self._voice(voice)
-        tokens = self.speech_tokens(text, voice, params, seed=seed, progress=progress, **knobs)
-        if tokens.size == 0:
-            raise ValueError("T3 stopped before producing any speech token; try another seed or text")
-        return self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=seed)
+        if self._fits(text):
+            pieces = [text]
+        else:
+            pieces = split_text(text, self._fits)
+            logger.info("the text is too long for one pass; speaking it in %d pieces", len(pieces))
+        wavs = []
+        for i, piece in enumerate(pieces):
+            piece_seed = None if seed is None else seed + i
+            tokens = self.speech_tokens(piece, voice, params, seed=piece_seed, progress=progress, **knobs)
+            if tokens.size == 0:
+                raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+            wavs.append(self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=piece_seed))
+        return crossfade_join(wavs, CROSSFADE)
+
+    def _fits(self, text: str) -> bool:
+        """Whether T3 takes ``text`` in one pass (SOT and EOT included)."""
+        return len(self.text_ids(text)) + 2 <= self.t3.config.text_positions
 
     def _voice(self, voice: Voice | str | os.PathLike | None) -> Voice:
         """A Voice as given, a saved voice (.safetensors), a recording to clone, or the built-in voice."""

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "OUTPUT (.wav, .flac or .ogg, from the extension). With --tokens, vocode saved speech tokens instead.",
     )
     p.add_argument("text", nargs="?", help="text to speak; '-' reads standard input")
+    p.add_argument("--file", type=Path, metavar="FILE", help="speak the text in this file (UTF-8)")
     p.add_argument(
         "--tokens",
         type=Path,
@@ -83,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         "best) into a voice file, to pass as --voice later.",
     )
     p.add_argument("reference", type=Path, help="audio file (wav, flac, ogg, mp3, ...)")
-    p.add_argument(
-        "--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')"
-    )
     p.add_argument("-o", "--output", required=True, type=Path, help="voice file to write (.safetensors)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_REPO,
+        help=f"a converted folder, an upstream checkpoint folder or a Hub repo id (default: {DEFAULT_REPO})",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
 
     p = sub.add_parser(
@@ -104,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", required=True, type=Path, help="MLX model folder (from 'mlx-chatterbox convert')"
+        "--model",
+        default=DEFAULT_REPO,
+        help="a converted folder, an upstream checkpoint folder or a Hugging Face repo id (converted once and "
+        f"cached); default: {DEFAULT_REPO}",
     )
     p.add_argument(
         "--voice",
@@ -161,8 +167,17 @@ def _convert(args: argparse.Namespace) -> None:
     )
 
 
+def _text(args: argparse.Namespace) -> str:
+    if getattr(args, "file", None) is not None:
+        try:
+            return args.file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{args.file} is not UTF-8 text") from None
+    return sys.stdin.read() if args.text == "-" else args.text
+
+
 def _speech_tokens(tts: TTS, args: argparse.Namespace) -> np.ndarray:
-    text = sys.stdin.read() if args.text == "-" else args.text
+    text = _text(args)
     progress = _progress("tokens")
     tokens = tts.speech_tokens(text, args.voice, _params(args), seed=args.seed, progress=progress)
     if progress is not None:
@@ -178,8 +193,8 @@ def _read_tokens(path: Path) -> np.ndarray:
 
 
 def _say(args: argparse.Namespace) -> None:
-    if (args.text is None) == (args.tokens is None):
-        raise ValueError("give either a TEXT to speak or --tokens FILE, not both or neither")
+    if [args.text, args.file, args.tokens].count(None) != 2:
+        raise ValueError("give one of: a TEXT to speak, --file FILE, --tokens FILE")
     if args.tokens is not None:
         given = [n for n in KNOBS if getattr(args, n) is not None]
         if given:
@@ -192,20 +207,28 @@ def _say(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tts = TTS.load(args.model)
     loaded = time.perf_counter()
-    tokens = _read_tokens(args.tokens) if args.tokens is not None else _speech_tokens(tts, args)
-    if args.tokens is None and len(tokens) == 0:
-        raise ValueError("T3 stopped before producing any speech token; try another --seed or text")
-    speech = time.perf_counter()
-    wav = tts.vocode(tokens, args.voice, cfm_steps=args.cfm_steps, seed=args.seed)
+    if args.tokens is not None:
+        wav = tts.vocode(_read_tokens(args.tokens), args.voice, cfm_steps=args.cfm_steps, seed=args.seed)
+    else:
+        progress = _progress("tokens")
+        wav = tts.generate(
+            _text(args),
+            args.voice,
+            _params(args),
+            cfm_steps=args.cfm_steps,
+            seed=args.seed,
+            progress=progress,
+        )
+        if progress is not None:
+            sys.stderr.write("\n")
     done = time.perf_counter()
     audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
     _write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
     if args.verbose:
         seconds = len(wav) / tts.sample_rate
         print(
-            f"load {loaded - start:.2f} s, speech tokens {speech - loaded:.2f} s ({len(tokens)} tokens), "
-            f"vocoding {done - speech:.2f} s; {seconds:.2f} s of audio, real-time factor "
-            f"{(done - loaded) / max(seconds, 1e-9):.2f}\n" + _backend_lines(),
+            f"load {loaded - start:.2f} s, speech {done - loaded:.2f} s for {seconds:.2f} s of audio "
+            f"(real-time factor {(done - loaded) / max(seconds, 1e-9):.2f})\n" + _backend_lines(),
             file=sys.stderr,
         )
 

@@ -18,7 +18,9 @@ error. The folder is written under a temporary name and renamed at the end, so a
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -60,6 +62,10 @@ S3GEN_PARTS = (
 # Buffers that upstream recomputes and loads non-strictly (S3Token2Wav.ignore_state_dict_missing): a file
 # may or may not hold them; ours recomputes them too.
 S3GEN_OPTIONAL = {"tokenizer._mel_filters", "tokenizer.window"}
+
+
+logger = logging.getLogger(__name__)
+CACHE_VAR = "MLX_CHATTERBOX_CACHE"  # where upstream checkpoints are converted to on first use
 
 
 class ConversionError(ValueError):
@@ -209,6 +215,42 @@ def fold_weight_norm(weights: dict[str, mx.array], filename: str) -> dict[str, m
         folded = np.asarray(g.astype(mx.float32), dtype=np.float64) * v64 / norm
         out[p + "weight"] = mx.array(folded.astype(np.float32)).astype(v.dtype)
     return out
+
+
+def prepare(
+    source: str | os.PathLike = DEFAULT_REPO,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    config: ModelConfig | None = None,
+) -> Path:
+    """A converted folder for ``source``: ``source`` itself when it is one; otherwise the upstream checkpoint
+    (a folder or a Hugging Face repo id) converted once into the cache and reused while it is current.
+
+    The cache is ``cache_dir``, else $MLX_CHATTERBOX_CACHE, else ~/.cache/mlx-chatterbox; one folder per repo
+    revision, or per local folder and the sizes and times of its files. ``config``: the network sizes to convert
+    with (the English model by default).
+    """
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        if revision is not None or config is not None or cache_dir is not None:
+            raise ConversionError(
+                f"{path} is already converted: revision, cache_dir and config apply to upstream checkpoints only"
+            )
+        return path
+    src_dir, described = _resolve_source(source, revision)
+    if "repo" in described:
+        key = f"{described['repo']}@{described['revision']}"
+    else:
+        stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(src_dir.iterdir())]
+        key = f"{described['path']}#{hashlib.sha256(' '.join(stats).encode()).hexdigest()[:16]}"
+    cache = Path(cache_dir or os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "mlx-chatterbox")
+    dst = cache.expanduser() / re.sub(r"[^\w.-]+", "--", key).strip("-")
+    manifest = dst / "config.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION:
+        return dst
+    logger.info("converting %s into %s (once)", source, dst)
+    return convert(src_dir, dst, overwrite=True, config=config or ENGLISH)
 
 
 def convert_s3gen(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, dict[str, mx.array]]:

@@ -82,7 +82,7 @@ def test_empty_text_and_missing_model(model, capsys, tmp_path):
     assert main(["tokens", "  ", "--model", str(model)]) == 1
     assert "the text is empty" in capsys.readouterr().err
     assert main(["tokens", "Hi.", "--model", str(tmp_path / "nope")]) == 1
-    assert "model folder" in capsys.readouterr().err
+    assert "is neither a folder nor a Hugging Face repo id" in capsys.readouterr().err
 
 
 def test_convert_command(tmp_path, capsys, monkeypatch):
@@ -146,8 +146,8 @@ def test_say_writes_audio_from_text_and_from_tokens(model, capsys, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["Hi.", "--tokens", "ids.txt"], "either a TEXT to speak or --tokens FILE"),
-        ([], "either a TEXT to speak or --tokens FILE"),
+        (["Hi.", "--tokens", "ids.txt"], "give one of: a TEXT to speak, --file FILE, --tokens FILE"),
+        ([], "give one of: a TEXT to speak"),
         (["--tokens", "ids.txt", "--temperature", "0.5"], "--temperature shapes speech tokens"),
         (["--tokens", "bad.txt"], "must hold speech token ids separated by spaces"),
         (["--tokens", "ids.txt", "--cfm-steps", "0"], "cfm_steps=0 must be an integer >= 1"),
@@ -165,3 +165,16 @@ def test_say_errors_are_one_line_and_write_nothing(model, capsys, tmp_path, monk
     err = capsys.readouterr().err
     assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_say_reads_text_from_a_file(model, tmp_path):
+    (tmp_path / "text.txt").write_text("Hello there.\n", encoding="utf-8")
+    args = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--seed", "2"]
+    args += ["--max-new-tokens", "4", "--cfm-steps", "1"]
+    assert main(["say", "--file", str(tmp_path / "text.txt"), *args, "-o", str(tmp_path / "a.wav")]) == 0
+    assert main(["say", "Hello there.\n", *args, "-o", str(tmp_path / "b.wav")]) == 0
+    import soundfile as sf
+
+    np.testing.assert_array_equal(sf.read(tmp_path / "a.wav")[0], sf.read(tmp_path / "b.wav")[0])
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert main(["say", "--file", str(tmp_path / "latin1.txt"), *args, "-o", str(tmp_path / "c.wav")]) == 1

@@ -266,3 +266,27 @@ def test_key_table_covers_every_parameter():
     ours = {k for k, _ in tree_flatten(T3(TINY).parameters())}
     targets = {t for t, _ in T3.checkpoint_table(TINY).values() if t is not None}
     assert ours == targets
+
+
+def test_prepare_converts_an_upstream_folder_once_and_reuses_it(tmp_path, caplog):
+    import logging
+    import os
+
+    from mlx_chatterbox.convert import prepare
+
+    src = write_upstream_checkpoint(tmp_path / "up")
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="mlx_chatterbox.convert"):
+        first = prepare(src, cache_dir=cache, config=TINY_MODEL)
+        again = prepare(src, cache_dir=cache, config=TINY_MODEL)
+    assert first == again and first.parent == cache and caplog.text.count("converting") == 1
+    assert prepare(first) == first  # a converted folder is used as it is
+    with pytest.raises(ConversionError, match="already converted"):
+        prepare(first, config=TINY_MODEL)
+    # A changed checkpoint is a new cache entry.
+    stamp = (src / "tokenizer.json").stat().st_mtime_ns + 10**9
+    os.utime(src / "tokenizer.json", ns=(stamp, stamp))
+    assert prepare(src, cache_dir=cache, config=TINY_MODEL) != first
+    from mlx_chatterbox import TTS
+
+    assert TTS.load(src, cache_dir=cache, config=TINY_MODEL).path.parent == cache

@@ -211,3 +211,16 @@ def test_round_trip(tok: EnTokenizer) -> None:
         assert tok.decode(tok.encode(text)) == text
     assert tok.decode(tok.encode("a\u65e5b")) == "ab"  # [UNK] is dropped, as upstream
     assert tok.decode([255, *tok.encode("Hi."), 0]) == "[START]Hi."  # upstream keeps [START], drops [STOP]
+
+
+def test_split_text_prefers_sentence_ends_then_clauses_then_words():
+    from mlx_chatterbox.text import split_text
+
+    fits = lambda s: len(s) <= 30  # noqa: E731
+    text = "One two. Three four five six, seven eight nine ten eleven; twelve! Thirteen fourteen."
+    pieces = split_text(text, fits)
+    assert all(fits(p) for p in pieces) and " ".join(pieces).split() == text.split()
+    assert pieces[0] == "One two." and "Three four five six," in pieces
+    assert split_text("  Short enough.  ", fits) == ["Short enough."]
+    with pytest.raises(ValueError, match="does not fit even on its own"):
+        split_text("Supercalifragilisticexpialidocious-and-then-some.", fits)

@@ -119,3 +119,30 @@ def test_generate_is_speech_tokens_then_vocode(tts):
     ids = tts.speech_tokens("Hello there.", voice, seed=11, **knobs)
     np.testing.assert_array_equal(wav, tts.vocode(ids, voice, seed=11, cfm_steps=2))
     assert wav.dtype == np.float32 and wav.shape == (960 * len(ids),) and tts.sample_rate == 24000
+
+
+def test_long_text_is_spoken_in_pieces(tmp_path):
+    from mlx_chatterbox.generation.vocode import crossfade_join
+    from mlx_chatterbox.text import split_text
+
+    short = dataclasses.replace(TINY_MODEL, t3=dataclasses.replace(TINY_MODEL.t3, max_text_tokens=24))
+    tts = TTS.load(convert(write_upstream_checkpoint(tmp_path / "up", short), tmp_path / "mlx", config=short))
+    text = "Hello there. This is a test, with clauses; and more words here! Short. The end is near."
+    voice, knobs = random_voice(gen_tokens=10), dict(max_new_tokens=3, min_p=0.0, cfm_steps=1)
+    with pytest.raises(ValueError, match="at most 24"):
+        tts.speech_tokens(text, voice)  # one T3 pass cannot take it
+    pieces = split_text(text, tts._fits)
+    assert len(pieces) > 2 and " ".join(pieces).split() == text.split()
+    wav = tts.generate(text, voice, seed=5, **knobs)
+    want = crossfade_join([tts.generate(p, voice, seed=5 + i, **knobs) for i, p in enumerate(pieces)], 960)
+    np.testing.assert_array_equal(wav, want)
+
+
+def test_crossfade_join():
+    from mlx_chatterbox.generation.vocode import crossfade_join
+
+    a, b = np.ones(3000, np.float32), np.full(2000, 3.0, np.float32)
+    out = crossfade_join([a, b], 960)
+    assert out.shape == (3000 + 2000 - 960,) and out[0] == 1 and out[-1] == 3
+    assert np.all(np.diff(out[2040:3000]) > 0)  # a smooth ramp from one to the other
+    assert crossfade_join([a, np.ones(10, np.float32)], 960).shape == (3000,)  # a piece shorter than the fade

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..models.cfm import Estimator, solve
 from ..models.flow import Flow
@@ -135,3 +136,18 @@ def fade_in(wav: mx.array) -> mx.array:
 def _fade_window() -> mx.array:
     ramp = [(math.cos(math.pi * (1 - i / (FADE_IN - 1))) + 1) / 2 for i in range(FADE_IN)]
     return mx.array([0.0] * FADE_IN + ramp)
+
+
+def crossfade_join(wavs: list[np.ndarray], overlap: int) -> np.ndarray:
+    """Concatenate (L_i,) waveforms, each consecutive pair overlapping by ``overlap`` samples with an
+    equal-gain raised-cosine crossfade (fewer where a piece is shorter)."""
+    out = wavs[0]
+    for wav in wavs[1:]:
+        n = min(overlap, len(out), len(wav))
+        if n == 0:
+            out = np.concatenate([out, wav])
+            continue
+        fade = (1 - np.cos(np.pi * (np.arange(n) + 0.5) / n)) / 2  # 0 -> 1
+        mixed = out[-n:] * (1 - fade) + wav[:n] * fade
+        out = np.concatenate([out[:-n], mixed.astype(out.dtype), wav[n:]])
+    return out
