@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -17,12 +18,15 @@ from .audio.io import load_audio
 from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
 from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
-from .generation.vocode import SAMPLE_RATE, crossfade_join
+from .generation.vocode import SAMPLE_RATE, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .sampling import SamplingParams
 from .text import punc_norm, split_text
 from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
+
+if TYPE_CHECKING:
+    from .hybrid import TorchS3Gen
 
 VOICE_SUFFIX = ".safetensors"
 CROSSFADE = 960  # samples (40 ms) shared by consecutive pieces of a long text
@@ -34,8 +38,9 @@ class TTS:
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, folder: ModelFolder):
+    def __init__(self, folder: ModelFolder, torch_s3gen: "TorchS3Gen | None" = None):
         self.folder = folder
+        self.torch_s3gen = torch_s3gen
         self.path = folder.path
         self.t3 = folder.t3
         self.s3gen = folder.s3gen
@@ -51,12 +56,24 @@ class TTS:
         revision: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         config: ModelConfig | None = None,
+        s3gen: str = "mlx",
     ) -> "TTS":
         """Load a model: a folder written by ``convert``, or an upstream checkpoint (a local folder, or a Hugging
         Face repo id, ``ResembleAI/chatterbox`` by default) that is converted on first use and cached
         (``convert.prepare``: ``revision`` pins a Hub branch, tag or commit; ``cache_dir`` and ``config`` as there).
+
+        s3gen: "mlx" (ours), or "torch" for hybrid mode: upstream's PyTorch S3Gen vocodes our MLX speech tokens
+        (``pip install mlx-chatterbox[hybrid]``; see ``hybrid.py``).
         """
-        return cls(load_folder(prepare(source, revision=revision, cache_dir=cache_dir, config=config)))
+        if s3gen not in ("mlx", "torch"):
+            raise ValueError(f"s3gen={s3gen!r}: choose 'mlx' or 'torch'")
+        folder = load_folder(prepare(source, revision=revision, cache_dir=cache_dir, config=config))
+        torch_s3gen = None
+        if s3gen == "torch":
+            from .hybrid import TorchS3Gen  # imports torch: only in hybrid mode
+
+            torch_s3gen = TorchS3Gen.load(folder.config["source"])
+        return cls(folder, torch_s3gen)
 
     def voice(self, audio: str | os.PathLike | np.ndarray, sample_rate: int | None = None) -> Voice:
         """Clone a voice from a recording of one speaker (upstream ``prepare_conditionals``; 5-10 s of clean
@@ -146,11 +163,15 @@ class TTS:
 
         voice: as for ``speech_tokens``; its S3Gen prompt (tokens, mel, x-vector) sets the timbre.
         cfm_steps: Euler steps of the flow-matching decoder; None = upstream's 10. Fewer is faster and rougher.
-        seed: makes the CFM noise and the vocoder's source noise reproducible; None draws fresh ones.
+        seed: makes the CFM noise and the vocoder's source noise reproducible; None draws fresh ones. (In hybrid
+            mode upstream draws them from torch's generator, seeded with ``seed``.)
         """
         ids = np.asarray(tokens)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"tokens must be a 1-d sequence of integer ids, got {ids.dtype} {ids.shape}")
+        if self.torch_s3gen is not None:
+            check_tokens(mx.array(ids.astype(np.int32)).reshape(1, -1), self.s3gen.flow.config.vocab_size)
+            return self.torch_s3gen(ids, self._voice(voice), cfm_steps, seed)
         key = None if seed is None else _keys(seed)[1]
         wav = self.s3gen(
             mx.array(ids.astype(np.int32))[None], self._voice(voice), cfm_steps=cfm_steps, key=key

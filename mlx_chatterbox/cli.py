@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(p)
     p.add_argument("-o", "--output", required=True, type=Path, help="audio file to write")
     p.add_argument(
+        "--s3gen",
+        choices=("mlx", "torch"),
+        default="mlx",
+        help="vocoder: ours (mlx) or, in hybrid mode, upstream's PyTorch S3Gen (needs mlx-chatterbox[hybrid])",
+    )
+    p.add_argument(
         "--cfm-steps",
         type=int,
         help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: 10)",
@@ -205,7 +211,7 @@ def _say(args: argparse.Namespace) -> None:
     if suffix not in AUDIO_FORMATS:
         raise ValueError(f"{args.output}: choose an output ending in {', '.join(AUDIO_FORMATS)}")
     start = time.perf_counter()
-    tts = TTS.load(args.model)
+    tts = TTS.load(args.model, s3gen=args.s3gen)
     loaded = time.perf_counter()
     if args.tokens is not None:
         wav = tts.vocode(_read_tokens(args.tokens), args.voice, cfm_steps=args.cfm_steps, seed=args.seed)
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         {"convert": _convert, "say": _say, "voice": _voice, "tokens": _tokens}[args.command](args)
-    except (ValueError, OSError) as e:  # our errors say what is wrong and how to fix it; no traceback
+    except (ValueError, OSError, ImportError) as e:  # our errors say what is wrong and how to fix it
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

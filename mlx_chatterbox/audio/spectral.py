@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -102,3 +103,136 @@ def stft(
     window[left : left + win_length] = hann_window(win_length)
     frames = frame(x, n_fft, hop)  # (..., T, n_fft)
     return np.fft.rfft(frames * window, axis=-1).astype(dtype, copy=False)
+
+
+def istft(
+    spec: np.ndarray,
+    n_fft: int,
+    hop: int,
+    win_length: int | None = None,
+    center: bool = True,
+    length: int | None = None,
+    dtype: type = np.float32,
+) -> np.ndarray:
+    """Inverse of ``stft``, as ``torch.istft(spec, n_fft, hop, win_length, window=torch.hann_window(win_length),
+    center, normalized=False, onesided=True, length)``, but frames before bins: a one-sided inverse FFT per frame,
+    periodic-Hann weighted overlap-add, division by the summed squared window (architecture §9.9).
+
+    Args:
+        spec: (..., frames, n_fft // 2 + 1) complex; the imaginary parts of the DC and Nyquist bins are ignored.
+        n_fft, hop, win_length: as for ``stft`` (``0 < hop <= win_length <= n_fft``).
+        center: drop ``n_fft // 2`` samples from the start (and from the end when ``length`` is None).
+        length: samples to return; past the last frame it is zero-padded, as torch does.
+        dtype: the output dtype; computed in float64 either way.
+    Returns:
+        (..., samples) of ``dtype``; samples = hop·(frames - 1) centered (n_fft + hop·(frames - 1) if not) unless
+        ``length`` is given.
+    Raises:
+        ValueError: bad sizes, or a window envelope below 1e-11 inside the output (torch's "window overlap add
+        min" error).
+    """
+    win_length = n_fft if win_length is None else win_length
+    if not 0 < hop <= win_length <= n_fft:
+        raise ValueError(f"need 0 < hop <= win_length <= n_fft, got hop={hop}, win_length={win_length}, n_fft={n_fft}")
+    spec = np.asarray(spec)
+    if spec.ndim < 2 or spec.shape[-1] != n_fft // 2 + 1 or spec.shape[-2] == 0:
+        raise ValueError(f"expected (..., frames >= 1, {n_fft // 2 + 1}) bins, got shape {spec.shape}")
+    if length is not None and length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    n_frames = spec.shape[-2]
+    left = (n_fft - win_length) // 2
+    window = np.zeros(n_fft)
+    window[left : left + win_length] = hann_window(win_length)
+    frames = np.fft.irfft(spec.astype(np.complex128), n=n_fft, axis=-1) * window  # (..., T, n_fft)
+
+    # Overlap-add in hop-sized blocks: frame t's block j lands on output block t + j.
+    n_blocks = -(-n_fft // hop)
+    frames = np.concatenate([frames, np.zeros(frames.shape[:-1] + (n_blocks * hop - n_fft,))], axis=-1)
+    frames = frames.reshape(frames.shape[:-1] + (n_blocks, hop))  # (..., T, J, hop)
+    squared = np.concatenate([window**2, np.zeros(n_blocks * hop - n_fft)]).reshape(n_blocks, hop)
+    y = np.zeros(spec.shape[:-2] + (n_frames + n_blocks - 1, hop))
+    envelope = np.zeros((n_frames + n_blocks - 1, hop))
+    for j in range(n_blocks):
+        y[..., j : j + n_frames, :] += frames[..., j, :]
+        envelope[j : j + n_frames] += squared[j]
+    expected = n_fft + hop * (n_frames - 1)
+    y = y.reshape(spec.shape[:-2] + (-1,))[..., :expected]
+    envelope = envelope.reshape(-1)[:expected]
+
+    start = n_fft // 2 if center else 0
+    if length is not None:
+        end = start + length
+    else:
+        end = expected - n_fft // 2 if center else expected
+    kept = envelope[start : min(end, expected)]
+    if kept.size and kept.min() < 1e-11:
+        raise ValueError("the window overlap-add falls below 1e-11 inside the output; use a larger window or smaller hop")
+    y = y[..., start : min(end, expected)] / kept
+    if end > expected:
+        y = np.concatenate([y, np.zeros(y.shape[:-1] + (end - max(expected, start),))], axis=-1)
+    return y.astype(dtype, copy=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _kaiser_lowpass(up: int, down: int, dtype: str) -> tuple[np.ndarray, int]:
+    """scipy.signal.resample_poly's default filter for reduced rates (up, down): firwin(2·half + 1, 1/max(up, down),
+    window=('kaiser', 5.0)), half = 10·max(up, down), built in float64, cast to the signal's dtype, times up (in
+    that dtype). Returns (filter, half), the filter read-only."""
+    rate = max(up, down)
+    half = 10 * rate
+    m = np.arange(2 * half + 1, dtype=np.float64) - half
+    cutoff = 1.0 / rate  # relative to Nyquist
+    h = cutoff * np.sinc(cutoff * m)
+    beta = 5.0
+    window = np.i0(beta * np.sqrt(1.0 - (m / half) ** 2)) / np.i0(beta)  # symmetric Kaiser
+    h = h * window
+    h = h / h.sum()  # unit gain at DC, firwin's scale=True
+    h = h.astype(dtype) * np.dtype(dtype).type(up)
+    h.flags.writeable = False
+    return h, half
+
+
+def resample_polyphase(x: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
+    """Resample as ``librosa.resample(x, orig_sr=sr_in, target_sr=sr_out, res_type='polyphase')`` (librosa 0.11),
+    which is ``scipy.signal.resample_poly(x, up, down)`` with the rates reduced by their gcd: zero-stuff by up,
+    Kaiser-windowed sinc low-pass (beta 5, 20·max(up, down) + 1 taps), keep every down-th sample, centred.
+
+    scipy casts the filter to the signal's dtype and accumulates in it; this sums in float64 over the same
+    float32 taps and rounds once, so it differs from scipy by float32 rounding (~1e-7 relative).
+
+    Args:
+        x: (L,) float samples; float32 (and float64) keep their dtype, as librosa returns ``y.dtype``.
+        sr_in, sr_out: positive integer rates in Hz.
+    Returns:
+        (ceil(L · up / down),) samples; a copy of ``x`` when the rates are equal.
+    """
+    x = np.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"expected a 1-d waveform, got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"expected float samples, got dtype {x.dtype}")
+    for name, sr in (("sr_in", sr_in), ("sr_out", sr_out)):
+        if int(sr) != sr or sr <= 0:
+            raise ValueError(f"{name} must be a positive integer rate in Hz, got {sr!r}")
+    g = math.gcd(int(sr_in), int(sr_out))
+    up, down = int(sr_out) // g, int(sr_in) // g
+    if up == down:
+        return x.copy()
+    n_in = x.shape[0]
+    n_out = -(-n_in * up // down)
+    h, half = _kaiser_lowpass(up, down, x.dtype.str)
+    h = h.astype(np.float64)
+    # Output k sits at position k·down on the up-sampled grid; the filter is centred there (scipy's pre-pad and
+    # pre-remove cancel to exactly that): y[k] = sum_m x[m] · h[half + k·down - m·up].
+    k = np.arange(n_out, dtype=np.int64)
+    pos = half + k * down
+    phase, base = pos % up, pos // up  # taps h[phase + i·up] meet x[base - i]
+    n_taps = -(-h.shape[0] // up)
+    taps = np.zeros(n_taps * up)
+    taps[: h.shape[0]] = h
+    taps = taps.reshape(n_taps, up)  # taps[i, p] = h[p + i·up]
+    xp = np.concatenate([np.zeros(n_taps), x.astype(np.float64), np.zeros(n_taps)])  # zeros outside the signal
+    y = np.zeros(n_out)
+    for i in range(n_taps):
+        y += taps[i, phase] * xp[base - i + n_taps]
+    return y.astype(x.dtype)

@@ -1,0 +1,151 @@
+"""The Perth implicit watermark that upstream puts on every output, and its detector, without torch.
+
+Mirrors resemble-perth 1.0.1's ``PerthImplicitWatermarker`` (``perth_net/perth_net_implicit/perth_watermarker.py``,
+``audio_processor.py``, ``utils.py``; architecture §7), with its trained weights (MIT licence, see NOTICE):
+
+apply:  wav --soxr_hq--> 32 kHz --STFT--> |S| in dB, normalised (dB + 180) / 195, and the phase --embedder--> dB
+        --iSTFT (same phase)--> 32 kHz --soxr_hq--> wav.
+detect: wav --polyphase (scipy resample_poly)--> 32 kHz --STFT--> normalised dB --detector--> confidence.
+
+perth turns the confidence into its answer with ``round(clip(confidence, 0, 1))``: 1.0 means watermarked, i.e.
+a confidence above 0.5 (0.5 itself rounds to even, 0). ``detect`` returns the clipped confidence (perth's
+``get_watermark(..., round=False)``) and ``is_watermarked`` that decision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..audio.resample import resample_soxr_hq
+from ..audio.spectral import as_waveform, istft, resample_polyphase, stft
+from ..models.perth import PerthConfig, PerthNet
+
+# The converted perth weights (scripts/convert_perth.py writes them here).
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "perth_implicit.safetensors"
+FORMAT = "mlx-chatterbox-perth"
+
+
+class Watermarker:
+    """Perth implicit watermarker: ``apply`` marks a waveform, ``detect`` / ``is_watermarked`` read a mark back.
+
+    Build it with ``Watermarker.load()`` (the converted trained weights) or ``Watermarker(net)`` around any
+    ``PerthNet`` (tests use tiny random ones). Any sample rate works: audio is resampled to the network's rate
+    (32 kHz) and back, as perth does.
+    """
+
+    def __init__(self, net: PerthNet):
+        self.net = net
+        self.config: PerthConfig = net.config
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> Watermarker:
+        """The watermarker with converted weights from ``path`` (default: the package's
+        ``assets/perth_implicit.safetensors``), loaded strictly; the network config comes from the file."""
+        path = Path(path).expanduser() if path is not None else ASSET
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found; convert resemble-perth's weights with "
+                f'"python scripts/convert_perth.py --out {path}" (needs resemble-perth installed, not torch)'
+            )
+        weights, metadata = mx.load(str(path), return_metadata=True)
+        if metadata.get("format") != FORMAT or "config" not in metadata:
+            raise ValueError(f"{path} is not a converted Perth watermark file (format {FORMAT!r} expected)")
+        net = PerthNet(PerthConfig(**json.loads(metadata["config"])))
+        # Stored weights may be narrower (float16); the network runs in float32 as perth does.
+        net.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
+        net.eval()
+        mx.eval(net.parameters())
+        return cls(net)
+
+    @staticmethod
+    def metadata(cfg: PerthConfig, **extra: str) -> dict[str, str]:
+        """The safetensors metadata ``load`` expects: the format tag and the config as JSON, plus ``extra``."""
+        return {"format": FORMAT, "config": json.dumps(asdict(cfg)), **extra}
+
+    def apply(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
+        """Watermark a mono waveform, as perth's ``apply_watermark(wav, sample_rate)``.
+
+        Args:
+            wav: (L,) float samples in [-1, 1] (rounded to float32, as upstream hands perth float32).
+            sample_rate: Hz.
+        Returns:
+            float32 samples at ``sample_rate``. Like perth, the length is not kept exactly: the iSTFT returns
+            hop·(1 + L₃₂ // hop) - hop samples at 32 kHz (L₃₂ = the 32 kHz length), so up to one 10 ms hop is cut from the
+            end (at 24 kHz: 240·(L₃₂ // 320) samples). A clip too short for perth's STFT (at most n_fft // 2 samples at
+            32 kHz, 32 ms; perth raises) is returned unchanged.
+        """
+        wav = self._check(wav, sample_rate)
+        cfg = self.config
+        rate_changes = sample_rate != cfg.sample_rate
+        x = resample_soxr_hq(wav, sample_rate, cfg.sample_rate) if rate_changes else wav
+        if x.shape[0] <= cfg.n_fft // 2:
+            return wav.copy()
+        magspec, phase = self.magphase(x)
+        marked, _mask = self.net.encoder(mx.array(magspec)[None])
+        y = self.signal(np.array(marked[0]), phase)
+        return resample_soxr_hq(y, cfg.sample_rate, sample_rate) if rate_changes else y
+
+    def detect(self, wav: np.ndarray, sample_rate: int) -> float:
+        """Watermark confidence in [0, 1], perth's ``get_watermark(wav, sample_rate, round=False)``.
+
+        Args:
+            wav: (L,) float samples in [-1, 1] (rounded to float32).
+            sample_rate: Hz.
+        Returns:
+            about 1.0 for marked audio, about 0.0 for unmarked. Where perth fails or returns NaN (a clip of at most
+            n_fft // 2 samples at 32 kHz, or digital silence, where no frame passes its gate), this returns 0.0.
+        """
+        wav = self._check(wav, sample_rate)
+        cfg = self.config
+        # perth's get_watermark resamples with res_type="polyphase", not the soxr_hq of apply_watermark.
+        x = resample_polyphase(wav, sample_rate, cfg.sample_rate) if sample_rate != cfg.sample_rate else wav
+        if x.shape[0] <= cfg.n_fft // 2:
+            return 0.0
+        magspec, _phase = self.magphase(x)
+        confidence = float(self.net.decoder(mx.array(magspec)[None])[0].item())
+        return 0.0 if math.isnan(confidence) else min(max(confidence, 0.0), 1.0)
+
+    def is_watermarked(self, wav: np.ndarray, sample_rate: int) -> bool:
+        """perth's decision, ``get_watermark(wav, sample_rate) == 1.0``: the rounded clipped confidence is 1."""
+        return bool(np.round(self.detect(wav, sample_rate)) == 1.0)
+
+    def magphase(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """perth ``AudioProcessor.signal_to_magphase`` (torchaudio Spectrogram: centered, reflect-padded, periodic
+        Hann, power None) then ``cx_to_magphase``: (L,) samples at 32 kHz -> (normalised dB (T, n_freq) float32,
+        phase (T, n_freq) float64 radians), T = 1 + L // hop."""
+        cfg = self.config
+        spec = stft(x, cfg.n_fft, cfg.hop_size, cfg.window_size, center=True, dtype=np.complex128)
+        db = 20.0 * np.log10(np.maximum(np.abs(spec), cfg.stft_magnitude_min))
+        min_db = self._min_db()
+        magspec = (db - min_db) / (-min_db + cfg.headroom_db)
+        return magspec.astype(np.float32), np.angle(spec)
+
+    def signal(self, magspec: np.ndarray, phase: np.ndarray) -> np.ndarray:
+        """perth ``magphase_to_cx`` then ``AudioProcessor.magphase_to_signal`` (torch.istft, centered, no length):
+        (T, n_freq) normalised dB and phase -> (hop·(T - 1),) float32 samples at 32 kHz."""
+        cfg = self.config
+        min_db = self._min_db()
+        db = magspec.astype(np.float64) * (-min_db + cfg.headroom_db) + min_db
+        # utils.magphase_to_cx caps the exponent at 10 (+200 dB).
+        magnitude = 10.0 ** np.minimum(db / 20.0, 10.0)
+        spec = magnitude * np.exp(1j * phase)
+        return istft(spec, cfg.n_fft, cfg.hop_size, cfg.window_size, center=True, dtype=np.float32)
+
+    def _min_db(self) -> float:
+        return 20.0 * math.log10(self.config.stft_magnitude_min)  # utils.normalize's min_level_db, -180
+
+    @staticmethod
+    def _check(wav: np.ndarray, sample_rate: int) -> np.ndarray:
+        if int(sample_rate) != sample_rate or sample_rate <= 0:
+            raise ValueError(f"sample_rate must be a positive integer rate in Hz, got {sample_rate!r}")
+        x = as_waveform(wav, ndims=(1,)).astype(np.float32)
+        if not np.isfinite(x).all():
+            raise ValueError("wav holds NaN or inf samples")
+        return x
