@@ -1,5 +1,5 @@
 """The ``mlx-chatterbox`` command: ``convert``, ``say`` (text or speech tokens -> audio file), ``voice`` (a recording
--> a voice file) and ``tokens``."""
+-> a voice file), ``bench`` and ``tokens``."""
 
 from __future__ import annotations
 
@@ -97,6 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a converted folder, an upstream checkpoint folder or a Hub repo id (default: {DEFAULT_REPO})",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
+
+    p = sub.add_parser(
+        "bench",
+        help="time text -> speech on this machine",
+        description="Time speech-token generation (T3) and vocoding (S3Gen) of a fixed sentence with the model's "
+        "built-in voice: a warm-up, then --repeats runs; prints tokens/s and the real-time factor. (benchmarks/ "
+        "in the repository compares with upstream.)",
+    )
+    _model_arguments(p)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (default: 3)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=250, help="speech tokens per run, at most (default: 250 = 10 s)"
+    )
 
     p = sub.add_parser(
         "tokens",
@@ -255,6 +268,31 @@ def _voice(args: argparse.Namespace) -> None:
         )
 
 
+BENCH_TEXT = (
+    "The quick brown fox jumps over the lazy dog, and then it runs back home again before the sun goes down."
+)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats} must be at least 1")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    tts = TTS.load(args.model)
+    rows = []
+    for run in range(args.repeats + 1):  # run 0 warms up
+        start = time.perf_counter()
+        tokens = tts.speech_tokens(BENCH_TEXT, None, params, seed=run)
+        middle = time.perf_counter()
+        wav = tts.vocode(tokens, seed=run)
+        end = time.perf_counter()
+        if run:
+            rows.append((len(tokens), middle - start, end - middle, len(wav) / tts.sample_rate))
+    print(f"{'run':>3} {'tokens':>6} {'T3 s':>7} {'tok/s':>7} {'S3Gen s':>8} {'audio s':>8} {'RTF':>6}")
+    for i, (n, t3, s3, audio) in enumerate(rows, 1):
+        print(f"{i:>3} {n:>6} {t3:>7.2f} {n / t3:>7.1f} {s3:>8.2f} {audio:>8.2f} {(t3 + s3) / audio:>6.3f}")
+    print("\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items()), file=sys.stderr)
+
+
 def _tokens(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tts = TTS.load(args.model)
@@ -284,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     try:
-        {"convert": _convert, "say": _say, "voice": _voice, "tokens": _tokens}[args.command](args)
+        commands = {"convert": _convert, "say": _say, "voice": _voice, "bench": _bench, "tokens": _tokens}
+        commands[args.command](args)
     except (ValueError, OSError, ImportError) as e:  # our errors say what is wrong and how to fix it
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import io
 import subprocess
 import sys
@@ -178,3 +179,16 @@ def test_say_reads_text_from_a_file(model, tmp_path):
     np.testing.assert_array_equal(sf.read(tmp_path / "a.wav")[0], sf.read(tmp_path / "b.wav")[0])
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     assert main(["say", "--file", str(tmp_path / "latin1.txt"), *args, "-o", str(tmp_path / "c.wav")]) == 1
+
+
+def test_bench_prints_a_table(model, capsys, tmp_path, monkeypatch):
+    # The tiny test model has no built-in voice; give it one.
+    random_voice(seed=5).save(model / "voice.safetensors")
+    config = json.loads((model / "config.json").read_text())
+    config["files"]["voice"] = "voice.safetensors"
+    (model / "config.json").write_text(json.dumps(config))
+    assert main(["bench", "--model", str(model), "--repeats", "2", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["run", "tokens", "T3", "s", "tok/s", "S3Gen", "s", "audio", "s", "RTF"]
+    assert len(out) == 3
+    assert main(["bench", "--model", str(model), "--repeats", "0"]) == 1
