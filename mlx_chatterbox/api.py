@@ -20,6 +20,7 @@ from .convert import DEFAULT_REPO, prepare
 from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
 from .generation.vocode import SAMPLE_RATE, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
+from .generation.watermark import Watermarker
 from .sampling import SamplingParams
 from .text import punc_norm, split_text
 from .variants import ModelConfig
@@ -47,6 +48,7 @@ class TTS:
         self.tokenizer = folder.tokenizer
         self.builtin_voice = folder.voice
         self._cloner: VoiceCloner | None = None
+        self._watermarker: Watermarker | None = None
 
     @classmethod
     def load(
@@ -157,9 +159,12 @@ class TTS:
         *,
         cfm_steps: int | None = None,
         seed: int | None = None,
+        watermark: bool = True,
     ) -> np.ndarray:
         """Speech tokens (ids in [0, 6561), 25 per second) -> float32 mono waveform at ``sample_rate`` (24 kHz),
-        960 samples per token; upstream ``S3Token2Wav.inference`` with its fade-in, without the watermark.
+        960 samples per token; upstream ``S3Token2Wav.inference`` with its fade-in, then Perth's implicit
+        watermark as upstream ``generate`` adds it (``watermark=False`` leaves it out; perth's iSTFT drops the
+        last partial 10 ms frame).
 
         voice: as for ``speech_tokens``; its S3Gen prompt (tokens, mel, x-vector) sets the timbre.
         cfm_steps: Euler steps of the flow-matching decoder; None = upstream's 10. Fewer is faster and rougher.
@@ -171,12 +176,23 @@ class TTS:
             raise ValueError(f"tokens must be a 1-d sequence of integer ids, got {ids.dtype} {ids.shape}")
         if self.torch_s3gen is not None:
             check_tokens(mx.array(ids.astype(np.int32)).reshape(1, -1), self.s3gen.flow.config.vocab_size)
-            return self.torch_s3gen(ids, self._voice(voice), cfm_steps, seed)
-        key = None if seed is None else _keys(seed)[1]
-        wav = self.s3gen(
-            mx.array(ids.astype(np.int32))[None], self._voice(voice), cfm_steps=cfm_steps, key=key
-        )
-        return np.array(wav[0], dtype=np.float32)
+            wav = self.torch_s3gen(ids, self._voice(voice), cfm_steps, seed)
+        else:
+            key = None if seed is None else _keys(seed)[1]
+            out = self.s3gen(
+                mx.array(ids.astype(np.int32))[None], self._voice(voice), cfm_steps=cfm_steps, key=key
+            )
+            wav = np.array(out[0], dtype=np.float32)
+        return self._mark(wav) if watermark else wav
+
+    def watermarker(self) -> Watermarker:
+        """Perth's implicit watermarker (loaded on first use), e.g. ``tts.watermarker().is_watermarked(wav, 24000)``."""
+        if self._watermarker is None:
+            self._watermarker = Watermarker.load()
+        return self._watermarker
+
+    def _mark(self, wav: np.ndarray) -> np.ndarray:
+        return self.watermarker().apply(wav, self.sample_rate)
 
     def generate(
         self,
@@ -186,12 +202,13 @@ class TTS:
         *,
         cfm_steps: int | None = None,
         seed: int | None = None,
+        watermark: bool = True,
         progress: Callable[[int, int], None] | None = None,
         **knobs: float,
     ) -> np.ndarray:
-        """Text -> float32 mono waveform at ``sample_rate`` (24 kHz): ``speech_tokens`` then ``vocode``, with
-        the same arguments. With a seed, ``generate(text, seed=s)`` equals
-        ``vocode(speech_tokens(text, seed=s), seed=s)``. Not watermarked yet (upstream adds Perth's).
+        """Text -> float32 mono waveform at ``sample_rate`` (24 kHz), watermarked as upstream's (``watermark``):
+        ``speech_tokens`` then ``vocode``, with the same arguments. With a seed, ``generate(text, seed=s)``
+        equals ``vocode(speech_tokens(text, seed=s), seed=s)``.
 
         A text longer than T3 takes in one call (2046 text tokens) is split at sentence ends (then clause marks,
         then words) into pieces that fit; piece i is generated with seed s + i and the pieces are joined with
@@ -208,8 +225,9 @@ class TTS:
             tokens = self.speech_tokens(piece, voice, params, seed=piece_seed, progress=progress, **knobs)
             if tokens.size == 0:
                 raise ValueError("T3 stopped before producing any speech token; try another seed or text")
-            wavs.append(self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=piece_seed))
-        return crossfade_join(wavs, CROSSFADE)
+            wavs.append(self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False))
+        wav = crossfade_join(wavs, CROSSFADE)
+        return self._mark(wav) if watermark else wav
 
     def _fits(self, text: str) -> bool:
         """Whether T3 takes ``text`` in one pass (SOT and EOT included)."""

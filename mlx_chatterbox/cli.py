@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(p)
     p.add_argument("-o", "--output", required=True, type=Path, help="audio file to write")
     p.add_argument(
+        "--no-watermark",
+        action="store_true",
+        help="leave out Perth's implicit watermark (upstream always adds it; on by default)",
+    )
+    p.add_argument(
         "--s3gen",
         choices=("mlx", "torch"),
         default="mlx",
@@ -227,7 +232,13 @@ def _say(args: argparse.Namespace) -> None:
     tts = TTS.load(args.model, s3gen=args.s3gen)
     loaded = time.perf_counter()
     if args.tokens is not None:
-        wav = tts.vocode(_read_tokens(args.tokens), args.voice, cfm_steps=args.cfm_steps, seed=args.seed)
+        wav = tts.vocode(
+            _read_tokens(args.tokens),
+            args.voice,
+            cfm_steps=args.cfm_steps,
+            seed=args.seed,
+            watermark=not args.no_watermark,
+        )
     else:
         progress = _progress("tokens")
         wav = tts.generate(

@@ -112,6 +112,17 @@ def test_bad_step_counts(tts, steps):
         tts.vocode([1, 2], random_voice(), cfm_steps=steps)
 
 
+def test_watermark_is_on_by_default_and_detected(tts):
+    voice = random_voice(gen_tokens=10)
+    ids = tts.speech_tokens("Hello there.", voice, seed=2, max_new_tokens=40, min_p=0.0)
+    plain = tts.vocode(ids, voice, seed=2, watermark=False)
+    marked = tts.vocode(ids, voice, seed=2)
+    assert marked.shape == plain.shape and not np.array_equal(marked, plain)
+    np.testing.assert_array_equal(marked, tts.watermarker().apply(plain, 24000))
+    wm = tts.watermarker()
+    assert wm.is_watermarked(marked, 24000) and not wm.is_watermarked(plain, 24000)
+
+
 def test_generate_is_speech_tokens_then_vocode(tts):
     voice = random_voice(gen_tokens=10)
     knobs = dict(max_new_tokens=6, min_p=0.0)
@@ -133,9 +144,12 @@ def test_long_text_is_spoken_in_pieces(tmp_path):
         tts.speech_tokens(text, voice)  # one T3 pass cannot take it
     pieces = split_text(text, tts._fits)
     assert len(pieces) > 2 and " ".join(pieces).split() == text.split()
-    wav = tts.generate(text, voice, seed=5, **knobs)
-    want = crossfade_join([tts.generate(p, voice, seed=5 + i, **knobs) for i, p in enumerate(pieces)], 960)
-    np.testing.assert_array_equal(wav, want)
+    wav = tts.generate(text, voice, seed=5, watermark=False, **knobs)
+    pieces = [tts.generate(p, voice, seed=5 + i, watermark=False, **knobs) for i, p in enumerate(pieces)]
+    np.testing.assert_array_equal(wav, crossfade_join(pieces, 960))
+    # The watermark goes on once, over the joined audio.
+    marked = tts.generate(text, voice, seed=5, **knobs)
+    np.testing.assert_array_equal(marked, tts.watermarker().apply(wav, 24000))
 
 
 def test_crossfade_join():

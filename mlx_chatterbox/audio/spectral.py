@@ -133,7 +133,9 @@ def istft(
     """
     win_length = n_fft if win_length is None else win_length
     if not 0 < hop <= win_length <= n_fft:
-        raise ValueError(f"need 0 < hop <= win_length <= n_fft, got hop={hop}, win_length={win_length}, n_fft={n_fft}")
+        raise ValueError(
+            f"need 0 < hop <= win_length <= n_fft, got hop={hop}, win_length={win_length}, n_fft={n_fft}"
+        )
     spec = np.asarray(spec)
     if spec.ndim < 2 or spec.shape[-1] != n_fft // 2 + 1 or spec.shape[-2] == 0:
         raise ValueError(f"expected (..., frames >= 1, {n_fft // 2 + 1}) bins, got shape {spec.shape}")
@@ -166,7 +168,9 @@ def istft(
         end = expected - n_fft // 2 if center else expected
     kept = envelope[start : min(end, expected)]
     if kept.size and kept.min() < 1e-11:
-        raise ValueError("the window overlap-add falls below 1e-11 inside the output; use a larger window or smaller hop")
+        raise ValueError(
+            "the window overlap-add falls below 1e-11 inside the output; use a larger window or smaller hop"
+        )
     y = y[..., start : min(end, expected)] / kept
     if end > expected:
         y = np.concatenate([y, np.zeros(y.shape[:-1] + (end - max(expected, start),))], axis=-1)
@@ -231,7 +235,8 @@ def resample_polyphase(x: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     taps = np.zeros(n_taps * up)
     taps[: h.shape[0]] = h
     taps = taps.reshape(n_taps, up)  # taps[i, p] = h[p + i·up]
-    xp = np.concatenate([np.zeros(n_taps), x.astype(np.float64), np.zeros(n_taps)])  # zeros outside the signal
+    # Zeros outside the signal (scipy's padtype='constant').
+    xp = np.concatenate([np.zeros(n_taps), x.astype(np.float64), np.zeros(n_taps)])
     y = np.zeros(n_out)
     for i in range(n_taps):
         y += taps[i, phase] * xp[base - i + n_taps]

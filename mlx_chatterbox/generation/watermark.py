@@ -77,9 +77,10 @@ class Watermarker:
             sample_rate: Hz.
         Returns:
             float32 samples at ``sample_rate``. Like perth, the length is not kept exactly: the iSTFT returns
-            hop·(1 + L₃₂ // hop) - hop samples at 32 kHz (L₃₂ = the 32 kHz length), so up to one 10 ms hop is cut from the
-            end (at 24 kHz: 240·(L₃₂ // 320) samples). A clip too short for perth's STFT (at most n_fft // 2 samples at
-            32 kHz, 32 ms; perth raises) is returned unchanged.
+            hop·(N // hop) samples of the N at 32 kHz, resampled back with librosa's ceil rule, so up to one 10 ms
+            hop goes from the end (at 24 kHz: 240·(N // 320) samples, N = ceil(L·4/3)); at 44.1 kHz the ceil can
+            even add one. A clip too short for perth's STFT (at most n_fft // 2 samples at 32 kHz, 32 ms; perth
+            raises) is returned unchanged.
         """
         wav = self._check(wav, sample_rate)
         cfg = self.config
@@ -92,25 +93,37 @@ class Watermarker:
         y = self.signal(np.array(marked[0]), phase)
         return resample_soxr_hq(y, cfg.sample_rate, sample_rate) if rate_changes else y
 
-    def detect(self, wav: np.ndarray, sample_rate: int) -> float:
-        """Watermark confidence in [0, 1], perth's ``get_watermark(wav, sample_rate, round=False)``.
+    def confidence(self, wav: np.ndarray, sample_rate: int) -> float:
+        """The detector's raw output, before perth clips and rounds it: about 1 when marked, 0 when not.
 
         Args:
             wav: (L,) float samples in [-1, 1] (rounded to float32).
             sample_rate: Hz.
         Returns:
-            about 1.0 for marked audio, about 0.0 for unmarked. Where perth fails or returns NaN (a clip of at most
-            n_fft // 2 samples at 32 kHz, or digital silence, where no frame passes its gate), this returns 0.0.
+            a float, NaN where perth gives NaN (digital silence: no frame passes the gate) or fails (a clip of at
+            most n_fft // 2 samples at 32 kHz, 32 ms, which perth's reflect padding cannot take).
         """
         wav = self._check(wav, sample_rate)
         cfg = self.config
         # perth's get_watermark resamples with res_type="polyphase", not the soxr_hq of apply_watermark.
         x = resample_polyphase(wav, sample_rate, cfg.sample_rate) if sample_rate != cfg.sample_rate else wav
         if x.shape[0] <= cfg.n_fft // 2:
-            return 0.0
+            return math.nan
         magspec, _phase = self.magphase(x)
-        confidence = float(self.net.decoder(mx.array(magspec)[None])[0].item())
-        return 0.0 if math.isnan(confidence) else min(max(confidence, 0.0), 1.0)
+        return float(self.net.decoder(mx.array(magspec)[None])[0].item())
+
+    def detect(self, wav: np.ndarray, sample_rate: int) -> float:
+        """Watermark confidence clipped to [0, 1], perth's ``get_watermark(wav, sample_rate, round=False)``.
+
+        Args:
+            wav: (L,) float samples in [-1, 1] (rounded to float32).
+            sample_rate: Hz.
+        Returns:
+            about 1.0 for marked audio, about 0.0 for unmarked; 0.0 where ``confidence`` is NaN (perth: NaN or an
+            error).
+        """
+        c = self.confidence(wav, sample_rate)
+        return 0.0 if math.isnan(c) else min(max(c, 0.0), 1.0)
 
     def is_watermarked(self, wav: np.ndarray, sample_rate: int) -> bool:
         """perth's decision, ``get_watermark(wav, sample_rate) == 1.0``: the rounded clipped confidence is 1."""
