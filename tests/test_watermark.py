@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_chatterbox.audio.spectral import istft, resample_polyphase, stft
+from mlx_chatterbox.audio.resample import resample_polyphase
+from mlx_chatterbox.audio.spectral import istft, stft
 from mlx_chatterbox.convert import LAYOUTS
 from mlx_chatterbox.generation.watermark import ASSET, Watermarker
 from mlx_chatterbox.models.perth import PerthConfig, PerthNet, frame_mask, lerp_time, nearest_time

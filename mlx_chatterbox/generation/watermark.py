@@ -24,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..audio.resample import resample_soxr_hq
-from ..audio.spectral import as_waveform, istft, resample_polyphase, stft
+from ..audio.resample import resample_polyphase
+from ..audio.spectral import as_waveform, istft, stft
 from ..models.perth import PerthConfig, PerthNet
 
 # The converted perth weights (scripts/convert_perth.py writes them here).

@@ -29,7 +29,8 @@ from perth.perth_net.perth_net_implicit.config import PerthConfig as UpstreamPer
 from perth.perth_net.perth_net_implicit.config import default_hp
 from perth.perth_net.perth_net_implicit.model.perth_net import PerthNet as UpstreamPerthNet
 
-from mlx_chatterbox.audio.spectral import istft, resample_polyphase, stft
+from mlx_chatterbox.audio.resample import resample_polyphase
+from mlx_chatterbox.audio.spectral import istft, stft
 from mlx_chatterbox.generation.watermark import Watermarker
 from mlx_chatterbox.models.perth import PerthConfig, PerthNet
 
