@@ -420,3 +420,31 @@ def ours_from(upstream: torch.nn.Module, network: type, cfg, drop: tuple[str, ..
     model = network(cfg)
     model.load_weights(list(sanitize(weights, network.checkpoint_table(cfg), "test").items()), strict=True)
     return model
+
+
+@contextlib.contextmanager
+def injected_multinomial_tie_safe(uniforms: np.ndarray, ours: list[float], margin: float = 1e-6):
+    """``injected_multinomial(uniforms)``, and ``ours`` receives, draw by draw, the uniform that makes our
+    sampler pick the same id: the same u, except where u lies within ``margin`` of an end of the picked id's
+    (normalised) CDF interval. There the two fp32 CDFs (torch's and ours, each within ~1e-7) may fall on
+    either side, and even upstream's own pick can change from run to run; ``ours`` gets the interval's
+    midpoint instead, so that a token differs only when the distributions really differ."""
+    original = torch.multinomial
+    it = iter(uniforms.tolist())
+
+    def fake(probs, num_samples=1, **_):
+        assert num_samples == 1 and probs.shape[0] == 1
+        cdf = probs.cumsum(dim=-1)
+        u = next(it)
+        picked = (cdf <= u * cdf[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=probs.shape[-1] - 1)
+        k = int(picked)
+        edges = (cdf[0].double() / cdf[0, -1].double()).tolist()
+        low, high = (edges[k - 1] if k > 0 else 0.0), edges[k]
+        ours.append((low + high) / 2 if min(u - low, high - u) < margin else u)
+        return picked
+
+    torch.multinomial = fake
+    try:
+        yield
+    finally:
+        torch.multinomial = original

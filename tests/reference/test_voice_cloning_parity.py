@@ -40,7 +40,9 @@ def reference(tmp_path_factory):
     raw, ref = d / "espeak.wav", d / "ref.wav"
     subprocess.run(["espeak-ng", "-s", "120", "-w", str(raw), TEXT], check=True, capture_output=True)
     # 0.3 s of silence in front (the voice encoder's trim has an edge to cut), 12.6 s in all, 22.05 kHz.
-    subprocess.run(["sox", str(raw), str(ref), "gain", "-3", "pad", "0.3", "trim", "0", "12.6"], check=True)
+    subprocess.run(
+        ["sox", "-D", str(raw), str(ref), "gain", "-3", "pad", "0.3", "trim", "0", "12.6"], check=True
+    )
     return ref
 
 
