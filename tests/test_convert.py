@@ -91,11 +91,13 @@ def test_lower_precision(tmp_path, dtype, mx_dtype):
     assert folder.config["dtype"] == dtype and folder.t3.speech_head.weight.dtype == mx_dtype
 
 
-def corrupt(tmp_path, change):
+def corrupt(tmp_path, change, filename="t3_cfg.safetensors"):
+    """An upstream folder whose ``filename`` holds the random weights after ``change``."""
     src = write_upstream_checkpoint(tmp_path / "up")
-    weights = {k: mx.array(v) for k, v in upstream_t3_weights(TINY).items()}
+    weights = upstream_t3_weights(TINY) if filename == "t3_cfg.safetensors" else upstream_s3gen_weights()
+    weights = {k: mx.array(v) for k, v in weights.items()}
     change(weights)
-    mx.save_safetensors(str(src / "t3_cfg.safetensors"), weights)
+    mx.save_safetensors(str(src / filename), weights)
     return src
 
 
@@ -125,14 +127,6 @@ def test_bad_weights_name_the_key_and_leave_nothing(tmp_path, change, message):
     assert leftovers(tmp_path) == ["up"]
 
 
-def corrupt_s3gen(tmp_path, change):
-    src = write_upstream_checkpoint(tmp_path / "up")
-    weights = {k: mx.array(v) for k, v in upstream_s3gen_weights().items()}
-    change(weights)
-    mx.save_safetensors(str(src / "s3gen.safetensors"), weights)
-    return src
-
-
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -160,7 +154,7 @@ def corrupt_s3gen(tmp_path, change):
     ],
 )
 def test_bad_s3gen_weights_name_the_key_and_leave_nothing(tmp_path, change, message):
-    src = corrupt_s3gen(tmp_path, change)
+    src = corrupt(tmp_path, change, "s3gen.safetensors")
     with pytest.raises(ConversionError, match=message) as err:
         convert(src, tmp_path / "mlx", config=TINY_MODEL)
     assert "s3gen.safetensors" in str(err.value)
@@ -173,7 +167,7 @@ def test_s3gen_front_end_buffers_are_optional(tmp_path):
         w["tokenizer._mel_filters"] = mx.zeros((128, 201))
         w["tokenizer.window"] = mx.zeros((400,))
 
-    load_folder(convert(corrupt_s3gen(tmp_path, add), tmp_path / "mlx", config=TINY_MODEL))
+    load_folder(convert(corrupt(tmp_path, add, "s3gen.safetensors"), tmp_path / "mlx", config=TINY_MODEL))
 
 
 def test_full_size_config_rejects_a_tiny_checkpoint(tmp_path):
