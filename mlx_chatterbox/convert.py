@@ -42,7 +42,8 @@ from .torchfile import TorchFileError, load_torch_file
 from .variants import ENGLISH, ModelConfig
 
 FORMAT = "mlx-chatterbox"
-FORMAT_VERSION = 3  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too
+FORMAT_VERSION = 4  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too;
+# 4: T3's q/k/v and gate/up projections fused
 DEFAULT_REPO = "ResembleAI/chatterbox"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -150,14 +151,16 @@ def convert(
 
 
 # A key table maps each upstream key to (our key or None to drop, its upstream shape[, layout]). The layout
-# names how a PyTorch tensor moves to MLX's channels-last convolutions (architecture §9.7); it is applied once,
-# here, after the shape check.
+# names how a PyTorch tensor moves to MLX's channels-last convolutions (architecture §9.7), or STACK; it is
+# applied once, here, after the shape check.
 Rule = tuple  # (str | None, tuple[int, ...]) or (str | None, tuple[int, ...], str)
 LAYOUTS = {
     "conv1d": (0, 2, 1),  # (out, in, k) -> (out, k, in)
     "conv_transpose1d": (1, 2, 0),  # (in, out, k) -> (out, k, in)
     "conv2d": (0, 2, 3, 1),  # (out, in, kh, kw) -> (out, kh, kw, in)
 }
+# Several keys with one target and this layout are concatenated along dim 0 in table order (fused projections).
+STACK = "stack"
 WEIGHT_NORM_G = "parametrizations.weight.original0"
 WEIGHT_NORM_V = "parametrizations.weight.original1"
 
@@ -181,13 +184,18 @@ def sanitize(weights: dict[str, mx.array], table: dict[str, Rule], filename: str
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConversionError(f"{filename}: key {missing[0]!r}{more} is missing; the file is incomplete")
-    out = {}
+    out, stacks = {}, {}
     for key, (target, shape, *layout) in table.items():
         value = weights[key]
         if tuple(value.shape) != shape:
             raise ConversionError(f"{filename}: {key} has shape {tuple(value.shape)}, expected {shape}")
-        if target is not None:
+        if target is None:
+            continue
+        if layout == [STACK]:
+            stacks.setdefault(target, []).append(value)
+        else:
             out[target] = value.transpose(LAYOUTS[layout[0]]) if layout else value
+    out.update({target: mx.concatenate(parts, axis=0) for target, parts in stacks.items()})
     return out
 
 

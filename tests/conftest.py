@@ -49,7 +49,7 @@ def upstream_t3_weights(cfg: T3Config, seed: int = 0) -> dict[str, np.ndarray]:
     """Random weights under upstream's key names and shapes (what ``t3_cfg.safetensors`` holds)."""
     rng = np.random.default_rng(seed)
     weights = {}
-    for key, (_, shape) in T3.checkpoint_table(cfg).items():
+    for key, (_, shape, *_) in T3.checkpoint_table(cfg).items():
         w = 0.05 * rng.standard_normal(shape)
         weights[key] = (1 + 2 * w if key.endswith("norm.weight") else w).astype(np.float32)
     return weights

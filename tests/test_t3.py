@@ -16,36 +16,41 @@ def cond(voice, exaggeration=0.5):
 
 
 def test_cached_decode_equals_full_recompute(tiny_t3, voice):
-    """Logits from prefill + one-token cached steps equal a single causal pass over the whole sequence."""
+    """Logits from prefill + one-token cached steps equal a single causal pass over the whole sequence, with
+    the cache growing past its step on the way, eagerly and compiled."""
     model = tiny_t3
-    feed = [100, 2000, 6000, 31, 4242]
+    feed = [100, 2000, 6000, 31, 4242, 7, 8]
     embeds = prefill_embeds(model, cond(voice), TEXT, cfg_weight=0.5)
-    cache = model.make_cache()
-    cached = [model.step(embeds, cache)]
-    steps = []
-    for i, tok in enumerate(feed):
-        emb = model.embed_speech(mx.array([[tok], [tok]]), start=i + 1)
-        steps.append(emb)
-        cached.append(model.step(emb, cache))
-    assert cache[0].offset == embeds.shape[1] + len(feed)
+    steps = [model.embed_speech(mx.array([[tok], [tok]]), start=i + 1) for i, tok in enumerate(feed)]
     full = model.speech_head(model.tfmr(mx.concatenate([embeds, *steps], axis=1)))
     full = full[:, embeds.shape[1] - 1 :]
-    for i, logits in enumerate(cached):
-        np.testing.assert_allclose(np.array(logits), np.array(full[:, i]), rtol=1e-4, atol=1e-5)
+    for decode in (model.decode, mx.compile(model.decode)):
+        logits, cache = model.prefill(embeds, cache_step=embeds.shape[1] + 3)
+        cached = [logits]
+        for i, tok in enumerate(feed):
+            cache.reserve(cache.offset + 1)
+            position = (mx.array(i + 1), mx.array(cache.offset))
+            logits, cache.kv = decode(mx.array([tok, tok]), *position, cache.kv)
+            cache.offset += 1
+            cached.append(logits)
+        assert cache.offset == embeds.shape[1] + len(feed) and cache.capacity == 2 * cache.step
+        for i, logits in enumerate(cached):
+            np.testing.assert_allclose(np.array(logits), np.array(full[:, i]), rtol=1e-4, atol=1e-5)
 
 
-def test_cache_grows_past_its_step():
+def test_cache_grows_by_whole_steps_and_keeps_what_it_holds():
     from mlx_chatterbox.models.cache import KVCache
 
-    cache = KVCache(step=4)
     k = mx.arange(2 * 3 * 3 * 2, dtype=mx.float32).reshape(2, 3, 3, 2)
-    keys, _ = cache.update_and_fetch(k, k)
-    for i in range(4):
-        one = mx.full((2, 3, 1, 2), float(i))
-        keys, values = cache.update_and_fetch(one, one)
-    assert keys.shape == (2, 3, 7, 2) and cache.keys.shape[2] == 8
-    np.testing.assert_array_equal(np.array(keys[:, :, :3]), np.array(k))
-    np.testing.assert_array_equal(np.array(keys[0, 0, 3:, 0]), [0, 1, 2, 3])
+    cache = KVCache.from_prefill([k, -k], step=4)
+    assert cache.offset == 3 and cache.capacity == 4
+    cache.reserve(4)
+    assert cache.capacity == 4
+    cache.reserve(9)
+    assert cache.capacity == 12
+    np.testing.assert_array_equal(np.array(cache.kv[0][:, :, :3]), np.array(k))
+    np.testing.assert_array_equal(np.array(cache.kv[1][:, :, :3]), -np.array(k))
+    assert not np.array(cache.kv[0][:, :, 3:]).any()
 
 
 def test_batch_rows_are_independent(tiny_t3, voice):
@@ -55,8 +60,8 @@ def test_batch_rows_are_independent(tiny_t3, voice):
     assert one.shape[0] == 1 and two.shape[0] == 2
     # The conditional row of the CFG batch is the batch-1 prefill; the unconditional row differs only in text.
     np.testing.assert_array_equal(np.array(two[0]), np.array(one[0]))
-    logits_one = model.step(one, model.make_cache())
-    logits_two = model.step(two, model.make_cache())
+    logits_one, _ = model.prefill(one)
+    logits_two, _ = model.prefill(two)
     np.testing.assert_allclose(np.array(logits_two[0]), np.array(logits_one[0]), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.array(logits_two[1]), np.array(logits_one[0]))
 

@@ -7,7 +7,8 @@ waits for Python; the EOS check is the only host sync and runs one step behind.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -73,40 +74,75 @@ def generate_speech_tokens(
             raise ValueError("uniforms replace the random draws: give no key, and a temperature > 0")
         if uniforms.shape != (n,):
             raise ValueError(f"uniforms must have shape ({n},) (one per token), got {uniforms.shape}")
-    keys = None
-    if uniforms is None and not params.greedy:
-        keys = mx.random.split(mx.random.key(secrets.randbits(63)) if key is None else key, n)
-
-    def pick(logits: mx.array, seen: mx.array, i: int) -> mx.array:
-        return draw(
-            process_logits(logits, seen, params),
-            params,
-            None if keys is None else keys[i],
-            None if uniforms is None else uniforms[i],
-        )
+    if params.greedy:
+        draws = mx.zeros((n,))  # unused: the arg-max draws nothing
+    elif uniforms is not None:
+        draws = uniforms.astype(mx.float32)
+    else:
+        draws = mx.random.split(mx.random.key(secrets.randbits(63)) if key is None else key, n)
 
     cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, params.exaggeration)
     embeds = prefill_embeds(model, cond, text_ids, params.cfg_weight)
-    batch = embeds.shape[0]
-    vocab = mx.arange(cfg.speech_vocab_size)
-    cache = model.make_cache()
+    logits, cache = model.prefill(embeds)
     # The repetition penalty covers the start-of-speech id and every generated id.
-    seen = (vocab == cfg.start_speech_token)[None]
-    token = pick(model.step(embeds, cache), seen, 0)
+    seen = (mx.arange(cfg.speech_vocab_size) == cfg.start_speech_token)[None]
+    step = decode_step(model, params, uniforms is not None)
+    token = draw(
+        process_logits(logits, seen, params), params, *_draw_args(params, uniforms is not None, draws[0])
+    )
     mx.async_eval(token)
     for i in range(n):
         next_token = None
         if i + 1 < n:
-            seen = seen | (vocab == token)
+            cache.reserve(cache.offset + 1)
             # Generated token i is fed back at speech position i + 1.
-            emb = model.embed_speech(mx.broadcast_to(token[:, None], (batch, 1)), start=i + 1)
-            next_token = pick(model.step(emb, cache), seen, i + 1)
+            position = mx.array([i + 1, cache.offset], dtype=mx.int32)
+            next_token, seen, cache.kv = step(token, position, seen, draws[i + 1], cache.kv)
+            cache.offset += 1
             mx.async_eval(next_token)
         t = token.item()
         yield t
         if stop_on_eos and t == cfg.stop_speech_token:
             return
         token = next_token
+
+
+def _draw_args(
+    params: SamplingParams, uniform_draws: bool, d: mx.array
+) -> tuple[mx.array | None, mx.array | None]:
+    """``draw``'s (key, uniform) from one entry of the per-token draws."""
+    if params.greedy:
+        return None, None
+    return (None, d) if uniform_draws else (d, None)
+
+
+# Compiled decode steps per model and sampling set-up, reused across calls (tracing costs a few ms per
+# capacity of the KV cache). Knob values are constants of a trace, so each distinct set is its own entry.
+_MAX_COMPILED = 16
+
+
+def decode_step(model: T3, params: SamplingParams, uniform_draws: bool) -> Callable:
+    """The compiled ``(token, [speech position, position], seen, draw, kv) -> (next token, seen, kv)``: feed
+    the last token through T3, mark it as seen, filter the logits and draw, all on the device."""
+    knobs = replace(params, max_new_tokens=1, exaggeration=0.0)  # neither changes the step
+    steps = model.compiled_steps
+    key = (knobs, uniform_draws)
+    if key not in steps:
+        vocab = mx.arange(model.config.speech_vocab_size)
+
+        def step(
+            token: mx.array, position: mx.array, seen: mx.array, d: mx.array, kv: list[mx.array]
+        ) -> tuple[mx.array, mx.array, list[mx.array]]:
+            batch = kv[0].shape[0]
+            logits, kv = model.decode(mx.broadcast_to(token, (batch,)), position[0], position[1], kv)
+            seen = seen | (vocab == token)
+            args = _draw_args(knobs, uniform_draws, d)
+            return draw(process_logits(logits, seen, knobs), knobs, *args), seen, kv
+
+        if len(steps) >= _MAX_COMPILED:
+            steps.pop(next(iter(steps)))
+        steps[key] = mx.compile(step)
+    return steps[key]
 
 
 def drop_invalid_tokens(tokens: Sequence[int], start: int, stop: int) -> list[int]:

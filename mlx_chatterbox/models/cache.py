@@ -1,4 +1,4 @@
-"""Key/value cache for autoregressive decoding (mlx-lm's interface: ``update_and_fetch``, ``offset``)."""
+"""Key/value buffers for T3's autoregressive decoding."""
 
 from __future__ import annotations
 
@@ -6,31 +6,37 @@ import mlx.core as mx
 
 
 class KVCache:
-    """Per-layer keys and values (B, heads, T, head_dim), stored in buffers that grow ``step`` positions at a
-    time so that a decode step writes in place instead of concatenating."""
+    """Every layer's keys and values in buffers (B, heads, capacity, head_dim), ``kv = [keys_0, values_0,
+    keys_1, ...]``, of which the first ``offset`` positions are written.
 
-    def __init__(self, step: int = 256):
-        self.step = step
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
+    The capacity grows ``step`` positions at a time, so that a decode step writes in place and has the same
+    shapes for ``step`` tokens in a row: a compiled step is traced once per capacity, not once per token, and
+    attention reads at most ``step - 1`` unwritten (masked) positions.
+    """
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        end = self.offset + keys.shape[2]
-        if self.keys is None or end > self.keys.shape[2]:
-            capacity = -(-end // self.step) * self.step
-            b, h, _, d = keys.shape
-            new_keys = mx.zeros((b, h, capacity, d), keys.dtype)
-            new_values = mx.zeros((b, h, capacity, values.shape[3]), values.dtype)
-            if self.keys is not None:
-                new_keys[:, :, : self.offset] = self.keys[:, :, : self.offset]
-                new_values[:, :, : self.offset] = self.values[:, :, : self.offset]
-            self.keys, self.values = new_keys, new_values
-        self.keys[:, :, self.offset : end] = keys
-        self.values[:, :, self.offset : end] = values
-        self.offset = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+    def __init__(self, kv: list[mx.array], offset: int, step: int = 256):
+        self.kv, self.offset, self.step = kv, offset, step
+
+    @classmethod
+    def from_prefill(cls, kv: list[mx.array], step: int = 256) -> KVCache:
+        """Buffers holding the prefill's (B, H, N, hd) keys and values at positions 0 .. N - 1."""
+        cache = cls([], kv[0].shape[2], step)
+        cache.kv = [cache._padded(a, cache._capacity_for(cache.offset + 1)) for a in kv]
+        return cache
 
     @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+    def capacity(self) -> int:
+        return self.kv[0].shape[2]
+
+    def reserve(self, end: int) -> None:
+        """Make room for positions up to ``end`` (exclusive), growing every buffer by whole steps."""
+        if end > self.capacity:
+            capacity = self._capacity_for(end)
+            self.kv = [self._padded(a, capacity) for a in self.kv]
+
+    def _capacity_for(self, end: int) -> int:
+        return -(-end // self.step) * self.step
+
+    @staticmethod
+    def _padded(a: mx.array, capacity: int) -> mx.array:
+        return mx.pad(a, [(0, 0), (0, 0), (0, capacity - a.shape[2]), (0, 0)])

@@ -90,44 +90,58 @@ class Attention(nn.Module):
         super().__init__()
         d, h, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.num_heads, self.head_dim = h, hd
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, h * hd, bias=False)
-        self.v_proj = nn.Linear(d, h * hd, bias=False)
+        # q, k and v as one product: one weight read and one kernel per step instead of three (fused at conversion).
+        self.qkv_proj = nn.Linear(d, 3 * h * hd, bias=False)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self._rope_periods = rope_periods
 
-    def _rope(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(
-            x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._rope_periods
-        )
-
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(B, N, D) -> q, k, v as (B, H, N, hd), q and k rotated for positions offset .. offset + N - 1."""
         b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)  # (B, H, N, hd)
-        k = self.k_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        if n > 1 and offset > 0:
-            raise ValueError("multi-token input after the prefill is not supported: feed one token per step")
-        q, k = self._rope(q, offset), self._rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        # Causal over the whole prefill, conditioning included (architecture §9.1).
-        out = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.head_dim**-0.5, mask="causal" if n > 1 else None
-        )
+        qkv = self.qkv_proj(x).reshape(b, n, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        rope = dict(traditional=False, base=None, scale=1.0, offset=offset, freqs=self._rope_periods)
+        return mx.fast.rope(q, self.head_dim, **rope), mx.fast.rope(k, self.head_dim, **rope), v
+
+    def _out(self, out: mx.array) -> mx.array:
+        b, _, n, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+    def __call__(self, x: mx.array, kv: list[mx.array] | None = None) -> mx.array:
+        """Teacher-forced pass or prefill from position 0, causal over the whole input, conditioning included
+        (architecture §9.1). The rotated keys and the values are appended to ``kv`` when it is given."""
+        q, k, v = self._qkv(x, 0)
+        if kv is not None:
+            kv += [k, v]
+        out = mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.head_dim**-0.5, mask="causal" if x.shape[1] > 1 else None
+        )
+        return self._out(out)
+
+    def decode(
+        self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """One token (B, 1, D) at sequence ``position`` (an int32 scalar array) against fixed-size key and
+        value buffers (B, H, capacity, hd); returns the output and the buffers with this token written in.
+        Nothing here depends on the position's value, so a compiled step is traced once per capacity."""
+        q, k, v = self._qkv(x, position)
+        keys = mx.slice_update(keys, k, position[None], axes=(2,))
+        values = mx.slice_update(values, v, position[None], axes=(2,))
+        visible = mx.arange(keys.shape[2]) <= position  # the buffer's tail beyond this token is unwritten
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.head_dim**-0.5, mask=visible)
+        return self._out(out), keys, values
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: T3Config):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up as one product (fused at conversion), split after.
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -138,9 +152,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, kv: list[mx.array] | None = None) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(
+        self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
 class Llama(nn.Module):
@@ -154,10 +175,20 @@ class Llama(nn.Module):
         self.layers = [DecoderLayer(cfg, rope_periods) for _ in range(cfg.num_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: list[KVCache] | None = None) -> mx.array:
-        for i, layer in enumerate(self.layers):
-            x = layer(x, None if cache is None else cache[i])
+    def __call__(self, x: mx.array, kv: list[mx.array] | None = None) -> mx.array:
+        """(B, N, D) from position 0 -> (B, N, D); every layer's keys and values are appended to ``kv`` when
+        it is given."""
+        for layer in self.layers:
+            x = layer(x, kv)
         return self.norm(x)
+
+    def decode(self, x: mx.array, position: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+        """One token through every layer; ``kv`` holds each layer's key and value buffers, in layer order."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1])
+            out += [keys, values]
+        return self.norm(x), out
 
 
 class AttentionBlock(nn.Module):
@@ -228,6 +259,9 @@ class T3(nn.Module):
         self.text_pos_emb = nn.Embedding(cfg.text_positions, d)
         self.speech_pos_emb = nn.Embedding(cfg.speech_positions, d)
         self.speech_head = nn.Linear(d, cfg.speech_vocab_size, bias=False)
+        # Compiled decode steps by sampling set-up (generation/speech_tokens.py). Set past nn.Module's
+        # __setattr__, which would store a dict as a child module and list it among the parameters.
+        object.__setattr__(self, "compiled_steps", {})
 
     # --- embeddings (architecture §3.3) ---
 
@@ -253,14 +287,22 @@ class T3(nn.Module):
 
     # --- network ---
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.tfmr.layers]
+    def prefill(self, embeds: mx.array, cache_step: int = 256) -> tuple[mx.array, KVCache]:
+        """Run (B, N, D) input embeddings from position 0; the speech logits of the last position (B, V) and
+        the cache for ``decode``."""
+        kv: list[mx.array] = []
+        h = self.tfmr(embeds, kv)
+        return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
 
-    def step(self, embeds: mx.array, cache: list[KVCache]) -> mx.array:
-        """Run (B, N, D) input embeddings through the backbone with the cache; speech logits of the last
-        position, (B, speech_vocab)."""
-        h = self.tfmr(embeds, cache)
-        return self.speech_head(h[:, -1])
+    def decode(
+        self, token: mx.array, speech_position: mx.array, position: mx.array, kv: list[mx.array]
+    ) -> tuple[mx.array, list[mx.array]]:
+        """One speech token (B,) at ``speech_position`` of the speech position table and at sequence
+        ``position`` (int32 scalar arrays) -> its logits (B, V) and the key/value buffers with it written in.
+        Pure in its arrays, so that it can be compiled (generation/speech_tokens.py)."""
+        x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
+        h, kv = self.tfmr.decode(x, position, kv)
+        return self.speech_head(h[:, 0]), kv
 
     def __call__(self, cond: T3Cond, text_tokens: mx.array, speech_tokens: mx.array) -> mx.array:
         """Teacher-forced pass (upstream ``T3.forward``): [cond | text | speech] in one causal pass.
@@ -309,19 +351,19 @@ class T3(nn.Module):
         for name, shape in perceiver.items():
             key = f"cond_enc.perceiver.attn.{name}"
             table[key] = (key, shape)
+        # q/k/v and gate/up are stacked along the output dim in this order into one fused weight each.
         layer = {
-            "input_layernorm.weight": (d,),
-            "post_attention_layernorm.weight": (d,),
-            "self_attn.q_proj.weight": (a, d),
-            "self_attn.k_proj.weight": (a, d),
-            "self_attn.v_proj.weight": (a, d),
-            "self_attn.o_proj.weight": (d, a),
-            "mlp.gate_proj.weight": (f, d),
-            "mlp.up_proj.weight": (f, d),
-            "mlp.down_proj.weight": (d, f),
+            "input_layernorm.weight": ("input_layernorm.weight", (d,)),
+            "post_attention_layernorm.weight": ("post_attention_layernorm.weight", (d,)),
+            "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", (a, d), "stack"),
+            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", (a, d), "stack"),
+            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", (a, d), "stack"),
+            "self_attn.o_proj.weight": ("self_attn.o_proj.weight", (d, a)),
+            "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (f, d), "stack"),
+            "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", (f, d), "stack"),
+            "mlp.down_proj.weight": ("mlp.down_proj.weight", (d, f)),
         }
         for i in range(cfg.num_layers):
-            for name, shape in layer.items():
-                key = f"tfmr.layers.{i}.{name}"
-                table[key] = (key, shape)
+            for name, (target, *rule) in layer.items():
+                table[f"tfmr.layers.{i}.{name}"] = (f"tfmr.layers.{i}.{target}", *rule)
         return table

@@ -163,10 +163,13 @@ def compare_teacher_forced(
     feed = np.random.default_rng(seed).integers(0, 6561, steps).tolist()
     ref = teacher_forced_logits(upstream, cond, text, feed)
     ours_cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, float(cond.emotion_adv.flatten()[0]))
-    cache = model.make_cache()
-    ours = [model.step(prefill_embeds(model, ours_cond, text, 0.5), cache)]
+    logits, cache = model.prefill(prefill_embeds(model, ours_cond, text, 0.5))
+    ours = [logits]
     for i, tok in enumerate(feed):
-        ours.append(model.step(model.embed_speech(mx.array([[tok], [tok]]), start=i + 1), cache))
+        cache.reserve(cache.offset + 1)
+        logits, cache.kv = model.decode(mx.array([tok, tok]), mx.array(i + 1), mx.array(cache.offset), cache.kv)
+        cache.offset += 1
+        ours.append(logits)
     return [rel_err(o, r) for o, r in zip(ours, ref)]
 
 
