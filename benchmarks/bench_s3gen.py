@@ -31,11 +31,18 @@ from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload,
 from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation.vocode import Draws, S3Gen
 from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.cfm import solve
 from mlx_chatterbox.variants import ENGLISH
 
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
+# Ours, timed under each setting: (layers.FAST_CPU_MATH, Estimator.compile_blocks).
+VARIANTS = {
+    "default": (True, False),
+    "compiled-blocks": (True, True),  # each CFM transformer block as one mx.compile'd function
+    "mlx-math": (False, False),  # MLX's own exp/erf/tanh/attention on the CPU (the fast ones are CPU-only)
+}
 
 
 def build_upstream(torch, device):
@@ -133,7 +140,8 @@ def medians(runs: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}
 
 
-def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int) -> dict:
+def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, variant: str = "default") -> dict:
+    layers.FAST_CPU_MATH, s3gen.estimator.compile_blocks = VARIANTS[variant]
     voice = Voice(
         speaker_emb=mx.zeros((1, 256)),  # T3 parts: unused by S3Gen
         t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
@@ -176,8 +184,11 @@ def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int) -> dict:
     once()
     result = medians([once() for _ in range(repeats)])
     result.update(
-        peak_mem_kind="mx.get_peak_memory over the whole call, weights included", backend=_backend.STATUS
+        variant=variant,
+        peak_mem_kind="mx.get_peak_memory over the whole call, weights included",
+        backend=_backend.STATUS,
     )
+    layers.FAST_CPU_MATH, s3gen.estimator.compile_blocks = VARIANTS["default"]
     return result
 
 
@@ -314,12 +325,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: gpu when MLX has one)")
     p.add_argument("--torch-device", choices=("cpu", "cuda"), help="upstream device (default: cuda if any)")
     p.add_argument("--upstream-src", help="folder that holds upstream's 'chatterbox' package folder")
+    p.add_argument(
+        "--variants", default="default", help=f"ours, comma list of: {', '.join(VARIANTS)} (one row each)"
+    )
     p.add_argument("--check", action="store_true", help="also compare outputs on injected noise")
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
     if not set(systems) <= {"ours", "upstream"}:
         p.error("unknown system")
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        p.error(f"unknown variant in {args.variants!r}; choose from {', '.join(VARIANTS)}")
 
     import torch
 
@@ -339,10 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     print(f"# MLX backend settings: {_backend.STATUS}", file=sys.stderr)
     rows = []
-    for system in systems:
-        print(f"# {system} ...", file=sys.stderr)
+    runs = [(s, v) for s in systems for v in (variants if s == "ours" else ["-"])]
+    for system, variant in runs:
+        print(f"# {system} {variant} ...", file=sys.stderr)
         if system == "ours":
-            res, dev = bench_ours(s3gen, inputs, args.steps, args.repeats), mlx_device
+            res, dev = bench_ours(s3gen, inputs, args.steps, args.repeats, variant), mlx_device
         else:
             res, dev = bench_upstream(torch, flow, hift, inputs, args.steps, args.repeats, device), str(
                 device
@@ -359,13 +377,14 @@ def main(argv: list[str] | None = None) -> None:
         write_line(dict(system="check", **errors, **info), args.out)
         print(f"# ours vs upstream on the same draws: {errors}", file=sys.stderr)
     print(
-        f"{'system':9} {'device':7} {'total ms':>9} {'RTF':>7} {'encoder':>8} {'CFM':>8} {'CFM/step':>8} {'HiFT':>7}",
+        f"{'system':9} {'variant':15} {'device':7} {'total ms':>9} {'RTF':>7} {'encoder':>8} {'CFM':>8} {'CFM/step':>8} {'HiFT':>7} {'peak MiB':>8}",
         file=sys.stderr,
     )
     for r in rows:
         print(
-            f"{r['system']:9} {r['device']:7} {r['total_ms']:>9.1f} {r['rtf']:>7.4f} {r['encoder_ms']:>8.1f} "
-            f"{r['cfm_ms']:>8.1f} {r['cfm_step_ms']:>8.2f} {r['hift_ms']:>7.1f}",
+            f"{r['system']:9} {r.get('variant', '-'):15} {r['device']:7} {r['total_ms']:>9.1f} {r['rtf']:>7.4f} {r['encoder_ms']:>8.1f} "
+            f"{r['cfm_ms']:>8.1f} {r['cfm_step_ms']:>8.2f} {r['hift_ms']:>7.1f} "
+            f"{(r['peak_mem_bytes'] or 0) / 2**20:>8.0f}",
             file=sys.stderr,
         )
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Conv1d
+from . import layers
+from .layers import Conv1d, attention, gelu, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
@@ -94,7 +95,7 @@ class CausalBlock1D(nn.Module):
 
     def __call__(self, x: mx.array, m: mx.array) -> mx.array:
         conv, _, norm = self.block
-        return nn.mish(norm(conv(x * m))) * m
+        return mish(norm(conv(x * m))) * m
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -109,7 +110,7 @@ class CausalResnetBlock1D(nn.Module):
         self.res_conv = Conv1d(dim, dim_out, 1)
 
     def __call__(self, x: mx.array, m: mx.array, t_emb: mx.array) -> mx.array:
-        h = self.block1(x, m) + self.mlp[1](nn.mish(t_emb))[:, None, :]
+        h = self.block1(x, m) + self.mlp[1](mish(t_emb))[:, None, :]
         h = self.block2(h, m)
         return h + self.res_conv(x * m)
 
@@ -132,7 +133,7 @@ class Attention(nn.Module):
         q = self.to_q(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)  # (B, H, T, hd)
         k = self.to_k(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
         v = self.to_v(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=bias)
+        out = attention(q, k, v, self.head_dim**-0.5, bias)
         return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
@@ -144,7 +145,7 @@ class GELUProjection(nn.Module):
         self.proj = nn.Linear(dim, inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return nn.gelu(self.proj(x))
+        return gelu(self.proj(x))
 
 
 class FeedForward(nn.Module):
@@ -166,9 +167,37 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=1e-5)
         self.ff = FeedForward(dim)
 
-    def __call__(self, x: mx.array, bias: mx.array | None) -> mx.array:
+    def __call__(self, x: mx.array, bias: mx.array | None, compiled: bool = False) -> mx.array:
+        """x: (B, T, dim); bias: additive key bias (B, 1, 1, T) or None. ``compiled`` runs the block as one
+        ``mx.compile``d function of (weights, x), traced once per shape and shared by every block of the same
+        size (each block passes its own weights), so its elementwise chains fuse."""
+        if compiled:
+            attn = self.attn1
+            run = _compiled_block(
+                x.shape[-1],
+                attn.num_heads,
+                attn.head_dim,
+                bias is not None,
+                mx.default_device(),
+                layers.FAST_CPU_MATH,
+            )
+            return run(self.parameters(), x, *(() if bias is None else (bias,)))
         x = self.attn1(self.norm1(x), bias) + x
         return self.ff(self.norm3(x)) + x
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_block(
+    dim: int, num_heads: int, head_dim: int, with_bias: bool, device: mx.Device, fast_cpu_math: bool
+):
+    # The device and the math switch are part of the key: the elementwise functions pick their path when traced.
+    template = BasicTransformerBlock(dim, num_heads, head_dim)
+
+    def run(params: dict, x: mx.array, *bias: mx.array) -> mx.array:
+        template.update(params)  # traced arrays in, so the compiled graph reads the caller's weights
+        return template(x, bias[0] if with_bias else None)
+
+    return mx.compile(run)
 
 
 class Estimator(nn.Module):
@@ -178,6 +207,8 @@ class Estimator(nn.Module):
     def __init__(self, cfg: CFMConfig):
         super().__init__()
         self.config = cfg
+        # Run each transformer block as a compiled function (see BasicTransformerBlock); off by default.
+        self.compile_blocks = False
         c, temb = cfg.channels, cfg.time_embed_dim
 
         def transformers() -> list[BasicTransformerBlock]:
@@ -222,7 +253,7 @@ class Estimator(nn.Module):
         def stage(h: mx.array, resnet: CausalResnetBlock1D, blocks: list[BasicTransformerBlock]) -> mx.array:
             h = resnet(h, m, t_emb)
             for block in blocks:
-                h = block(h, bias)
+                h = block(h, bias, self.compile_blocks)
             return h
 
         resnet, blocks, down = self.down_blocks[0]

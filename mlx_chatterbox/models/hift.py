@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Conv1d, ConvTranspose1d
+from .layers import Conv1d, ConvTranspose1d, cos, exp, sin
 
 # The sine phase is summed in fixed point with this many fractional bits (see ``sine_phase``).
 PHASE_FRACTION_BITS = 40
@@ -186,7 +186,7 @@ class Snake(nn.Module):
         self.alpha = mx.ones((channels,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x + (1.0 / (self.alpha + 1e-9)) * mx.square(mx.sin(x * self.alpha))
+        return x + (1.0 / (self.alpha + 1e-9)) * mx.square(sin(x * self.alpha))
 
 
 class ELU(nn.Module):
@@ -327,7 +327,7 @@ class HiFT(nn.Module):
         # Cycles per sample of each harmonic, with upstream's fp32 ops in its order (SineGen.forward).
         freq = f0[..., None] * mx.arange(1, h + 1, dtype=mx.float32) / cfg.sampling_rate  # (B, T, H)
         theta = mx.array(2 * math.pi, mx.float32) * sine_phase(freq, spf)  # (B, T, spf, H)
-        sines = cfg.nsf_alpha * mx.sin(theta + phases[:, None, None, :])
+        sines = cfg.nsf_alpha * sin(theta + phases[:, None, None, :])
         voiced = (f0 > cfg.nsf_voiced_threshold).astype(mx.float32)[:, :, None, None]
         noise_amp = voiced * cfg.nsf_sigma + (1 - voiced) * (cfg.nsf_alpha / 3)
         harmonics = sines * voiced + noise_amp * noise.reshape(b, t, spf, h)
@@ -358,9 +358,9 @@ class HiFT(nn.Module):
         # The last slope is F.leaky_relu's default 0.01, not lrelu_slope (architecture §9.12).
         x = self.conv_post(nn.leaky_relu(x, 0.01)).astype(mx.float32)
         bins = n_fft // 2 + 1
-        magnitude = mx.minimum(mx.exp(x[..., :bins]), 100.0)
-        phase = mx.sin(x[..., bins:])  # upstream applies sin here too ("actually, sin is redundancy")
-        wav = istft(magnitude * mx.cos(phase), magnitude * mx.sin(phase), n_fft, hop)
+        magnitude = mx.minimum(exp(x[..., :bins]), 100.0)
+        phase = sin(x[..., bins:])  # upstream applies sin here too ("actually, sin is redundancy")
+        wav = istft(magnitude * cos(phase), magnitude * sin(phase), n_fft, hop)
         return mx.clip(wav, -cfg.audio_limit, cfg.audio_limit)
 
     def __call__(
