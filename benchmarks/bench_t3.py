@@ -1,4 +1,5 @@
-"""T3 speech-token generation speed: ours (MLX) against upstream PyTorch ``T3.inference``, in one run.
+"""T3 speech-token generation speed: ours (MLX) against upstream PyTorch ``T3.inference`` and mlx-audio's
+``T3.inference`` (a benchmark-only peer, benchmarks/peer_mlx_audio.py), in one run.
 
 Full-size English T3 with random weights, CFG on (batch 2), EOS disabled so that every run decodes exactly
 ``--tokens`` tokens, upstream's default sampling knobs. One warm-up run is excluded; the median of
@@ -39,6 +40,12 @@ KNOBS = dict(temperature=0.8, min_p=0.05, top_p=1.0, repetition_penalty=1.2, cfg
 EXAGGERATION = 0.5
 # Both systems run the same full-size English T3 (Llama-520M); its sizes and ids come from our config.
 CFG = T3Config()
+SYSTEMS = ("ours", "upstream", "mlx-audio")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# --dtype names for ours -> (activation/KV dtype, transform applied to our T3 after set_dtype, or None).
+# Quantized variants go here in one line each, e.g. "q8": ("bfloat16", lambda model: quantize_t3(model, bits=8)).
+# Upstream and mlx-audio run the float dtypes only.
+OUR_DTYPES: dict[str, tuple[str, Callable[[T3], T3] | None]] = {name: (name, None) for name in FLOAT_DTYPES}
 
 
 def fixed_inputs() -> tuple[list[int], list[int]]:
@@ -79,10 +86,13 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     from mlx_chatterbox.sampling import SamplingParams
 
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
-    dtype = getattr(mx, dtype_name)
+    float_name, transform = OUR_DTYPES[dtype_name]
+    dtype = getattr(mx, float_name)
     mx.random.seed(0)
     model = T3(CFG)
     model.set_dtype(dtype)  # floating parameters only
+    if transform is not None:
+        model = transform(model)
     mx.eval(model.parameters())
     text, prompt = fixed_inputs()
     voice = Voice(
@@ -109,7 +119,7 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     runs = [once() for _ in range(repeats)]
     weights = [model.tfmr.parameters(), model.speech_head.parameters()]
     weight_bytes = sum(v.nbytes for tree in weights for _, v in tree_flatten(tree))
-    itemsize = model.speech_head.weight.dtype.size
+    itemsize = dtype.size  # the KV cache and embeddings stay in the float dtype when weights are quantized
     bytes_per_step = weight_bytes + 2 * CFG.hidden_size * itemsize + kv_bytes_per_step(tokens, itemsize)
     result = summarize([r[0] for r in runs], [r[1] for r in runs], tokens, bytes_per_step)
     result.update(
@@ -210,17 +220,64 @@ def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: in
     return result
 
 
+# --- mlx-audio (MLX, benchmark-only peer) ---
+
+
+def bench_mlx_audio(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
+    """mlx-audio's ``T3.inference`` on the same inputs and knobs. Like upstream's loop it has no hook between
+    prefill and decode and runs one forward after the last sample, so it is timed the same way: t(N), t(1)."""
+    import peer_mlx_audio as peer
+
+    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+    dtype = getattr(mx, dtype_name)
+    model = peer.build_t3(dtype_name)
+    text, prompt = fixed_inputs()
+    speaker_emb = mx.random.normal((1, 256)).astype(dtype)
+
+    def once(n: int) -> float:
+        mx.random.seed(0)  # it samples from MLX's global generator
+        t0 = time.perf_counter()
+        got = peer.t3_generate(model, text, prompt, speaker_emb, n, KNOBS, EXAGGERATION)
+        elapsed = time.perf_counter() - t0
+        assert got == n, f"expected {n} tokens, got {got}"
+        return elapsed
+
+    once(tokens), once(1)  # warm-up
+    mx.reset_peak_memory()
+    t_one, t_all = [], []
+    for _ in range(repeats):
+        t_one.append(once(1))
+        t_all.append(once(tokens))
+    decode = statistics.median(t_all) - statistics.median(t_one)
+    step = decode / (tokens - 1)
+    first = statistics.median(t_one) - step
+    bytes_per_step = peer.t3_weight_bytes(model) + 2 * CFG.hidden_size * dtype.size
+    bytes_per_step += kv_bytes_per_step(tokens, dtype.size)
+    result = summarize([first], [decode], tokens, bytes_per_step)
+    result.update(
+        peak_mem_bytes=mx.get_peak_memory(),
+        peak_mem_kind="mx.get_peak_memory (weights included)",
+        timing="derived: decode = t(N) - t(1) over N - 1 steps; prefill_ms = t(1) - one step",
+        backend=_backend.STATUS,
+        mlx_audio=peer.peer_version(),
+        eos_disabled="hp.stop_speech_token = -1",
+    )
+    del model
+    mx.clear_cache()
+    return result
+
+
 # --- run description ---
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'system':9} {'dtype':9} {'device':7} {'tokens':>6} {'prefill ms':>10} {'tok/s':>8} "
+    head = f"{'system':10} {'dtype':9} {'device':7} {'tokens':>6} {'prefill ms':>10} {'tok/s':>8} "
     head += f"{'ms/step':>8} {'GB/s':>7} {'peak MiB':>9}"
     print(head, file=sys.stderr)
     for r in rows:
         peak = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.0f}"
         print(
-            f"{r['system']:9} {r['dtype']:9} {r['device']:7} {r['tokens']:>6} {r['prefill_ms']:>10.1f} "
+            f"{r['system']:10} {r['dtype']:9} {r['device']:7} {r['tokens']:>6} {r['prefill_ms']:>10.1f} "
             f"{r['decode_tok_s']:>8.2f} {r['ms_per_step']:>8.2f} {r['gb_s']:>7.2f} {peak:>9}",
             file=sys.stderr,
         )
@@ -228,19 +285,25 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="ours,upstream", help="comma list of: ours, upstream")
+    p.add_argument("--systems", default="ours,upstream", help="comma list of: " + ", ".join(SYSTEMS))
     p.add_argument("--tokens", type=int, default=300, help="speech tokens decoded per run (>= 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; medians are reported")
-    p.add_argument("--dtype", default="float32", help="comma list of: float32, bfloat16, float16")
+    p.add_argument("--dtype", default="float32", help="comma list of: " + ", ".join(OUR_DTYPES))
     p.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: gpu when MLX has one)")
     p.add_argument("--torch-device", choices=("cpu", "cuda"), help="upstream device (default: cuda if any)")
     p.add_argument("--upstream-src", help="folder that holds upstream's 'chatterbox' package folder")
     p.add_argument("--out", help="append the JSON lines to this file")
+    p.add_argument(
+        "--list-dtypes", action="store_true", help="print the --dtype names ours supports and exit"
+    )
     args = p.parse_args(argv)
+    if args.list_dtypes:
+        print(",".join(OUR_DTYPES))
+        return
     systems = args.systems.split(",")
     dtypes = args.dtype.split(",")
-    if not set(systems) <= {"ours", "upstream"} or not set(dtypes) <= {"float32", "bfloat16", "float16"}:
-        p.error("unknown system or dtype")
+    if not set(systems) <= set(SYSTEMS) or not set(dtypes) <= set(OUR_DTYPES):
+        p.error(f"unknown system or dtype; systems: {', '.join(SYSTEMS)}; dtypes: {', '.join(OUR_DTYPES)}")
     if args.tokens < 2 or args.repeats < 1:
         p.error("--tokens must be >= 2 and --repeats >= 1")
     mlx_device = args.device or ("gpu" if mx.is_available(mx.gpu) else "cpu")
@@ -250,9 +313,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for dtype in dtypes:
         for system in systems:
+            if system != "ours" and dtype not in FLOAT_DTYPES:
+                print(f"# {system} {dtype}: skipped (only ours has quantized variants)", file=sys.stderr)
+                continue
             print(f"# {system} {dtype} ...", file=sys.stderr)
             if system == "ours":
                 res = bench_ours(dtype, mlx_device, args.tokens, args.repeats)
+                device = mlx_device
+            elif system == "mlx-audio":
+                res = bench_mlx_audio(dtype, mlx_device, args.tokens, args.repeats)
                 device = mlx_device
             else:
                 res = bench_upstream(dtype, args.torch_device, args.tokens, args.repeats, args.upstream_src)

@@ -17,11 +17,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bare_upstream(src: str | None) -> None:
+def bare_upstream(src: str | None, whole_tts: bool = False) -> None:
     """Make ``chatterbox`` and ``chatterbox.models.s3gen`` bare namespaces: their submodules resolve but their
     ``__init__.py`` never runs. T3 then needs only torch, transformers, tqdm and einops; the S3Gen networks
     need diffusers, conformer, omegaconf and scipy. ``src`` is a folder holding ``chatterbox/``, for
-    machines where chatterbox-tts cannot be installed; None finds the installed package."""
+    machines where chatterbox-tts cannot be installed; None finds the installed package.
+
+    whole_tts: only ``chatterbox`` is bare, so that ``chatterbox.tts`` (the whole TTS: librosa, perth,
+    s3tokenizer, torchaudio) imports without the package ``__init__``, which also imports the multilingual and
+    voice-conversion models and reads the installed version (absent from a copied folder)."""
     if "chatterbox" in sys.modules:
         return
     if src is not None:
@@ -32,7 +36,10 @@ def bare_upstream(src: str | None) -> None:
         if spec is None or not spec.submodule_search_locations:
             raise SystemExit("chatterbox not found: install chatterbox-tts or pass --upstream-src")
         root = Path(list(spec.submodule_search_locations)[0])
-    for name, folder in (("chatterbox", root), ("chatterbox.models.s3gen", root / "models" / "s3gen")):
+    bare = [("chatterbox", root)] + (
+        [] if whole_tts else [("chatterbox.models.s3gen", root / "models" / "s3gen")]
+    )
+    for name, folder in bare:
         package = types.ModuleType(name)
         package.__path__ = [str(folder)]
         sys.modules[name] = package
