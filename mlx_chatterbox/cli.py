@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -17,6 +18,7 @@ import soundfile as sf
 from . import _backend
 from .api import TTS, VOICE_SUFFIX
 from .convert import DEFAULT_REPO, DTYPES, convert
+from .quantize import BITS, GROUP_SIZES
 from .sampling import SamplingParams
 
 PROG = "mlx-chatterbox"
@@ -48,7 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dst", type=Path, help="MLX model folder to create")
     p.add_argument(
-        "--dtype", choices=list(DTYPES), default="float32", help="weight precision (default: float32)"
+        "--dtype",
+        choices=list(DTYPES),
+        help="T3 weight precision (default: float32; bfloat16 with --quantize, for the scales)",
+    )
+    p.add_argument(
+        "--quantize",
+        type=int,
+        choices=BITS,
+        metavar="BITS",
+        help="quantize T3's backbone linear layers to 4 or 8 bits: a smaller model, faster where memory bounds "
+        "decoding (Apple GPUs); slower on a CPU, whose quantized matmul is slower than float32",
+    )
+    p.add_argument(
+        "--q-group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        help="inputs per quantization scale and bias: 32, 64 or 128 (default: 64)",
     )
     p.add_argument("--revision", help="Hub branch, tag or commit (repo ids only)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -184,11 +202,21 @@ def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     start = time.perf_counter()
-    dst = convert(args.src, args.dst, dtype=args.dtype, revision=args.revision, overwrite=args.overwrite)
-    print(
-        f"converted {args.src} -> {dst} ({args.dtype}) in {time.perf_counter() - start:.1f} s",
-        file=sys.stderr,
+    if args.quantize is None and args.q_group_size is not None:
+        raise ValueError("--q-group-size applies to quantized conversions; add --quantize 4 or 8")
+    dst = convert(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        q_group_size=args.q_group_size or 64,
+        revision=args.revision,
+        overwrite=args.overwrite,
     )
+    precision = json.loads((dst / "config.json").read_text())["t3_precision"]
+    q = precision["quantization"]
+    what = precision["dtype"] + ("" if q is None else f", {q['bits']}-bit groups of {q['group_size']}")
+    print(f"converted {args.src} -> {dst} ({what}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
 def _text(args: argparse.Namespace) -> str:

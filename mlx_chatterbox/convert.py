@@ -1,8 +1,10 @@
 """Upstream Chatterbox checkpoint (a folder or a Hugging Face repo) -> an MLX model folder.
 
 Output folder:
-  config.json        format, format version, dtype, source, the network configs (``ModelConfig``)
-  t3.safetensors     T3 weights under our names (``T3.checkpoint_table``), in the chosen dtype
+  config.json        format, format version, dtype, T3's precision record, source, the network configs
+                     (``ModelConfig``)
+  t3.safetensors     T3 weights under our names (``T3.checkpoint_table``), in the chosen dtype; with
+                     ``quantize``, the backbone's linear layers as quantized weights, scales and biases
   flow.safetensors, cfm.safetensors, hift.safetensors
                      S3Gen (tokens -> mel -> wav) from ``s3gen.safetensors``, float32
   s3tokenizer.safetensors, campplus.safetensors
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .generation.voice import Voice
 from .models.campplus import CAMPPlus
@@ -37,6 +40,7 @@ from .models.hift import HiFT
 from .models.s3tokenizer import S3Tokenizer
 from .models.t3 import T3
 from .models.voice_encoder import VoiceEncoder
+from .quantize import quantization_record, quantize_t3
 from .text import EnTokenizer
 from .torchfile import TorchFileError, load_torch_file
 from .variants import ENGLISH, ModelConfig
@@ -73,11 +77,28 @@ class ConversionError(ValueError):
     """A checkpoint that cannot be converted; the message names the file and the problem."""
 
 
+def t3_precision(dtype: str | None, quantize: int | None, q_group_size: int) -> dict:
+    """The ``t3_precision`` record of ``config.json`` for ``convert``'s arguments, checked: ``dtype`` (by
+    default float32, or bfloat16 for quantized scales) and the quantization (``quantize.quantization_record``).
+    """
+    if dtype is None:
+        dtype = "float32" if quantize is None else "bfloat16"
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    try:
+        quantization = None if quantize is None else quantization_record(quantize, q_group_size)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    return {"dtype": dtype, "quantization": quantization}
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    dtype: str = "float32",
+    dtype: str | None = None,
+    quantize: int | None = None,
+    q_group_size: int = 64,
     revision: str | None = None,
     overwrite: bool = False,
     config: ModelConfig = ENGLISH,
@@ -86,12 +107,15 @@ def convert(
 
     src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``).
     dst: the folder to create; it must not exist (or be empty) unless ``overwrite``.
-    dtype: T3's weight precision: float32 (upstream's), bfloat16 or float16. The S3Gen networks stay float32.
+    dtype: T3's weight precision: float32 (upstream's), bfloat16 or float16; None means float32, or bfloat16
+        when quantizing (the dtype of the scales and of the layers left unquantized). S3Gen stays float32.
+    quantize: 4 or 8 to quantize T3's backbone linear layers to that many bits (``quantize.quantize_t3``),
+        in groups of ``q_group_size`` (32, 64 or 128) inputs; None keeps every weight in ``dtype``.
     revision: a Hub branch, tag or commit (repo ids only).
     config: the network sizes (the English Chatterbox model unless a test says otherwise).
     """
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    precision = t3_precision(dtype, quantize, q_group_size)
+    dtype = precision["dtype"]
     dst = Path(dst).expanduser()
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())) and not overwrite:
         raise ConversionError(
@@ -107,6 +131,15 @@ def convert(
         weights = _read_safetensors(src_dir / T3_FILE)
         t3 = sanitize(weights, T3.checkpoint_table(cfg), T3_FILE)
         t3 = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in t3.items()}
+        if quantize is not None:
+            model = T3(cfg)
+            model.load_weights(list(t3.items()), strict=True)
+            try:
+                quantize_t3(model, quantize, q_group_size)
+            except ValueError as e:  # a group size that does not divide a layer's inputs
+                raise ConversionError(f"{T3_FILE}: {e}") from None
+            t3 = dict(tree_flatten(model.parameters()))
+            del model
         mx.save_safetensors(str(tmp / "t3.safetensors"), t3, metadata={"format": FORMAT})
         del weights, t3
         files = {"t3": "t3.safetensors"}
@@ -137,6 +170,7 @@ def convert(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "dtype": dtype,
+            "t3_precision": precision,
             "source": source,
             "files": files,
             "networks": config.to_dict(),
@@ -231,34 +265,54 @@ def prepare(
     revision: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     config: ModelConfig | None = None,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    q_group_size: int = 64,
 ) -> Path:
     """A converted folder for ``source``: ``source`` itself when it is one; otherwise the upstream checkpoint
     (a folder or a Hugging Face repo id) converted once into the cache and reused while it is current.
 
     The cache is ``cache_dir``, else $MLX_CHATTERBOX_CACHE, else ~/.cache/mlx-chatterbox; one folder per repo
-    revision, or per local folder and the sizes and times of its files. ``config``: the network sizes to convert
-    with (the English model by default).
+    revision, or per local folder and the sizes and times of its files, and per T3 precision. ``config``: the
+    network sizes to convert with (the English model by default); ``dtype``, ``quantize``, ``q_group_size``: T3's
+    precision, as for ``convert``.
     """
     path = Path(source).expanduser()
     if (path / "config.json").is_file():
-        if revision is not None or config is not None or cache_dir is not None:
+        upstream_only = (revision, config, cache_dir, dtype, quantize)
+        if any(a is not None for a in upstream_only) or q_group_size != 64:
             raise ConversionError(
-                f"{path} is already converted: revision, cache_dir and config apply to upstream checkpoints only"
+                f"{path} is already converted: revision, cache_dir, config, dtype and quantization apply to "
+                "upstream checkpoints only (convert again for another precision)"
             )
         return path
+    precision = t3_precision(dtype, quantize, q_group_size)
     src_dir, described = _resolve_source(source, revision)
     if "repo" in described:
         key = f"{described['repo']}@{described['revision']}"
     else:
         stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(src_dir.iterdir())]
         key = f"{described['path']}#{hashlib.sha256(' '.join(stats).encode()).hexdigest()[:16]}"
+    if precision != {"dtype": "float32", "quantization": None}:  # the default keeps its cache folder name
+        key += f"@{precision['dtype']}" + ("" if quantize is None else f"-q{quantize}g{q_group_size}")
     cache = Path(cache_dir or os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "mlx-chatterbox")
     dst = cache.expanduser() / re.sub(r"[^\w.-]+", "--", key).strip("-")
     manifest = dst / "config.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION:
-        return dst
+    if manifest.is_file():
+        cached = json.loads(manifest.read_text())
+        current = cached.get("format_version") == FORMAT_VERSION
+        if current and cached.get("t3_precision", {"dtype": "float32", "quantization": None}) == precision:
+            return dst
     logger.info("converting %s into %s (once)", source, dst)
-    return convert(src_dir, dst, overwrite=True, config=config or ENGLISH)
+    return convert(
+        src_dir,
+        dst,
+        dtype=precision["dtype"],
+        quantize=quantize,
+        q_group_size=q_group_size,
+        overwrite=True,
+        config=config or ENGLISH,
+    )
 
 
 def convert_s3gen(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, dict[str, mx.array]]:

@@ -9,11 +9,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .convert import FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
+from .convert import DTYPES, FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
 from .generation.vocode import S3Gen
 from .generation.voice import Voice
 from .models.t3 import T3
 from .models.voice_encoder import VoiceEncoder
+from .quantize import quantize_t3, read_quantization_record
 from .text import EnTokenizer
 from .variants import ModelConfig
 
@@ -36,11 +37,16 @@ class ModelFolder:
         return _load_network(self.path, self.config["files"], self.networks, name)
 
 
-def _load_network(folder: Path, files: dict, networks: ModelConfig, name: str) -> nn.Module:
+def _load_network(
+    folder: Path, files: dict, networks: ModelConfig, name: str, quantization: tuple[int, int] | None = None
+) -> nn.Module:
     path = folder / files[name]
     if not path.is_file():
         raise FileNotFoundError(f"{path.name} not found in {folder}; convert the checkpoint again")
     model = NETWORKS[name](getattr(networks, name))
+    if quantization is not None:
+        # The quantized layers' parameters (weight, scales, biases) must exist before the strict load.
+        quantize_t3(model, *quantization)
     model.load_weights(str(path), strict=True)
     mx.eval(model.parameters())
     return model
@@ -69,6 +75,7 @@ def load_folder(path: str | Path) -> ModelFolder:
         )
     files = config["files"]
     networks = ModelConfig.from_dict(config["networks"])
+    quantization = t3_quantization(config, config_path)
 
     def load(name: str) -> nn.Module:
         return _load_network(path, files, networks, name)
@@ -77,8 +84,26 @@ def load_folder(path: str | Path) -> ModelFolder:
         path,
         config,
         networks,
-        t3=load("t3"),
+        t3=_load_network(path, files, networks, "t3", quantization),
         s3gen=S3Gen(load("flow"), load("cfm"), load("hift")),
         tokenizer=EnTokenizer.from_file(path / files["tokenizer"]),
         voice=Voice.load(path / files["voice"]) if "voice" in files else None,
     )
+
+
+def t3_quantization(config: dict, config_path: Path) -> tuple[int, int] | None:
+    """(bits, group size) of a quantized T3 from ``config.json``'s ``t3_precision`` record, else None. Folders
+    written before the record existed hold an unquantized T3."""
+    if "t3_precision" not in config:
+        return None
+    precision = config["t3_precision"]
+    if (
+        not isinstance(precision, dict)
+        or set(precision) != {"dtype", "quantization"}
+        or precision["dtype"] not in DTYPES
+    ):
+        raise ValueError(
+            f"{config_path}: t3_precision must be {{'dtype': one of {', '.join(DTYPES)}, 'quantization': ...}}, "
+            f"found {precision!r}; convert the checkpoint again"
+        )
+    return read_quantization_record(precision["quantization"], str(config_path))

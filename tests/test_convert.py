@@ -37,6 +37,7 @@ def test_converts_and_loads(tmp_path):
         config["format"] == "mlx-chatterbox"
         and config["format_version"] == 4
         and config["dtype"] == "float32"
+        and config["t3_precision"] == {"dtype": "float32", "quantization": None}
     )
     assert config["source"]["path"] == str(src.resolve()) and config["networks"]["t3"]["hidden_size"] == 64
     folder = load_folder(dst)
@@ -89,6 +90,7 @@ def test_lower_precision(tmp_path, dtype, mx_dtype):
     )
     folder = load_folder(dst)
     assert folder.config["dtype"] == dtype and folder.t3.speech_head.weight.dtype == mx_dtype
+    assert folder.config["t3_precision"] == {"dtype": dtype, "quantization": None}
 
 
 def corrupt(tmp_path, change, filename="t3_cfg.safetensors"):
