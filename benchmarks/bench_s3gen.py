@@ -37,11 +37,11 @@ from mlx_chatterbox.variants import ENGLISH
 
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
-# Ours, timed under each setting: (layers.FAST_CPU_MATH, Estimator.compile_blocks).
+# Ours, timed under each setting: (layers.FAST_CPU_MATH, the CFM estimator's dtype).
 VARIANTS = {
-    "default": (True, False),
-    "compiled-blocks": (True, True),  # each CFM transformer block as one mx.compile'd function
-    "mlx-math": (False, False),  # MLX's own exp/erf/tanh/attention on the CPU (the fast ones are CPU-only)
+    "default": (True, "float32"),
+    "mlx-math": (False, "float32"),  # MLX's own exp/erf/tanh/attention on the CPU (ours are CPU-only)
+    "bf16-cfm": (True, "bfloat16"),  # TTS.load(cfm_dtype="bfloat16"): the estimator in bf16
 }
 
 
@@ -141,7 +141,9 @@ def medians(runs: list[dict]) -> dict:
 
 
 def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, variant: str = "default") -> dict:
-    layers.FAST_CPU_MATH, s3gen.estimator.compile_blocks = VARIANTS[variant]
+    layers.FAST_CPU_MATH, cfm_dtype = VARIANTS[variant]
+    float32_weights = s3gen.estimator.parameters()
+    s3gen.estimator.set_dtype(getattr(mx, cfm_dtype))
     voice = Voice(
         speaker_emb=mx.zeros((1, 256)),  # T3 parts: unused by S3Gen
         t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
@@ -188,7 +190,8 @@ def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, variant: st
         peak_mem_kind="mx.get_peak_memory over the whole call, weights included",
         backend=_backend.STATUS,
     )
-    layers.FAST_CPU_MATH, s3gen.estimator.compile_blocks = VARIANTS["default"]
+    layers.FAST_CPU_MATH, _ = VARIANTS["default"]
+    s3gen.estimator.update(float32_weights)
     return result
 
 

@@ -30,6 +30,7 @@ import mlx.core as mx
 from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
 from mlx_chatterbox.models.t3 import T3, T3Config
+from mlx_chatterbox.quantize import quantize_t3, t3_weight_bytes
 
 TEXT_LEN = 40  # text ids between SOT and EOT
 PROMPT_LEN = 150  # T3 conditioning prompt tokens, as a built-in voice
@@ -43,9 +44,10 @@ CFG = T3Config()
 SYSTEMS = ("ours", "upstream", "mlx-audio")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # --dtype names for ours -> (activation/KV dtype, transform applied to our T3 after set_dtype, or None).
-# Quantized variants go here in one line each, e.g. "q8": ("bfloat16", lambda model: quantize_t3(model, bits=8)).
 # Upstream and mlx-audio run the float dtypes only.
 OUR_DTYPES: dict[str, tuple[str, Callable[[T3], T3] | None]] = {name: (name, None) for name in FLOAT_DTYPES}
+# 8- and 4-bit backbone linears with bf16 scales, as `convert --quantize 8|4` writes them.
+OUR_DTYPES.update({f"q{b}": ("bfloat16", lambda model, b=b: quantize_t3(model, b)) for b in (8, 4)})
 
 
 def fixed_inputs() -> tuple[list[int], list[int]]:
@@ -79,8 +81,6 @@ def summarize(first_s: list[float], decode_s: list[float], tokens: int, bytes_pe
 
 
 def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
-    from mlx.utils import tree_flatten
-
     from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
     from mlx_chatterbox.generation.voice import Voice
     from mlx_chatterbox.sampling import SamplingParams
@@ -117,8 +117,7 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     once()  # warm-up
     mx.reset_peak_memory()
     runs = [once() for _ in range(repeats)]
-    weights = [model.tfmr.parameters(), model.speech_head.parameters()]
-    weight_bytes = sum(v.nbytes for tree in weights for _, v in tree_flatten(tree))
+    weight_bytes = t3_weight_bytes(model)
     itemsize = dtype.size  # the KV cache and embeddings stay in the float dtype when weights are quantized
     bytes_per_step = weight_bytes + 2 * CFG.hidden_size * itemsize + kv_bytes_per_step(tokens, itemsize)
     result = summarize([r[0] for r in runs], [r[1] for r in runs], tokens, bytes_per_step)

@@ -190,19 +190,16 @@ def test_no_guidance_is_the_conditional_flow(estimator):
         solve(estimator, mu, mask, spks, cond, z, n_timesteps=0)
 
 
-@pytest.mark.parametrize("lengths", [[7], [7, 4]])
-def test_compiled_blocks_give_the_eager_numbers(estimator, lengths):
-    x, mask, mu, spks, cond = batch(lengths, seed=3)
-    mask = None if len(lengths) == 1 else mask
-    t = mx.array([0.4] * len(lengths))
-    eager = estimator(x, mask, mu, t, spks, cond)
-    estimator.compile_blocks = True
-    try:
-        compiled = estimator(x, mask, mu, t, spks, cond)
-        # A new length retraces once; the blocks share one compiled function per shape.
-        x2, _, mu2, _, cond2 = batch([5] * len(lengths), seed=4)
-        again = estimator(x2, None, mu2, t, spks, cond2)
-    finally:
-        estimator.compile_blocks = False
-    assert close(compiled, eager, 1e-6)
-    assert close(again, estimator(x2, None, mu2, t, spks, cond2), 1e-6)
+def test_a_bf16_estimator_runs_in_bf16_and_the_sample_stays_float32(estimator):
+    from mlx.utils import tree_flatten
+
+    z, mask, mu, spks, cond = batch([7, 4], seed=3)
+    exact = solve(estimator, mu, mask, spks, cond, z, n_timesteps=2)
+    low = Estimator(estimator.config)
+    low.update(estimator.parameters())
+    low.set_dtype(mx.bfloat16)
+    assert low.dtype == mx.bfloat16 and all(v.dtype == mx.bfloat16 for _, v in tree_flatten(low.parameters()))
+    out = solve(low, mu, mask, spks, cond, z, n_timesteps=2)
+    assert out.dtype == mx.float32
+    # bf16 rounding shows, but the result stays near (the budget on the full-size model: test_cfm_parity).
+    assert close(out, exact, 0.1) and not close(out, exact, 1e-5)

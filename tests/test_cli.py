@@ -181,6 +181,19 @@ def test_say_reads_text_from_a_file(model, tmp_path):
     assert main(["say", "--file", str(tmp_path / "latin1.txt"), *args, "-o", str(tmp_path / "c.wav")]) == 1
 
 
+def test_say_with_a_bf16_estimator(model, tmp_path):
+    import soundfile as sf
+
+    args = ["Hello there.", "--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--seed", "2"]
+    args += ["--max-new-tokens", "4", "--cfm-steps", "2"]
+    assert main(["say", *args, "-o", str(tmp_path / "a.wav")]) == 0
+    assert main(["say", *args, "--cfm-dtype", "bfloat16", "-o", str(tmp_path / "b.wav")]) == 0
+    exact, low = sf.read(tmp_path / "a.wav")[0], sf.read(tmp_path / "b.wav")[0]
+    assert exact.shape == low.shape and not np.array_equal(exact, low)
+    with pytest.raises(SystemExit):
+        main(["say", *args, "--cfm-dtype", "float16", "-o", str(tmp_path / "c.wav")])
+
+
 def test_bench_prints_a_table(model, capsys, tmp_path, monkeypatch):
     # The tiny test model has no built-in voice; give it one.
     random_voice(seed=5).save(model / "voice.safetensors")

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import layers
 from .layers import Conv1d, attention, gelu, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
@@ -167,37 +166,9 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=1e-5)
         self.ff = FeedForward(dim)
 
-    def __call__(self, x: mx.array, bias: mx.array | None, compiled: bool = False) -> mx.array:
-        """x: (B, T, dim); bias: additive key bias (B, 1, 1, T) or None. ``compiled`` runs the block as one
-        ``mx.compile``d function of (weights, x), traced once per shape and shared by every block of the same
-        size (each block passes its own weights), so its elementwise chains fuse."""
-        if compiled:
-            attn = self.attn1
-            run = _compiled_block(
-                x.shape[-1],
-                attn.num_heads,
-                attn.head_dim,
-                bias is not None,
-                mx.default_device(),
-                layers.FAST_CPU_MATH,
-            )
-            return run(self.parameters(), x, *(() if bias is None else (bias,)))
+    def __call__(self, x: mx.array, bias: mx.array | None) -> mx.array:
         x = self.attn1(self.norm1(x), bias) + x
         return self.ff(self.norm3(x)) + x
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_block(
-    dim: int, num_heads: int, head_dim: int, with_bias: bool, device: mx.Device, fast_cpu_math: bool
-):
-    # The device and the math switch are part of the key: the elementwise functions pick their path when traced.
-    template = BasicTransformerBlock(dim, num_heads, head_dim)
-
-    def run(params: dict, x: mx.array, *bias: mx.array) -> mx.array:
-        template.update(params)  # traced arrays in, so the compiled graph reads the caller's weights
-        return template(x, bias[0] if with_bias else None)
-
-    return mx.compile(run)
 
 
 class Estimator(nn.Module):
@@ -207,8 +178,6 @@ class Estimator(nn.Module):
     def __init__(self, cfg: CFMConfig):
         super().__init__()
         self.config = cfg
-        # Run each transformer block as a compiled function (see BasicTransformerBlock); off by default.
-        self.compile_blocks = False
         c, temb = cfg.channels, cfg.time_embed_dim
 
         def transformers() -> list[BasicTransformerBlock]:
@@ -225,6 +194,11 @@ class Estimator(nn.Module):
         self.up_blocks = [[CausalResnetBlock1D(2 * c, c, temb), transformers(), CausalConv1d(c, c, 3)]]
         self.final_block = CausalBlock1D(c, c)
         self.final_proj = Conv1d(c, cfg.out_channels, 1)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The weights' float type, which ``solve`` runs the estimator in (float32 unless set lower)."""
+        return self.final_proj.weight.dtype
 
     def __call__(
         self, x: mx.array, mask: mx.array | None, mu: mx.array, t: mx.array, spks: mx.array, cond: mx.array
@@ -253,7 +227,7 @@ class Estimator(nn.Module):
         def stage(h: mx.array, resnet: CausalResnetBlock1D, blocks: list[BasicTransformerBlock]) -> mx.array:
             h = resnet(h, m, t_emb)
             for block in blocks:
-                h = block(h, bias, self.compile_blocks)
+                h = block(h, bias)
             return h
 
         resnet, blocks, down = self.down_blocks[0]
@@ -383,11 +357,14 @@ def solve(
         mu = mx.concatenate([mu, mx.zeros_like(mu)], axis=0)
         spks = mx.concatenate([spks, mx.zeros_like(spks)], axis=0)
         cond = mx.concatenate([cond, mx.zeros_like(cond)], axis=0)
+    # A lower-precision estimator gets its inputs in its dtype; the sample x and the Euler sums stay float32.
+    low = estimator.dtype
+    mu, spks, cond = mu.astype(low), spks.astype(low), cond.astype(low)
     x = noise
     for k in range(n_timesteps):
         t, r = t_span[k], t_span[k + 1]
-        x_in = mx.concatenate([x, x], axis=0) if guided else x
-        v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond)
+        x_in = (mx.concatenate([x, x], axis=0) if guided else x).astype(low)
+        v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond).astype(x.dtype)
         if guided:
             v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
         x = x + (r - t) * v
