@@ -305,13 +305,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows, log = [], []
 
+    out.parent.mkdir(parents=True, exist_ok=True)
+
     def job(label: str, cmd: list[str], upstream: bool = False) -> None:
-        rows.extend(run(label, cmd, upstream, args.job_timeout, log))
+        new = run(label, cmd, upstream, args.job_timeout, log)
+        rows.extend(new)
+        with open(out, "a") as f:  # as each job ends, so that a run cut short keeps what it measured
+            f.writelines(json.dumps(r) + "\n" for r in new)
 
     if "t3" not in skip:
         n = ["--tokens", str(preset["t3_tokens"]), "--repeats", str(preset["t3_repeats"])]
         ours = preset["t3_ours"] or our_dtypes()
-        job("t3 ours", ["bench_t3.py", "--systems", "ours", "--dtype", ours, *n, *dev])
+        for dtype in ours.split(","):  # one process each: a slow or failing precision costs only itself
+            job(f"t3 ours {dtype}", ["bench_t3.py", "--systems", "ours", "--dtype", dtype, *n, *dev])
         job(
             "t3 upstream",
             ["bench_t3.py", "--systems", "upstream", "--dtype", preset["t3_upstream"], *n, *dev, *src],
@@ -332,10 +338,6 @@ def main(argv: list[str] | None = None) -> None:
         job("e2e checkpoint", ["bench_e2e.py", "--write-checkpoint", "--systems", "", *ckpt, *src], True)
         job("e2e upstream", ["bench_e2e.py", "--systems", "upstream", *n, *ckpt, *dev, *src], True)
         job("e2e ours", ["bench_e2e.py", "--systems", "ours", *n, *ckpt, *dev])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
     info = next((r for r in rows if "commit" in r), None) or machine_info()
     print(f"\n## done in {time.perf_counter() - t0:.0f} s; JSON lines in {out}", file=sys.stderr)
     print(f"### mlx-chatterbox vs upstream vs mlx-audio ({args.preset} preset)\n")
