@@ -44,6 +44,35 @@ def test_stops_at_eos_and_yields_it(tiny_t3, voice):
     assert len(out) == 6 and out[0] == EOS
 
 
+def test_new_weights_are_not_hidden_by_a_compiled_step(tiny_t3, voice):
+    """A compiled decode step holds the weights it was traced with: changing the model's weights must drop it."""
+    from mlx.utils import tree_flatten
+
+    from mlx_chatterbox.models.t3 import T3
+
+    model = tiny_t3
+    baseline = run(model, voice, temperature=0, max_new_tokens=8, stop_on_eos=False)
+    assert model.compiled_steps
+    # Every layer's MLP output negated: the same shapes, other tokens.
+    model.update(
+        {
+            "tfmr": {
+                "layers": [
+                    {"mlp": {"down_proj": {"weight": -l.mlp.down_proj.weight}}} for l in model.tfmr.layers
+                ]
+            }
+        }
+    )
+    assert not model.compiled_steps
+    fresh = T3(model.config)
+    fresh.load_weights(tree_flatten(model.parameters()), strict=True)
+    changed = run(model, voice, temperature=0, max_new_tokens=8, stop_on_eos=False)
+    assert changed == run(fresh, voice, temperature=0, max_new_tokens=8, stop_on_eos=False)
+    assert changed[1:] != baseline[1:]
+    model.set_dtype(mx.float32)  # goes through update too
+    assert not model.compiled_steps
+
+
 def test_same_seed_same_tokens_different_seed_different_tokens(tiny_t3, voice):
     a = run(
         tiny_t3, voice, max_new_tokens=20, stop_on_eos=False, key=mx.random.key(3), temperature=1.5, min_p=0.0

@@ -271,6 +271,17 @@ class T3(nn.Module):
         # __setattr__, which would store a dict as a child module and list it among the parameters.
         object.__setattr__(self, "compiled_steps", {})
 
+    # A compiled step holds the weights it was traced with; every way of changing them on this model (load_weights,
+    # set_dtype, nn.quantize, update) goes through these two, which drop the compiled steps first. (Changing a
+    # submodule's weights directly needs ``compiled_steps.clear()``.)
+    def update(self, parameters: dict, strict: bool = True) -> T3:
+        self.compiled_steps.clear()
+        return super().update(parameters, strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> T3:
+        self.compiled_steps.clear()
+        return super().update_modules(modules, strict)
+
     # --- embeddings (architecture §3.3) ---
 
     def embed_cond(self, cond: T3Cond) -> mx.array:
