@@ -77,6 +77,23 @@ def summarize(first_s: list[float], decode_s: list[float], tokens: int, bytes_pe
     )
 
 
+def whole_run_timing(
+    once: Callable[[int], float], tokens: int, repeats: int, reset_peak: Callable[[], object]
+) -> tuple[float, float]:
+    """(prefill + first sample, decode of tokens - 1 steps) in seconds, for loops timed only as whole runs
+    (upstream's and mlx-audio's ``T3.inference``): after a warm-up, medians of ``once(tokens)`` and ``once(1)``.
+    inference(n) = cond + prefill + n x (sample + forward), the loop running a forward after the last sample too,
+    so (n - 1) steps = t(n) - t(1), and prefill + first sample = t(1) - one step."""
+    once(tokens), once(1)  # warm-up
+    reset_peak()
+    t_one, t_all = [], []
+    for _ in range(repeats):
+        t_one.append(once(1))
+        t_all.append(once(tokens))
+    decode = statistics.median(t_all) - statistics.median(t_one)
+    return statistics.median(t_one) - decode / (tokens - 1), decode
+
+
 # --- ours (MLX) ---
 
 
@@ -188,18 +205,9 @@ def bench_upstream(dtype_name: str, device: str | None, tokens: int, repeats: in
         assert out.shape[-1] == n, f"expected {n} tokens, got {out.shape[-1]}"
         return time.perf_counter() - t0
 
-    once(tokens), once(1)  # warm-up
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
-    t_one, t_all = [], []
-    for _ in range(repeats):
-        t_one.append(once(1))
-        t_all.append(once(tokens))
-    # inference(n) = cond + prefill + n x (sample + forward): its loop also runs the forward after the last
-    # sample. So (n - 1) steps = t(n) - t(1), and prefill + first sample = t(1) - one step.
-    decode = statistics.median(t_all) - statistics.median(t_one)
-    step = decode / (tokens - 1)
-    first = statistics.median(t_one) - step
+    first, decode = whole_run_timing(
+        once, tokens, repeats, lambda: cuda and torch.cuda.reset_peak_memory_stats(dev)
+    )
     layers = list(t3.tfmr.layers) + [t3.tfmr.norm, t3.speech_head]
     weight_bytes = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     itemsize = t3.speech_head.weight.element_size()
@@ -241,15 +249,7 @@ def bench_mlx_audio(dtype_name: str, device: str, tokens: int, repeats: int) -> 
         assert got == n, f"expected {n} tokens, got {got}"
         return elapsed
 
-    once(tokens), once(1)  # warm-up
-    mx.reset_peak_memory()
-    t_one, t_all = [], []
-    for _ in range(repeats):
-        t_one.append(once(1))
-        t_all.append(once(tokens))
-    decode = statistics.median(t_all) - statistics.median(t_one)
-    step = decode / (tokens - 1)
-    first = statistics.median(t_one) - step
+    first, decode = whole_run_timing(once, tokens, repeats, mx.reset_peak_memory)
     bytes_per_step = peer.t3_weight_bytes(model) + 2 * CFG.hidden_size * dtype.size
     bytes_per_step += kv_bytes_per_step(tokens, dtype.size)
     result = summarize([first], [decode], tokens, bytes_per_step)
