@@ -93,7 +93,8 @@ class TTS:
                 q_group_size=q_group_size,
             )
         )
-        folder.s3gen.estimator.set_dtype(CFM_DTYPES[cfm_dtype])
+        if cfm_dtype != "float32":
+            folder.s3gen.estimator.set_dtype(CFM_DTYPES[cfm_dtype])
         torch_s3gen = None
         if s3gen == "torch":
             from .hybrid import TorchS3Gen  # imports torch: only in hybrid mode
