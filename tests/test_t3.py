@@ -28,10 +28,9 @@ def test_cached_decode_equals_full_recompute(tiny_t3, voice):
         logits, cache = model.prefill(embeds, cache_step=embeds.shape[1] + 3)
         cached = [logits]
         for i, tok in enumerate(feed):
-            cache.reserve(cache.offset + 1)
-            position = (mx.array(i + 1), mx.array(cache.offset))
-            logits, cache.kv = decode(mx.array([tok, tok]), *position, cache.kv)
-            cache.offset += 1
+            logits, cache.kv = decode(
+                mx.array([tok, tok]), mx.array(i + 1), mx.array(cache.claim()), cache.kv
+            )
             cached.append(logits)
         assert cache.offset == embeds.shape[1] + len(feed) and cache.capacity == 2 * cache.step
         for i, logits in enumerate(cached):

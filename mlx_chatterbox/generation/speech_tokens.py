@@ -94,11 +94,9 @@ def generate_speech_tokens(
     for i in range(n):
         next_token = None
         if i + 1 < n:
-            cache.reserve(cache.offset + 1)
             # Generated token i is fed back at speech position i + 1.
-            position = mx.array([i + 1, cache.offset], dtype=mx.int32)
+            position = mx.array([i + 1, cache.claim()], dtype=mx.int32)
             next_token, seen, cache.kv = step(token, position, seen, draws[i + 1], cache.kv)
-            cache.offset += 1
             mx.async_eval(next_token)
         t = token.item()
         yield t

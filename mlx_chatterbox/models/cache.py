@@ -28,6 +28,12 @@ class KVCache:
     def capacity(self) -> int:
         return self.kv[0].shape[2]
 
+    def claim(self) -> int:
+        """The position the next decode step writes: room is made for it and ``offset`` moves past it."""
+        self.reserve(self.offset + 1)
+        self.offset += 1
+        return self.offset - 1
+
     def reserve(self, end: int) -> None:
         """Make room for positions up to ``end`` (exclusive), growing every buffer by whole steps."""
         if end > self.capacity:

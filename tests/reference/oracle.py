@@ -166,9 +166,9 @@ def compare_teacher_forced(
     logits, cache = model.prefill(prefill_embeds(model, ours_cond, text, 0.5))
     ours = [logits]
     for i, tok in enumerate(feed):
-        cache.reserve(cache.offset + 1)
-        logits, cache.kv = model.decode(mx.array([tok, tok]), mx.array(i + 1), mx.array(cache.offset), cache.kv)
-        cache.offset += 1
+        logits, cache.kv = model.decode(
+            mx.array([tok, tok]), mx.array(i + 1), mx.array(cache.claim()), cache.kv
+        )
         ours.append(logits)
     return [rel_err(o, r) for o, r in zip(ours, ref)]
 
