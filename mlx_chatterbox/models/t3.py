@@ -95,20 +95,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self._rope_periods = rope_periods
 
+    def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return mx.fast.rope(
+            x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._rope_periods
+        )
+
     def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(B, N, D) -> q, k, v as (B, H, N, hd), q and k rotated for positions offset .. offset + N - 1."""
         b, n, _ = x.shape
         qkv = self.qkv_proj(x).reshape(b, n, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
-        # q and k rotated in one call (one kernel per layer and step instead of two).
-        qk = mx.fast.rope(
-            qkv[:2],
-            self.head_dim,
-            traditional=False,
-            base=None,
-            scale=1.0,
-            offset=offset,
-            freqs=self._rope_periods,
-        )
+        qk = self._rope(qkv[:2], offset)  # q and k in one call: one kernel per layer instead of two
         return qk[0], qk[1], qkv[2]
 
     def _out(self, out: mx.array) -> mx.array:
@@ -132,12 +128,16 @@ class Attention(nn.Module):
         """One token (B, 1, D) at sequence ``position`` (an int32 scalar array) against fixed-size key and
         value buffers (B, H, capacity, hd); returns the output and the buffers with this token written in.
         Nothing here depends on the position's value, so a compiled step is traced once per capacity."""
-        q, k, v = self._qkv(x, position)
-        keys = mx.slice_update(keys, k, position[None], axes=(2,))
-        values = mx.slice_update(values, v, position[None], axes=(2,))
+        b, h, hd = x.shape[0], self.num_heads, self.head_dim
+        # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes (fewer
+        # primitives per step, which is what a decode step's time goes to; ADR 9).
+        qkv = self.qkv_proj(x).reshape(b, 3, h, 1, hd)
+        qk = self._rope(qkv[:, :2], position)
+        keys = mx.slice_update(keys, qk[:, 1], position[None], axes=(2,))
+        values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
         visible = mx.arange(keys.shape[2]) <= position  # the buffer's tail beyond this token is unwritten
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.head_dim**-0.5, mask=visible)
-        return self._out(out), keys, values
+        out = mx.fast.scaled_dot_product_attention(qk[:, 0], keys, values, scale=hd**-0.5, mask=visible)
+        return self.o_proj(out.reshape(b, 1, h * hd)), keys, values
 
 
 class MLP(nn.Module):
