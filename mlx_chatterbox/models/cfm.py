@@ -343,9 +343,8 @@ def solve(
     mu, cond: (B, T, 80); mask: (B, T) bool or 0/1, or None when every frame is valid; spks: (B, 80); noise: (B, T, 80) the initial sample
     (upstream draws ``randn_like(mu)``: N(0, 1) over every frame, the prompt's included).
     Returns (B, T, 80). The result is not re-masked, as upstream. Each step is queued with ``mx.async_eval``:
-    building step k + 1 overlaps running step k (20% faster on an H200 than one graph of all steps). Then the
-    host waits for step k - 1, so that at most two steps are in flight: a GPU keeps a queued step's buffers
-    until it has run it, and a host that ran ahead by every step would hold all their buffers at once.
+    building step k + 1 overlaps running step k (20% faster on an H200 than one graph of all steps), with no
+    host synchronisation.
     """
     if n_timesteps < 1:
         raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
@@ -361,14 +360,13 @@ def solve(
     # A lower-precision estimator gets its inputs in its dtype; the sample x and the Euler sums stay float32.
     low = estimator.dtype
     mu, spks, cond = mu.astype(low), spks.astype(low), cond.astype(low)
-    x = previous = noise
+    x = noise
     for k in range(n_timesteps):
         t, r = t_span[k], t_span[k + 1]
         x_in = (mx.concatenate([x, x], axis=0) if guided else x).astype(low)
         v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond).astype(x.dtype)
         if guided:
             v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
-        previous, x = x, x + (r - t) * v
+        x = x + (r - t) * v
         mx.async_eval(x)
-        mx.eval(previous)
     return x
