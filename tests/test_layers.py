@@ -109,6 +109,25 @@ def test_attention_matches_mlx_fast_sdpa(masked):
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "full"])
+def test_attention_in_query_chunks_matches_one_piece(monkeypatch, mask_kind):
+    # Head-split views, as the estimator passes them; 17 queries in chunks of 5, 5, 5 and 2.
+    q, k, v = (
+        mx.random.normal((2, 17, 3 * 8), key=mx.random.key(i)).reshape(2, 17, 3, 8).transpose(0, 2, 1, 3)
+        for i in range(3)
+    )
+    mask = {
+        "none": None,
+        "keys": mx.where(mx.arange(17) >= 12, -1.0e10, 0.0).reshape(1, 1, 1, 17),
+        "full": mx.random.normal((2, 3, 17, 17), key=mx.random.key(7)),
+    }[mask_kind]
+    whole = _on_cpu(layers.attention, q, k, v, 8**-0.5, mask)
+    monkeypatch.setattr(layers, "_ONE_PIECE_SCORES", 0)
+    monkeypatch.setattr(layers, "_CHUNK_SCORES", 5 * 2 * 3 * 17)
+    chunked = _on_cpu(layers.attention, q, k, v, 8**-0.5, mask)
+    np.testing.assert_allclose(chunked, whole, atol=1e-6, rtol=1e-6)
+
+
 def test_softmax_rows_sum_to_one_and_match_mlx():
     x = 10 * mx.random.normal((4, 33), key=mx.random.key(7))
     got = _on_cpu(layers.softmax, x)

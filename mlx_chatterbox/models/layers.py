@@ -232,13 +232,28 @@ def softmax(x: mx.array) -> mx.array:
     return _softmax_cpu(x) if _fast_path(x) else mx.softmax(x, axis=-1)
 
 
+# CPU attention: scores computed in one piece up to this many, else in query chunks of _CHUNK_SCORES.
+_ONE_PIECE_SCORES = 2**19
+_CHUNK_SCORES = 2**18
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` (q, k, v: (B, H, T, D); mask: an additive bias that broadcasts
     to (B, H, T_q, T_k), or None). On the CPU in float32 the scores go through ``softmax`` above: MLX's CPU
     attention spends most of its time in a scalar exp."""
     if not _fast_path(q):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    scores = (q * scale) @ k.swapaxes(-1, -2)
-    if mask is not None:
-        scores = scores + mask
-    return softmax(scores) @ v
+    b, h, t_q, _ = q.shape
+    per_row = b * h * k.shape[-2]
+    # Scores beyond a few MB leave the cache, and every pass of the softmax then goes to memory: in query
+    # chunks of 2^18 scores, attention over 1000 frames ran 2.3x faster on 2 EPYC cores (160 frames: one piece).
+    rows = t_q if per_row * t_q <= _ONE_PIECE_SCORES else max(1, _CHUNK_SCORES // per_row)
+    # Contiguous once: a head-split view would be copied again for every chunk's product.
+    q, k_t, v = q * scale, mx.contiguous(k).swapaxes(-1, -2), mx.contiguous(v)
+    out = []
+    for start in range(0, t_q, rows):
+        scores = q[:, :, start : start + rows] @ k_t
+        if mask is not None:
+            scores = scores + (mask if mask.shape[-2] == 1 else mask[..., start : start + rows, :])
+        out.append(softmax(scores) @ v)
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
