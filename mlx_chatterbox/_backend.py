@@ -8,6 +8,11 @@
    ``MLX_ENABLE_TF32=0`` (measured on an H200: 3e-4 relative error per product). Upstream Chatterbox runs true
    fp32 (PyTorch's default), so we set ``MLX_ENABLE_TF32=0`` unless the user has set it. bf16/fp16 models are
    unaffected.
+3. Large arrays from the heap on Linux (glibc). MLX's CPU backend takes each array from ``malloc``, and glibc
+   serves every block over 32 MB with a fresh ``mmap``, whose pages fault in one by one on first touch and go back
+   to the system on free. At 10 s of audio many S3Gen arrays are that large (attention scores, im2col columns):
+   serving them from the heap made HiFT 1.6x and a CFM step 1.2x faster on 2 EPYC cores. The cost: up to 1 GiB of
+   freed memory stays in the process for reuse. ``MLX_CHATTERBOX_MALLOC``: ``auto`` (default) or ``off``.
 
 What was done is logged and kept in ``STATUS``.
 """
@@ -22,6 +27,10 @@ import sys
 
 BLAS_VAR = "MLX_CHATTERBOX_BLAS"
 TF32_VAR = "MLX_ENABLE_TF32"
+MALLOC_VAR = "MLX_CHATTERBOX_MALLOC"
+# glibc mallopt parameters (malloc.h) and the freed heap memory kept before trimming.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_KEEP_FREED = 1 << 30
 STATUS: dict[str, str] = {}
 # True once a BLAS library was loaded process-wide. It also serves every other library in the process: PyTorch's
 # CPU kernels ran ~20x slower beside it here (benchmarks/README.md), so keep torch CPU work in another process.
@@ -71,10 +80,29 @@ def _tf32() -> str:
     return f"{TF32_VAR}=0: fp32 matmuls in full fp32, as upstream (set {TF32_VAR}=1 to allow TF32)"
 
 
+def _malloc() -> str:
+    choice = os.environ.get(MALLOC_VAR, "auto").strip() or "auto"
+    if choice not in ("auto", "off"):
+        raise ValueError(f"{MALLOC_VAR}={choice!r}: use 'auto' or 'off'")
+    if sys.platform != "linux":
+        return "the system's malloc (the setting is for glibc)"
+    if choice == "off":
+        return f"glibc's defaults ({MALLOC_VAR}=off)"
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return "the C library's defaults: it has no mallopt (not glibc)"
+    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED)):
+        return "glibc's defaults: mallopt refused the settings"
+    return (
+        f"large arrays from the heap, not one mmap each; up to 1 GiB freed kept for reuse ({MALLOC_VAR}=off "
+        "restores glibc's defaults)"
+    )
+
+
 def configure() -> dict[str, str]:
-    """Apply both settings once; returns (and logs) what was done."""
+    """Apply the settings once; returns (and logs) what was done."""
     if not STATUS:
-        STATUS.update(blas=_blas(), fp32_matmul=_tf32())
+        STATUS.update(blas=_blas(), fp32_matmul=_tf32(), malloc=_malloc())
         for key, value in STATUS.items():
             logger.info("%s: %s", key, value)
     return STATUS
