@@ -3,11 +3,12 @@ mlx-audio), S3Gen (ours, upstream, mlx-audio) and end to end (ours, upstream). E
 subprocess and writes JSON lines; this script collects them into ``--out`` and prints one markdown table, then
 a second one: the memory-bandwidth bound on Apple chips (an estimate, not a measurement).
 
-    python benchmarks/compare.py --preset gpu --out benchmarks/out/compare.jsonl   # H200: about 6 minutes
+    python benchmarks/compare.py --preset gpu --out benchmarks/out/compare.jsonl   # H200: about 8 minutes
     python benchmarks/compare.py --preset cpu                                      # a small CPU: T3 N = 30, ...
 
 Upstream always runs in a process without our OpenBLAS preload (MLX_CHATTERBOX_BLAS=off), which on a CPU would
-slow it down (see RESULTS.md). This script imports neither MLX nor torch.
+slow it down (see RESULTS.md), and with glibc's default allocator (MLX_CHATTERBOX_MALLOC=off). This script
+imports neither MLX nor torch.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def run(label: str, args: list[str], upstream: bool, timeout: int, log: list[dic
     """One benchmark in its own process; its JSON lines (stdout), each tagged with ``bench``. Its stderr passes
     through. A failure is recorded and the run goes on (unattended)."""
     env = dict(os.environ)
-    if upstream:
-        env["MLX_CHATTERBOX_BLAS"] = "off"
+    if upstream:  # upstream as its users run it: none of our process-wide settings (_backend.py)
+        env.update(MLX_CHATTERBOX_BLAS="off", MLX_CHATTERBOX_MALLOC="off")
     cmd = [sys.executable, str(HERE / args[0]), *args[1:]]
     print(f"\n## {label}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
