@@ -7,7 +7,7 @@ Voice preparation (once per voice) and text -> wav (per request) are timed apart
 
     python benchmarks/bench_e2e.py --write-checkpoint          # once; needs torch + upstream chatterbox
     python benchmarks/bench_e2e.py --systems ours --tokens 250 --repeats 3 --out benchmarks/out/e2e.jsonl
-    MLX_CHATTERBOX_BLAS=off python benchmarks/bench_e2e.py --systems upstream ...   # on a CPU: its own process
+    MLX_CHATTERBOX_BLAS=off MLX_CHATTERBOX_MALLOC=off python benchmarks/bench_e2e.py --systems upstream ...  # CPU: own process
 """
 
 from __future__ import annotations

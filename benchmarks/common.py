@@ -46,14 +46,15 @@ def bare_upstream(src: str | None, whole_tts: bool = False) -> None:
 
 
 def refuse_torch_cpu_beside_preload(torch_device: str) -> None:
-    """Upstream on the CPU must not share a process with our OpenBLAS preload: it slows PyTorch's CPU kernels
-    ~20x here (one CFM estimator call: 0.33 s alone, 7.2 s beside it), which would flatter us."""
+    """Upstream on the CPU runs as its users run it: not beside our OpenBLAS preload, which slows PyTorch's CPU
+    kernels ~20x here (one CFM estimator call: 0.33 s alone, 7.2 s beside it) and would flatter us, nor with our
+    allocator setting, which would change its speed too."""
     from mlx_chatterbox import _backend
 
-    if torch_device == "cpu" and _backend.BLAS_PRELOADED:
+    if torch_device == "cpu" and (_backend.BLAS_PRELOADED or _backend.MALLOC_TUNED):
         raise SystemExit(
-            "upstream on the CPU runs slowed down in a process where mlx_chatterbox preloaded OpenBLAS; time it in "
-            "its own process: MLX_CHATTERBOX_BLAS=off python benchmarks/... --systems upstream"
+            "upstream on the CPU must run without mlx_chatterbox's process-wide settings; time it in its own "
+            "process: MLX_CHATTERBOX_BLAS=off MLX_CHATTERBOX_MALLOC=off python benchmarks/... --systems upstream"
         )
 
 

@@ -35,6 +35,7 @@ STATUS: dict[str, str] = {}
 # True once a BLAS library was loaded process-wide. It also serves every other library in the process: PyTorch's
 # CPU kernels ran ~20x slower beside it here (benchmarks/README.md), so keep torch CPU work in another process.
 BLAS_PRELOADED = False
+MALLOC_TUNED = False  # True once glibc was told to serve large arrays from the heap
 
 logger = logging.getLogger("mlx_chatterbox")
 
@@ -93,6 +94,8 @@ def _malloc() -> str:
         return "the C library's defaults: it has no mallopt (not glibc)"
     if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED)):
         return "glibc's defaults: mallopt refused the settings"
+    global MALLOC_TUNED
+    MALLOC_TUNED = True
     return (
         f"large arrays from the heap, not one mmap each; up to 1 GiB freed kept for reuse ({MALLOC_VAR}=off "
         "restores glibc's defaults)"

@@ -17,7 +17,9 @@ def test_malloc_setting_rejects_unknown_values(monkeypatch):
 
 def test_malloc_setting_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(_backend.MALLOC_VAR, "off")
-    want = "glibc's defaults (MLX_CHATTERBOX_MALLOC=off)" if sys.platform == "linux" else "the system's malloc"
+    want = (
+        "glibc's defaults (MLX_CHATTERBOX_MALLOC=off)" if sys.platform == "linux" else "the system's malloc"
+    )
     assert _backend._malloc().startswith(want)
 
 
