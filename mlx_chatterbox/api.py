@@ -17,12 +17,13 @@ import numpy as np
 from .audio.io import load_audio
 from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
+from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
 from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
-from .generation.vocode import SAMPLE_RATE, check_tokens, crossfade_join
+from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams
-from .text import punc_norm, split_text
+from .text import punc_norm
 from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
 
@@ -33,6 +34,22 @@ VOICE_SUFFIX = ".safetensors"
 CFM_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}  # float16 overflowed (ADR 6)
 CROSSFADE = 960  # samples (40 ms) shared by consecutive pieces of a long text
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where a ``generate`` or ``speech_tokens`` call is, as handed to its ``progress`` callback.
+
+    piece, pieces: the piece being spoken (1-based) and how many the text was split into.
+    stage: "tokens" (T3: ``done`` speech tokens so far, of at most ``total``, the piece's budget) or "vocode"
+        (S3Gen: ``done`` 0 when it starts, 1 when the piece's audio is ready; ``total`` 1).
+    """
+
+    piece: int
+    pieces: int
+    stage: str
+    done: int
+    total: int
 
 
 class TTS:
@@ -147,35 +164,50 @@ class TTS:
         params: SamplingParams | None = None,
         *,
         seed: int | None = None,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[Progress], None] | None = None,
         **knobs: float,
     ) -> np.ndarray:
-        """Speech tokens (int32, 25 per second of audio) for ``text``, upstream ``T3.inference`` + post-processing.
+        """Speech tokens (int32, 25 per second of audio) for ``text`` in one T3 pass, upstream ``T3.inference`` +
+        post-processing. Logs a warning when T3 stops at ``max_new_tokens`` without its stop token (the speech
+        may be cut off); ``generate`` splits long text instead.
 
         voice: a Voice, a saved voice file (.safetensors), a recording to clone (any other file), or None for
             the model's built-in voice.
         params: sampling knobs; keyword knobs (``temperature=0.5``, ...) override single fields.
         seed: makes the draws reproducible; None draws a fresh seed.
-        progress: called as progress(tokens_done, max_new_tokens) after every token.
+        progress: called with a ``Progress`` after every token.
         """
-        unknown = sorted(set(knobs) - set(SamplingParams.__dataclass_fields__))
-        if unknown:
-            raise TypeError(
-                f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}"
+        params = _params(params, knobs)
+        tokens, stopped = self._speech_tokens(text, self._voice(voice), params, seed, progress, 1, 1)
+        if not stopped:
+            logger.warning(
+                "T3 stopped at max_new_tokens=%d (%.1f s) without its stop token: the speech may be cut off",
+                params.max_new_tokens,
+                params.max_new_tokens / TOKENS_PER_SECOND,
             )
-        params = dataclasses.replace(params or SamplingParams(), **knobs)
+        return tokens
+
+    def _speech_tokens(
+        self,
+        text: str,
+        voice: Voice,
+        params: SamplingParams,
+        seed: int | None,
+        progress: Callable[[Progress], None] | None,
+        piece: int,
+        pieces: int,
+    ) -> tuple[np.ndarray, bool]:
+        """``speech_tokens`` for piece ``piece`` of ``pieces``, and whether T3 gave its stop token."""
         ids = self.text_ids(text)
-        voice = self._voice(voice)
         key = None if seed is None else _keys(seed)[0]
+        cfg = self.t3.config
         raw = []
         for token in generate_speech_tokens(self.t3, voice, ids, params, key=key):
             raw.append(token)
             if progress is not None:
-                progress(len(raw), params.max_new_tokens)
-        cfg = self.t3.config
-        return np.array(
-            drop_invalid_tokens(raw, cfg.start_speech_token, cfg.stop_speech_token), dtype=np.int32
-        )
+                progress(Progress(piece, pieces, "tokens", len(raw), params.max_new_tokens))
+        tokens = drop_invalid_tokens(raw, cfg.start_speech_token, cfg.stop_speech_token)
+        return np.array(tokens, dtype=np.int32), cfg.stop_speech_token in raw
 
     def vocode(
         self,
@@ -199,6 +231,7 @@ class TTS:
         ids = np.asarray(tokens)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"tokens must be a 1-d sequence of integer ids, got {ids.dtype} {ids.shape}")
+        check_cfm_steps(cfm_steps)
         if self.torch_s3gen is not None:
             check_tokens(mx.array(ids.astype(np.int32)).reshape(1, -1), self.s3gen.flow.config.vocab_size)
             wav = self.torch_s3gen(ids, self._voice(voice), cfm_steps, seed)
@@ -228,29 +261,54 @@ class TTS:
         cfm_steps: int | None = None,
         seed: int | None = None,
         watermark: bool = True,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[Progress], None] | None = None,
         **knobs: float,
     ) -> np.ndarray:
-        """Text -> float32 mono waveform at ``sample_rate`` (24 kHz), watermarked as upstream's (``watermark``):
-        ``speech_tokens`` then ``vocode``, with the same arguments. With a seed, ``generate(text, seed=s)``
-        equals ``vocode(speech_tokens(text, seed=s), seed=s)``.
+        """Text -> float32 mono waveform at ``sample_rate`` (24 kHz), watermarked as upstream's (``watermark``).
 
-        A text longer than T3 takes in one call (2046 text tokens) is split at sentence ends (then clause marks,
-        then words) into pieces that fit; piece i is generated with seed s + i and the pieces are joined with
-        a 40 ms crossfade."""
+        The text is spoken in pieces of at most ~20 s of speech (300 characters, digits counted as 4): whole
+        sentences packed together, a sentence too long for one piece cut at clause marks, then between words.
+        Each piece is ``speech_tokens`` then ``vocode`` with the same arguments, and seed s + i for piece i; its
+        T3 pass stops at ``min(max_new_tokens, token_budget(piece))`` tokens (``generation.pieces``: the piece
+        read at half the usual pace, plus 2 s), with a logged warning if it gets there without the stop token.
+        Pieces are joined with a 40 ms crossfade, and the watermark goes on once, over the whole. So for a short
+        text, ``generate(text, seed=s)`` equals ``vocode(speech_tokens(text, seed=s, max_new_tokens=b), seed=s)``
+        with b its budget.
+
+        progress: called with a ``Progress`` after every speech token and around every piece's vocoding.
+        Every argument is checked before any work."""
+        params = _params(params, knobs)
+        check_cfm_steps(cfm_steps)
+        pieces = split_pieces(text, self._fits)  # tokenizes: an empty text is refused here
         voice = self._voice(voice)
-        if self._fits(text):
-            pieces = [text]
-        else:
-            pieces = split_text(text, self._fits)
-            logger.info("the text is too long for one pass; speaking it in %d pieces", len(pieces))
+        if len(pieces) > 1:
+            logger.info("speaking the text in %d pieces", len(pieces))
         wavs = []
-        for i, piece in enumerate(pieces):
-            piece_seed = None if seed is None else seed + i
-            tokens = self.speech_tokens(piece, voice, params, seed=piece_seed, progress=progress, **knobs)
+        for i, piece in enumerate(pieces, 1):
+            piece_seed = None if seed is None else seed + i - 1
+            budget = min(params.max_new_tokens, token_budget(piece))
+            piece_params = dataclasses.replace(params, max_new_tokens=budget)
+            tokens, stopped = self._speech_tokens(
+                piece, voice, piece_params, piece_seed, progress, i, len(pieces)
+            )
+            if not stopped:
+                fix = "raise max_new_tokens" if budget == params.max_new_tokens else "try another seed"
+                logger.warning(
+                    "piece %d of %d stopped at its budget of %d speech tokens (%.1f s) without the stop token: "
+                    "its end may be cut off (%s)",
+                    i,
+                    len(pieces),
+                    budget,
+                    budget / TOKENS_PER_SECOND,
+                    fix,
+                )
             if tokens.size == 0:
                 raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+            if progress is not None:
+                progress(Progress(i, len(pieces), "vocode", 0, 1))
             wavs.append(self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False))
+            if progress is not None:
+                progress(Progress(i, len(pieces), "vocode", 1, 1))
         wav = crossfade_join(wavs, CROSSFADE)
         return self._mark(wav) if watermark else wav
 
@@ -267,6 +325,16 @@ class TTS:
         if self.builtin_voice is None:
             raise ValueError(f"{self.path} has no built-in voice (no conds.pt was converted); pass a voice")
         return self.builtin_voice
+
+
+def _params(params: SamplingParams | None, knobs: dict[str, float]) -> SamplingParams:
+    """``params`` (default: upstream's) with single knobs overridden, each checked."""
+    unknown = sorted(set(knobs) - set(SamplingParams.__dataclass_fields__))
+    if unknown:
+        raise TypeError(
+            f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}"
+        )
+    return dataclasses.replace(params or SamplingParams(), **knobs)
 
 
 def _keys(seed: int) -> tuple[mx.array, mx.array]:

@@ -132,24 +132,81 @@ def test_generate_is_speech_tokens_then_vocode(tts):
     assert wav.dtype == np.float32 and wav.shape == (960 * len(ids),) and tts.sample_rate == 24000
 
 
-def test_long_text_is_spoken_in_pieces(tmp_path):
-    from mlx_chatterbox.generation.vocode import crossfade_join
-    from mlx_chatterbox.text import split_text
+def test_bad_arguments_are_refused_before_any_work(tts, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("generation ran before the arguments were checked")
 
-    short = dataclasses.replace(TINY_MODEL, t3=dataclasses.replace(TINY_MODEL.t3, max_text_tokens=24))
-    tts = TTS.load(convert(write_upstream_checkpoint(tmp_path / "up", short), tmp_path / "mlx", config=short))
-    text = "Hello there. This is a test, with clauses; and more words here! Short. The end is near."
-    voice, knobs = random_voice(gen_tokens=10), dict(max_new_tokens=3, min_p=0.0, cfm_steps=1)
-    with pytest.raises(ValueError, match="at most 24"):
-        tts.speech_tokens(text, voice)  # one T3 pass cannot take it
-    pieces = split_text(text, tts._fits)
-    assert len(pieces) > 2 and " ".join(pieces).split() == text.split()
-    wav = tts.generate(text, voice, seed=5, watermark=False, **knobs)
-    pieces = [tts.generate(p, voice, seed=5 + i, watermark=False, **knobs) for i, p in enumerate(pieces)]
-    np.testing.assert_array_equal(wav, crossfade_join(pieces, 960))
+    monkeypatch.setattr(tts, "_voice", no_work)  # the first step of the work (a recording would be cloned)
+    for kwargs, message in [
+        (dict(cfm_steps=0), "cfm_steps=0 must be an integer >= 1"),
+        (dict(temperature=-1.0), "temperature=-1.0 is out of range"),
+        (dict(max_new_tokens=0), "max_new_tokens=0 is out of range"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            tts.generate("Hello there.", "me.wav", **kwargs)
+    with pytest.raises(ValueError, match="the text is empty"):
+        tts.generate(" \n", "me.wav")
+    with pytest.raises(TypeError, match="unknown knob 'temprature'"):
+        tts.generate("Hello there.", "me.wav", temprature=0.5)
+
+
+def test_speech_tokens_warn_when_cut_at_max_new_tokens(tts, caplog):
+    # Random weights (almost) never give the stop token: T3 runs to max_new_tokens.
+    ids = tts.speech_tokens("Hello there.", random_voice(), seed=1, max_new_tokens=5, min_p=0.0)
+    assert 0 < len(ids) <= 5
+    assert "T3 stopped at max_new_tokens=5 (0.2 s) without its stop token" in caplog.text
+
+
+def test_long_text_in_pieces_each_within_its_budget(tts, monkeypatch, caplog):
+    from mlx_chatterbox.generation import pieces as pieces_module
+    from mlx_chatterbox.generation.pieces import split_pieces, spoken_length, token_budget
+    from mlx_chatterbox.generation.vocode import crossfade_join
+
+    # Pieces of at most 24 spoken characters instead of 300, so that a short text makes several short pieces.
+    monkeypatch.setattr(pieces_module, "PIECE_LENGTH", 24)
+    text = "Hello there. This is a test, with clauses; and more words here! Short. In 1999 it ended."
+    voice, cap = random_voice(gen_tokens=10), 75
+    knobs = dict(max_new_tokens=cap, min_p=0.0, cfm_steps=1)
+    pieces = split_pieces(text, tts._fits)
+    assert len(pieces) >= 4 and " ".join(pieces).split() == text.split()
+    assert all(spoken_length(p) <= 24 for p in pieces)
+    budgets = [min(cap, token_budget(p)) for p in pieces]
+    assert min(budgets) < cap == max(budgets)  # some pieces are held to their own budget, some to the cap
+
+    seen = []
+    wav = tts.generate(text, voice, seed=5, watermark=False, progress=seen.append, **knobs)
+    for i, budget in enumerate(budgets, 1):
+        stages = [(p.stage, p.done, p.total) for p in seen if p.piece == i]
+        assert {p.pieces for p in seen} == {len(pieces)}
+        # Random weights never stop: T3 runs to the piece's budget, then the piece is vocoded.
+        assert stages == [("tokens", n, budget) for n in range(1, budget + 1)] + [
+            ("vocode", 0, 1),
+            ("vocode", 1, 1),
+        ]
+        assert f"piece {i} of {len(pieces)} stopped at its budget of {budget} speech tokens" in caplog.text
+    assert "(raise max_new_tokens)" in caplog.text and "(try another seed)" in caplog.text
+
+    # Each piece is speech_tokens (with its budget) then vocode, with seed 5 + i; joined with a 40 ms crossfade.
+    alone = []
+    for i, (piece, budget) in enumerate(zip(pieces, budgets)):
+        ids = tts.speech_tokens(piece, voice, seed=5 + i, max_new_tokens=budget, min_p=0.0)
+        alone.append(tts.vocode(ids, voice, seed=5 + i, cfm_steps=1, watermark=False))
+    np.testing.assert_array_equal(wav, crossfade_join(alone, 960))
     # The watermark goes on once, over the joined audio.
     marked = tts.generate(text, voice, seed=5, **knobs)
     np.testing.assert_array_equal(marked, tts.watermarker().apply(wav, 24000))
+
+
+def test_text_too_long_for_one_t3_pass_is_split_too(tmp_path):
+    short = dataclasses.replace(TINY_MODEL, t3=dataclasses.replace(TINY_MODEL.t3, max_text_tokens=24))
+    tts = TTS.load(convert(write_upstream_checkpoint(tmp_path / "up", short), tmp_path / "mlx", config=short))
+    text = "Hello there. This is a test, with clauses; and more words here! Short. The end is near."
+    voice = random_voice(gen_tokens=10)
+    with pytest.raises(ValueError, match="at most 24"):
+        tts.speech_tokens(text, voice)  # one T3 pass cannot take it
+    seen = []
+    tts.generate(text, voice, seed=5, max_new_tokens=2, min_p=0.0, cfm_steps=1, progress=seen.append)
+    assert seen[-1].pieces > 2
 
 
 def test_crossfade_join():

@@ -58,9 +58,8 @@ class S3Gen:
         the voice's prompt mel has an odd length, as upstream). ``cfm_steps`` defaults to the config's 10."""
         check_tokens(tokens, self.flow.config.vocab_size)
         cfm = self.estimator.config
+        check_cfm_steps(cfm_steps)
         cfm_steps = cfm.n_timesteps if cfm_steps is None else cfm_steps
-        if isinstance(cfm_steps, bool) or not isinstance(cfm_steps, int) or cfm_steps < 1:
-            raise ValueError(f"cfm_steps={cfm_steps!r} must be an integer >= 1")
         prompt_tokens, prompt_mel = voice.s3gen_prompt_tokens, voice.s3gen_prompt_mel
         everything = mx.concatenate([prompt_tokens, tokens], axis=1)
         lengths = mx.array([everything.shape[1]], dtype=mx.int32)
@@ -111,6 +110,14 @@ class S3Gen:
         else:
             wav = self.hift(mel, phases=draws.phases, noise=draws.source_noise)
         return fade_in(wav)
+
+
+def check_cfm_steps(cfm_steps: int | None) -> None:
+    """None (the config's count) or an integer >= 1."""
+    if cfm_steps is not None and (
+        isinstance(cfm_steps, bool) or not isinstance(cfm_steps, int) or cfm_steps < 1
+    ):
+        raise ValueError(f"cfm_steps={cfm_steps!r} must be an integer >= 1")
 
 
 def check_tokens(tokens: mx.array, vocab_size: int) -> None:
