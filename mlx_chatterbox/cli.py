@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from . import _backend
-from .api import CFM_DTYPES, TTS, VOICE_SUFFIX
+from . import __version__, _backend
+from .api import CFM_DTYPES, TOKENS_PER_SECOND, TTS, VOICE_SUFFIX, Progress, Voice
 from .convert import DEFAULT_REPO, DTYPES, convert
 from .quantize import BITS, GROUP_SIZES
 from .sampling import SamplingParams
@@ -31,12 +32,31 @@ KNOBS = {  # SamplingParams field -> help
     "repetition_penalty": "penalty on tokens already generated, > 0",
     "cfg_weight": "classifier-free guidance weight, >= 0",
     "exaggeration": "emotion exaggeration, >= 0",
-    "max_new_tokens": "most speech tokens to generate, 25 per second of audio",
+    "max_new_tokens": "most speech tokens per T3 pass (per piece of a long text), 25 per second of audio",
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that names the problem and where help is, not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least_1(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: it must be an integer >= 1")
+    return value
+
+
+_at_least_1.__name__ = "integer"  # argparse says "invalid <__name__> value: 'x'" when int() fails
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Chatterbox text-to-speech on Apple's MLX.")
+    parser = _Parser(prog=PROG, description="Chatterbox text-to-speech on Apple's MLX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -101,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cfm-steps",
-        type=int,
+        type=_at_least_1,
         help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: 10)",
     )
     _cfm_dtype_argument(p)
@@ -126,13 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="time text -> speech on this machine",
         description="Time speech-token generation (T3) and vocoding (S3Gen) of a fixed sentence with the model's "
-        "built-in voice: a warm-up, then --repeats runs; prints tokens/s and the real-time factor. (benchmarks/ "
-        "in the repository compares with upstream.)",
+        "built-in voice (or --voice): a warm-up, then --repeats runs; prints T3's decode steps per second and "
+        "the real-time factor. (benchmarks/ in the repository compares with upstream.)",
     )
     _model_arguments(p)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (default: 3)")
+    p.add_argument("--repeats", type=_at_least_1, default=3, help="timed runs after the warm-up (default: 3)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=250, help="speech tokens per run, at most (default: 250 = 10 s)"
+        "--max-new-tokens",
+        type=_at_least_1,
+        default=250,
+        help="speech tokens per run, at most (default: 250 = 10 s)",
     )
     _cfm_dtype_argument(p)
 
@@ -190,16 +213,64 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{n: getattr(args, n) for n in KNOBS if getattr(args, n) is not None})
 
 
-def _progress(label: str):
-    """A one-line progress display on stderr when it is a terminal; nothing otherwise."""
-    if not sys.stderr.isatty():
+class _ProgressLine:
+    """A progress bar over the pieces of a text on one line of a terminal, with where the current piece is."""
+
+    WIDTH = 24
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __call__(self, p: Progress) -> None:
+        finished = p.piece - 1 + (p.stage == "vocode" and p.done == p.total)
+        filled = round(self.WIDTH * finished / p.pieces)
+        if p.stage == "tokens":
+            where = f"speech tokens {p.done} ({p.done / TOKENS_PER_SECOND:.1f} s)"
+        else:
+            where = "vocoding" if p.done < p.total else "done"
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        # \r and "erase to the end of the line" redraw the line in place.
+        self.stream.write(f"\r[{bar}] piece {p.piece}/{p.pieces}: {where}\x1b[K")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+
+
+@contextlib.contextmanager
+def _progress():
+    """A ``_ProgressLine`` on stderr when it is a terminal (None otherwise), ended with a newline."""
+    line = _ProgressLine(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        yield line
+    finally:
+        if line is not None:
+            line.close()
+
+
+def _check_output(path: Path, suffixes: tuple[str, ...] | None = None) -> None:
+    """Fail now, not after minutes of generation, if ``path`` cannot be written (or has none of ``suffixes``)."""
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{path}: choose an output ending in {', '.join(suffixes)}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"{path}: the folder {folder} does not exist; create it or write elsewhere")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{path}: the folder {folder} is not writable")
+
+
+def _check_voice(path: Path | None) -> None:
+    if path is not None and not path.is_file():
+        raise ValueError(f"--voice {path}: no such file")
+
+
+def _load_voice(tts: TTS, path: Path | None) -> Voice | None:
+    """The voice file, or the clone of a recording, once (not per call); None for the built-in voice."""
+    if path is None:
         return None
-
-    def show(done: int, total: int) -> None:
-        sys.stderr.write(f"\r{label} {done}/{total}")
-        sys.stderr.flush()
-
-    return show
+    return Voice.load(path) if path.suffix.lower() == VOICE_SUFFIX else tts.voice(path)
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
@@ -208,6 +279,8 @@ def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as e:  # name the user's file, not the temporary one
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -234,19 +307,16 @@ def _convert(args: argparse.Namespace) -> None:
 def _text(args: argparse.Namespace) -> str:
     if getattr(args, "file", None) is not None:
         try:
-            return args.file.read_text(encoding="utf-8")
+            text = args.file.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise ValueError(f"{args.file} is not UTF-8 text") from None
-    return sys.stdin.read() if args.text == "-" else args.text
-
-
-def _speech_tokens(tts: TTS, args: argparse.Namespace) -> np.ndarray:
-    text = _text(args)
-    progress = _progress("tokens")
-    tokens = tts.speech_tokens(text, args.voice, _params(args), seed=args.seed, progress=progress)
-    if progress is not None:
-        sys.stderr.write("\n")
-    return tokens
+        except FileNotFoundError:
+            raise ValueError(f"--file {args.file}: no such file") from None
+    else:
+        text = sys.stdin.read() if args.text == "-" else args.text
+    if not text.strip():
+        raise ValueError("the text is empty; give some words to speak")
+    return text
 
 
 def _read_tokens(path: Path) -> np.ndarray:
@@ -254,43 +324,43 @@ def _read_tokens(path: Path) -> np.ndarray:
         return np.array([int(t) for t in path.read_text().split()], dtype=np.int64)
     except ValueError:
         raise ValueError(f"{path} must hold speech token ids separated by spaces") from None
+    except FileNotFoundError:
+        raise ValueError(f"--tokens {path}: no such file") from None
 
 
 def _say(args: argparse.Namespace) -> None:
+    # Every argument is checked before the model loads: generation can take minutes on a CPU.
     if [args.text, args.file, args.tokens].count(None) != 2:
         raise ValueError("give one of: a TEXT to speak, --file FILE, --tokens FILE")
+    _check_output(args.output, tuple(AUDIO_FORMATS))
+    _check_voice(args.voice)
     if args.tokens is not None:
         given = [n for n in KNOBS if getattr(args, n) is not None]
         if given:
             raise ValueError(
                 f"--{given[0].replace('_', '-')} shapes speech tokens; it has no effect with --tokens"
             )
-    suffix = args.output.suffix.lower()
-    if suffix not in AUDIO_FORMATS:
-        raise ValueError(f"{args.output}: choose an output ending in {', '.join(AUDIO_FORMATS)}")
+        tokens = _read_tokens(args.tokens)
+    else:
+        text, params = _text(args), _params(args)
     start = time.perf_counter()
     tts = TTS.load(args.model, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
     loaded = time.perf_counter()
+    voice = _load_voice(tts, args.voice)
+    watermark = not args.no_watermark
     if args.tokens is not None:
-        wav = tts.vocode(
-            _read_tokens(args.tokens),
-            args.voice,
-            cfm_steps=args.cfm_steps,
-            seed=args.seed,
-            watermark=not args.no_watermark,
-        )
+        wav = tts.vocode(tokens, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark)
     else:
-        progress = _progress("tokens")
-        wav = tts.generate(
-            _text(args),
-            args.voice,
-            _params(args),
-            cfm_steps=args.cfm_steps,
-            seed=args.seed,
-            progress=progress,
-        )
-        if progress is not None:
-            sys.stderr.write("\n")
+        with _progress() as progress:
+            wav = tts.generate(
+                text,
+                voice,
+                params,
+                cfm_steps=args.cfm_steps,
+                seed=args.seed,
+                watermark=watermark,
+                progress=progress,
+            )
     done = time.perf_counter()
     audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
     _write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
@@ -304,14 +374,15 @@ def _say(args: argparse.Namespace) -> None:
 
 
 def _voice(args: argparse.Namespace) -> None:
-    if args.output.suffix.lower() != VOICE_SUFFIX:
-        raise ValueError(f"{args.output}: a voice file ends in {VOICE_SUFFIX}")
+    _check_output(args.output, (VOICE_SUFFIX,))
+    if not args.reference.is_file():
+        raise ValueError(f"{args.reference}: no such file")
     start = time.perf_counter()
     tts = TTS.load(args.model)
     loaded = time.perf_counter()
     voice = tts.voice(args.reference)
     done = time.perf_counter()
-    voice.save(args.output)
+    voice.save(args.output)  # atomic too
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, cloning {done - loaded:.2f} s\n" + _backend_lines(),
@@ -325,30 +396,43 @@ BENCH_TEXT = (
 
 
 def _bench(args: argparse.Namespace) -> None:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats} must be at least 1")
+    _check_voice(args.voice)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
+    voice = _load_voice(tts, args.voice)
     rows = []
     for run in range(args.repeats + 1):  # run 0 warms up
+        steps = []  # T3 decode steps, the stop token and dropped ids included: what the time was spent on
         start = time.perf_counter()
-        tokens = tts.speech_tokens(BENCH_TEXT, None, params, seed=run)
+        tokens = tts.speech_tokens(
+            BENCH_TEXT, voice, params, seed=run, progress=lambda p: steps.append(p.done)
+        )
         middle = time.perf_counter()
-        wav = tts.vocode(tokens, seed=run)
+        wav = tts.vocode(tokens, voice, seed=run)
         end = time.perf_counter()
         if run:
-            rows.append((len(tokens), middle - start, end - middle, len(wav) / tts.sample_rate))
-    print(f"{'run':>3} {'tokens':>6} {'T3 s':>7} {'tok/s':>7} {'S3Gen s':>8} {'audio s':>8} {'RTF':>6}")
-    for i, (n, t3, s3, audio) in enumerate(rows, 1):
-        print(f"{i:>3} {n:>6} {t3:>7.2f} {n / t3:>7.1f} {s3:>8.2f} {audio:>8.2f} {(t3 + s3) / audio:>6.3f}")
-    print("\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items()), file=sys.stderr)
+            rows.append((steps[-1], len(tokens), middle - start, end - middle, len(wav) / tts.sample_rate))
+    print(
+        f"{'run':>3} {'steps':>6} {'tokens':>6} {'T3 s':>7} {'steps/s':>7} {'S3Gen s':>8} {'audio s':>8} {'RTF':>6}"
+    )
+    for i, (n, kept, t3, s3, audio) in enumerate(rows, 1):
+        print(
+            f"{i:>3} {n:>6} {kept:>6} {t3:>7.2f} {n / t3:>7.1f} {s3:>8.2f} {audio:>8.2f} {(t3 + s3) / audio:>6.3f}"
+        )
+    print(_backend_lines(), file=sys.stderr)
 
 
 def _tokens(args: argparse.Namespace) -> None:
+    if args.output is not None:
+        _check_output(args.output)
+    _check_voice(args.voice)
+    text, params = _text(args), _params(args)
     start = time.perf_counter()
     tts = TTS.load(args.model)
     loaded = time.perf_counter()
-    tokens = _speech_tokens(tts, args)
+    voice = _load_voice(tts, args.voice)
+    with _progress() as progress:
+        tokens = tts.speech_tokens(text, voice, params, seed=args.seed, progress=progress)
     done = time.perf_counter()
     line = " ".join(map(str, tokens.tolist())) + "\n"
     if args.output is None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import json
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +69,7 @@ def test_text_from_stdin(model, capsys, tmp_path, monkeypatch):
     [
         (["--top-p", "1.5"], "top_p=1.5 is out of range: it must be in (0, 1]"),
         (["--max-new-tokens", "0"], "max_new_tokens=0 is out of range"),
-        (["--voice", "missing.safetensors"], "voice file missing.safetensors not found"),
+        (["--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
         ([], "has no built-in voice"),
     ],
 )
@@ -151,7 +151,6 @@ def test_say_writes_audio_from_text_and_from_tokens(model, capsys, tmp_path):
         ([], "give one of: a TEXT to speak"),
         (["--tokens", "ids.txt", "--temperature", "0.5"], "--temperature shapes speech tokens"),
         (["--tokens", "bad.txt"], "must hold speech token ids separated by spaces"),
-        (["--tokens", "ids.txt", "--cfm-steps", "0"], "cfm_steps=0 must be an integer >= 1"),
         (["Hi.", "-o", "out.mp3"], "choose an output ending in .wav, .flac, .ogg"),
     ],
 )
@@ -184,7 +183,15 @@ def test_say_reads_text_from_a_file(model, tmp_path):
 def test_say_with_a_bf16_estimator(model, tmp_path):
     import soundfile as sf
 
-    args = ["Hello there.", "--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--seed", "2"]
+    args = [
+        "Hello there.",
+        "--model",
+        str(model),
+        "--voice",
+        str(tmp_path / "voice.safetensors"),
+        "--seed",
+        "2",
+    ]
     args += ["--max-new-tokens", "4", "--cfm-steps", "2"]
     assert main(["say", *args, "-o", str(tmp_path / "a.wav")]) == 0
     assert main(["say", *args, "--cfm-dtype", "bfloat16", "-o", str(tmp_path / "b.wav")]) == 0
@@ -194,14 +201,175 @@ def test_say_with_a_bf16_estimator(model, tmp_path):
         main(["say", *args, "--cfm-dtype", "float16", "-o", str(tmp_path / "c.wav")])
 
 
-def test_bench_prints_a_table(model, capsys, tmp_path, monkeypatch):
-    # The tiny test model has no built-in voice; give it one.
-    random_voice(seed=5).save(model / "voice.safetensors")
-    config = json.loads((model / "config.json").read_text())
-    config["files"]["voice"] = "voice.safetensors"
-    (model / "config.json").write_text(json.dumps(config))
-    assert main(["bench", "--model", str(model), "--repeats", "2", "--max-new-tokens", "5"]) == 0
+def test_bench_prints_a_table(model, capsys, tmp_path):
+    voice = ["--voice", str(tmp_path / "voice.safetensors")]  # the tiny model has no built-in voice
+    assert main(["bench", "--model", str(model), *voice, "--repeats", "2", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["run", "tokens", "T3", "s", "tok/s", "S3Gen", "s", "audio", "s", "RTF"]
+    assert out[0].split() == [
+        "run",
+        "steps",
+        "tokens",
+        "T3",
+        "s",
+        "steps/s",
+        "S3Gen",
+        "s",
+        "audio",
+        "s",
+        "RTF",
+    ]
     assert len(out) == 3
-    assert main(["bench", "--model", str(model), "--repeats", "0"]) == 1
+    for row in out[1:]:
+        steps, kept, t3_seconds, rate = row.split()[1:5]
+        # Random weights do not stop: 5 decode steps; ids that are not speech are dropped from the kept tokens.
+        assert int(steps) == 5 and 0 < int(kept) <= 5
+        # steps/s is steps over T3's time (printed to 0.01 s; the rate to 0.1).
+        t3 = float(t3_seconds)
+        assert 5 / (t3 + 0.005) - 0.05 <= float(rate) <= 5 / max(t3 - 0.005, 1e-9) + 0.05
+
+
+def test_bench_uses_the_voice_it_is_given(model, capsys, tmp_path, monkeypatch):
+    from mlx_chatterbox.api import TTS
+
+    used = []
+    speech_tokens = TTS.speech_tokens
+
+    def spy(self, text, voice=None, *args, **kwargs):
+        used.append(voice)
+        return speech_tokens(self, text, voice, *args, **kwargs)
+
+    monkeypatch.setattr(TTS, "speech_tokens", spy)
+    args = ["bench", "--model", str(model), "--repeats", "1", "--max-new-tokens", "3"]
+    assert main([*args, "--voice", str(tmp_path / "voice.safetensors")]) == 0
+    expected = random_voice(seed=5)
+    assert len(used) == 2 and all(np.array_equal(v.xvector, expected.xvector) for v in used)
+    assert main(args) == 1  # without --voice, the built-in voice, which the tiny model lacks
+    assert "has no built-in voice" in capsys.readouterr().err
+
+
+def test_version():
+    from mlx_chatterbox import __version__
+
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_chatterbox", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout == f"mlx-chatterbox {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["say", "Hi.", "-o", "a.wav", "--temperature", "abc"],
+            "argument --temperature: invalid float value: 'abc'",
+        ),
+        (["say", "Hi.", "-o", "a.wav", "--cfm-steps", "0"], "argument --cfm-steps: 0 is out of range"),
+        (
+            ["say", "Hi.", "-o", "a.wav", "--cfm-steps", "two"],
+            "argument --cfm-steps: invalid integer value: 'two'",
+        ),
+        (["bench", "--repeats", "0"], "argument --repeats: 0 is out of range: it must be an integer >= 1"),
+        (["say", "Hi."], "the following arguments are required: -o/--output"),
+        (["speak", "Hi."], "argument COMMAND: invalid choice: 'speak'"),
+    ],
+)
+def test_usage_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1
+    assert err.rstrip().endswith("--help)")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["say", "Hi.", "-o", "missing/out.wav"], "missing/out.wav: the folder missing does not exist"),
+        (["say", "Hi.", "-o", "."], "choose an output ending in .wav"),
+        (["say", "Hi.", "-o", "folder.wav"], "folder.wav is a folder"),
+        (["say", "--file", "missing.txt", "-o", "out.wav"], "--file missing.txt: no such file"),
+        (["say", " \n", "-o", "out.wav"], "the text is empty"),
+        (["say", "Hi.", "--voice", "missing.wav", "-o", "out.wav"], "--voice missing.wav: no such file"),
+        (["say", "Hi.", "--top-p", "0", "-o", "out.wav"], "top_p=0.0 is out of range"),
+        (["say", "--tokens", "missing.txt", "-o", "out.wav"], "--tokens missing.txt: no such file"),
+        (["voice", "ref.wav", "-o", "missing/v.safetensors"], "the folder missing does not exist"),
+        (["voice", "missing.wav", "-o", "v.safetensors"], "missing.wav: no such file"),
+        (["voice", "ref.wav", "-o", "v.npz"], "choose an output ending in .safetensors"),
+        (["tokens", "Hi.", "-o", "missing/t.txt"], "the folder missing does not exist"),
+        (["tokens", "", "-o", "t.txt"], "the text is empty"),
+        (["bench", "--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
+    ],
+)
+def test_bad_arguments_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, argv, message):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli.TTS, "load", load)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ref.wav").write_bytes(b"")
+    (tmp_path / "folder.wav").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path):
+    def fail(tmp):
+        tmp.write_text("partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'out.txt'}: No space left on device"):
+        cli._write_atomic(tmp_path / "out.txt", fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_say_no_watermark_leaves_the_watermark_out(model, tmp_path):
+    import soundfile as sf
+
+    from mlx_chatterbox.generation.watermark import Watermarker
+
+    args = ["say", "Hello there.", "--model", str(model), "--voice", str(tmp_path / "voice.safetensors")]
+    args += ["--seed", "4", "--max-new-tokens", "40", "--cfm-steps", "1", "--min-p", "0"]
+    assert main([*args, "-o", str(tmp_path / "marked.wav")]) == 0
+    assert main([*args, "--no-watermark", "-o", str(tmp_path / "plain.wav")]) == 0
+    marked, _ = sf.read(tmp_path / "marked.wav", dtype="float32")
+    plain, _ = sf.read(tmp_path / "plain.wav", dtype="float32")
+    assert marked.shape == plain.shape and not np.array_equal(marked, plain)
+    detector = Watermarker.load()
+    assert detector.is_watermarked(marked, 24000) and not detector.is_watermarked(plain, 24000)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypatch):
+    from mlx_chatterbox.generation import pieces
+
+    monkeypatch.setattr(pieces, "PIECE_LENGTH", 20)  # two pieces from two short sentences
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    args = [
+        "say",
+        "Hello there. How are you?",
+        "--model",
+        str(model),
+        "--voice",
+        str(tmp_path / "voice.safetensors"),
+    ]
+    assert main([*args, "--max-new-tokens", "3", "--cfm-steps", "1", "-o", str(tmp_path / "a.wav")]) == 0
+    screens = [line.split("\x1b[K")[0] for line in terminal.getvalue().split("\r") if line]
+    assert screens[0] == f"[{'-' * 24}] piece 1/2: speech tokens 1 (0.0 s)"
+    assert f"[{'-' * 24}] piece 1/2: speech tokens 3 (0.1 s)" in screens
+    assert f"[{'-' * 24}] piece 1/2: vocoding" in screens
+    assert f"[{'#' * 12}{'-' * 12}] piece 2/2: speech tokens 2 (0.1 s)" in screens
+    assert screens[-1] == f"[{'#' * 24}] piece 2/2: done"
+    assert terminal.getvalue().endswith("\n")
+    # Not a terminal (a pipe, a log file): no progress line.
+    quiet = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    assert main([*args, "--max-new-tokens", "3", "--cfm-steps", "1", "-o", str(tmp_path / "b.wav")]) == 0
+    assert "piece" not in quiet.getvalue()

@@ -89,7 +89,7 @@ def test_cli_voice_then_say(tts, tmp_path, capsys):
     )
     assert "no such file" in capsys.readouterr().err
     assert main(["voice", str(ref), "--model", model, "-o", str(tmp_path / "x.wav")]) == 1
-    assert "a voice file ends in .safetensors" in capsys.readouterr().err
+    assert "choose an output ending in .safetensors" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.wav").exists()
 
 

@@ -21,7 +21,7 @@ ALLOWED = {
     "convert": {"models", "generation", "text", "torchfile", "variants", "quantize"},
     "weights": {"models", "generation", "text", "convert", "variants", "quantize"},
     "api": {"models", "audio", "generation", "text", "sampling", "weights", "convert", "variants", "hybrid"},
-    "cli": {"api", "convert", "sampling", "_backend", "quantize"},
+    "cli": {"api", "convert", "sampling", "_backend", "quantize", "__version__"},
     "hybrid": {"generation"},
     "__init__": {"_backend", "api", "convert", "sampling"},
     "__main__": {"cli"},

@@ -393,3 +393,22 @@ def test_cross_detection(ours, perth, clips, marked, name):
         assert float(round(ours.detect(wav, sr))) == expected, f"{name} {label}: our confidence {got:.6f}"
         assert abs(got - want) < CONFIDENCE_ATOL, f"{name} {label}: confidence {got:.6f} vs perth {want:.6f}"
     assert ours.is_watermarked(perth_marked, sr) and not ours.is_watermarked(x, sr)
+
+
+def test_say_marks_its_output_unless_told_not_to(perth, tmp_path):
+    """``say TEXT`` writes audio that perth's own detector finds marked; with ``--no-watermark`` it finds it
+    unmarked (the flag once reached only ``say --tokens``)."""
+    from mlx_chatterbox.cli import main
+    from mlx_chatterbox.convert import convert
+    from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+
+    model = convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", config=TINY_MODEL)
+    random_voice(seed=5).save(tmp_path / "voice.safetensors")
+    args = ["say", "Hello there.", "--model", str(model), "--voice", str(tmp_path / "voice.safetensors")]
+    args += ["--seed", "4", "--max-new-tokens", "40", "--cfm-steps", "1", "--min-p", "0"]
+    assert main([*args, "-o", str(tmp_path / "marked.wav")]) == 0
+    assert main([*args, "--no-watermark", "-o", str(tmp_path / "plain.wav")]) == 0
+    marked, sr = sf.read(tmp_path / "marked.wav", dtype="float32")
+    plain, _ = sf.read(tmp_path / "plain.wav", dtype="float32")
+    assert perth.get_watermark(marked, sr) == 1.0
+    assert perth.get_watermark(plain, sr) == 0.0
