@@ -325,22 +325,6 @@ def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_say_no_watermark_leaves_the_watermark_out(model, tmp_path):
-    import soundfile as sf
-
-    from mlx_chatterbox.generation.watermark import Watermarker
-
-    args = ["say", "Hello there.", "--model", str(model), "--voice", str(tmp_path / "voice.safetensors")]
-    args += ["--seed", "4", "--max-new-tokens", "40", "--cfm-steps", "1", "--min-p", "0"]
-    assert main([*args, "-o", str(tmp_path / "marked.wav")]) == 0
-    assert main([*args, "--no-watermark", "-o", str(tmp_path / "plain.wav")]) == 0
-    marked, _ = sf.read(tmp_path / "marked.wav", dtype="float32")
-    plain, _ = sf.read(tmp_path / "plain.wav", dtype="float32")
-    assert marked.shape == plain.shape and not np.array_equal(marked, plain)
-    detector = Watermarker.load()
-    assert detector.is_watermarked(marked, 24000) and not detector.is_watermarked(plain, 24000)
-
-
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -397,7 +397,7 @@ def test_cross_detection(ours, perth, clips, marked, name):
 
 def test_say_marks_its_output_unless_told_not_to(perth, tmp_path):
     """``say TEXT`` writes audio that perth's own detector finds marked; with ``--no-watermark`` it finds it
-    unmarked (the flag once reached only ``say --tokens``)."""
+    unmarked (the flag once reached only ``say --tokens``, and text was marked either way)."""
     from mlx_chatterbox.cli import main
     from mlx_chatterbox.convert import convert
     from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
