@@ -237,6 +237,11 @@ class _ProgressLine:
         self.stream.write("\n")
 
 
+def _log_format(stream) -> str:
+    """On a terminal a log line first erases the progress line it interrupts (which is redrawn below it)."""
+    return ("\r\x1b[K" if stream.isatty() else "") + "%(name)s: %(message)s"
+
+
 @contextlib.contextmanager
 def _progress():
     """A ``_ProgressLine`` on stderr when it is a terminal (None otherwise), ended with a newline."""
@@ -454,7 +459,7 @@ def _backend_lines() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+        level=logging.INFO if args.verbose else logging.WARNING, format=_log_format(sys.stderr)
     )
     try:
         commands = {"convert": _convert, "say": _say, "voice": _voice, "bench": _bench, "tokens": _tokens}

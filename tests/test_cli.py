@@ -352,6 +352,8 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     assert f"[{'#' * 12}{'-' * 12}] piece 2/2: speech tokens 2 (0.1 s)" in screens
     assert screens[-1] == f"[{'#' * 24}] piece 2/2: done"
     assert terminal.getvalue().endswith("\n")
+    # A warning in the middle (a piece cut at its budget) first erases the progress line it interrupts.
+    assert cli._log_format(terminal).startswith("\r\x1b[K") and cli._log_format(io.StringIO())[0] == "%"
     # Not a terminal (a pipe, a log file): no progress line.
     quiet = io.StringIO()
     monkeypatch.setattr(sys, "stderr", quiet)
