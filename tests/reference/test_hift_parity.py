@@ -31,9 +31,10 @@ F0_TOL = 1e-5
 SOURCE_TOL = 1e-5
 WAV_TOL = 1e-4
 # From the mel alone, f0 carries fp32 rounding (~1e-7 relative) that the sine phase integrates into
-# 2π·δ·cycles: a few 1e-4 rad after ~500 cycles of the 9th harmonic in 11 frames. Each stage alone is held to
-# the tighter bounds above.
-CHAINED_WAV_TOL = 1e-3
+# 2π·δ·cycles: a few 1e-4 rad after ~500 cycles of the 9th harmonic in 11 frames. The rounding moves with the host's
+# BLAS: at full size 1.1-3.7e-4 over 7 OpenBLAS/ATen settings (see test_s3gen_parity), so the bound keeps a margin
+# of 5. Each stage alone is held to the tighter bounds above.
+CHAINED_WAV_TOL = 2e-3
 
 
 def upstream_hift(cfg: HiFTConfig, seed: int) -> HiFTGenerator:

@@ -4,6 +4,19 @@ Upstream's own ``S3Token2Wav`` (all five networks) is built with random weights,
 whole state dict goes through our conversion of ``s3gen.safetensors`` (``convert_s3gen``), so the key tables are
 checked against the real module layout too. Both sides get the same draws: upstream's ``torch.randn_like`` (CFM
 noise, SineGen noise) and SineGen's ``Uniform`` phases are patched to return ours.
+
+What is asserted, and why the bounds on waveforms are loose: our mel is within ~2e-6 of upstream's, but that
+difference moves with the host (BLAS kernels and thread counts sum products in other orders), and HiFT's sine source
+integrates f0 over every sample (phase error 2π·δf0·cycles; the 9th harmonic of a few hundred Hz runs thousands of
+cycles a second). That turns the mel's difference into up to ~2.5e-3 of waveform, and even fp32 rounding in f0 from
+one and the same mel into up to ~7e-4; upstream's own HiFT moves by up to 2.1e-3 when it gets our mel instead of its
+own ("upstream on our mel"). A bound of 1e-3 on the waveform failed on a 2-core host with Intel-style kernels.
+So: the mel is held to ``MEL_TOL``; our vocoder to ``WAV_TOL`` against upstream's on the *same* mel, upstream's and
+ours alike (test_hift_parity holds each of its stages to 1e-5..1e-4 with the intermediate values injected); and the
+waveform from tokens, which is then within ``WAV_TOL`` plus upstream's own move, to ``CHAINED_WAV_TOL``, which still
+catches gross errors (a wrong fade, harmonic or sign: O(0.1-1)). Measured over 10 BLAS settings (OpenBLAS kernels
+and threads, ATen paths; README, "What is verified"), here and in test_e2e_parity: vocoder at most 7.4e-4, waveform
+at most 2.5e-3, both a quarter of their bound.
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ import torch
 from chatterbox.models.s3gen import hifigan
 
 from mlx_chatterbox.convert import convert_s3gen
-from mlx_chatterbox.generation.vocode import Draws, S3Gen
+from mlx_chatterbox.generation.vocode import Draws, S3Gen, fade_in
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.campplus import CAMPPlus
 from mlx_chatterbox.models.cfm import Estimator
@@ -28,13 +41,13 @@ from mlx_chatterbox.variants import ENGLISH
 
 from . import oracle
 from .oracle import rel_l2
+from .test_hift_parity import injected_source_draws
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
 MEL_TOL = 1e-4  # relative L2 over the generated mel
-WAV_TOL = (
-    1e-3  # relative L2 over the waveform (the SineGen phase integrates f0's rounding, see test_hift_parity)
-)
+WAV_TOL = 3e-3  # relative L2 of our HiFT + fade-in's waveform against upstream's on the same mel
+CHAINED_WAV_TOL = 1e-2  # relative L2 of the waveform from tokens (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +152,41 @@ def upstream_wav(
     return mels[0].numpy().transpose(0, 2, 1), wav.numpy()
 
 
+def ours_vocoder(s3gen: S3Gen, mel: np.ndarray, draws: Draws) -> np.ndarray:
+    """Our HiFT + fade-in (the end of ``S3Gen.__call__``) on a given (1, T, 80) mel."""
+    wav = s3gen.hift(mx.array(mel), phases=draws.phases, noise=draws.source_noise)
+    return np.array(fade_in(wav))
+
+
+@torch.inference_mode()
+def upstream_vocoder(s3gen, mel: np.ndarray, draws: Draws) -> np.ndarray:
+    """Upstream's HiFT + trim_fade (the end of ``S3Token2Wav.inference``) on a given (1, T, 80) mel."""
+    with injected_source_draws(np.array(draws.phases), np.array(draws.source_noise)):
+        wav, _ = s3gen.hift_inference(torch.from_numpy(mel).transpose(1, 2))
+    wav[:, : len(s3gen.trim_fade)] *= s3gen.trim_fade
+    return wav.numpy()
+
+
+def vocoder_errors(
+    ours: S3Gen,
+    upstream,
+    wav: np.ndarray,
+    mel: np.ndarray,
+    ref_wav: np.ndarray,
+    ref_mel: np.ndarray,
+    draws: Draws,
+) -> dict[str, float]:
+    """Our vocoder against upstream's on the same mel: upstream's mel ``ref_mel`` (whose waveform is ``ref_wav``)
+    and ours ``mel`` (whose waveform, from our vocoder, is ``wav``); and how far upstream's own waveform moves
+    when its vocoder gets our mel instead of its own (printed, not asserted: module docstring)."""
+    upstream_on_ours = upstream_vocoder(upstream, mel, draws)
+    return {
+        "vocoder": rel_l2(ours_vocoder(ours, ref_mel, draws), ref_wav),
+        "vocoder on our mel": rel_l2(wav, upstream_on_ours),
+        "upstream on our mel": rel_l2(upstream_on_ours, ref_wav),
+    }
+
+
 @pytest.mark.parametrize(
     "prompt_tokens, prompt_frames, tokens, steps",
     # An odd prompt mel gives 2N - 1 frames; a voice may have no S3Gen prompt at all.
@@ -155,8 +203,11 @@ def test_tokens_to_waveform_matches_upstream(models, prompt_tokens, prompt_frame
     wav = np.array(ours(speech, voice, cfm_steps=steps, draws=draws))
     assert mel.shape == ref_mel.shape == (1, new_frames, 80)
     assert wav.shape == ref_wav.shape == (1, 480 * new_frames)
-    mel_err, wav_err = rel_l2(mel, ref_mel), rel_l2(wav, ref_wav)
-    assert mel_err < MEL_TOL, f"mel rel. L2 {mel_err:.2e}"
-    assert wav_err < WAV_TOL, f"waveform rel. L2 {wav_err:.2e} (mel {mel_err:.2e})"
+    errors = {"mel": rel_l2(mel, ref_mel), "waveform": rel_l2(wav, ref_wav)}
+    errors.update(vocoder_errors(ours, upstream, wav, mel, ref_wav, ref_mel, draws))
+    numbers = ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+    print(f"S3Gen {prompt_tokens}+{tokens} tokens, {steps} steps, rel. L2: {numbers}")
+    assert errors["mel"] < MEL_TOL, numbers
+    assert errors["vocoder"] < WAV_TOL and errors["vocoder on our mel"] < WAV_TOL, numbers
+    assert errors["waveform"] < CHAINED_WAV_TOL, numbers
     np.testing.assert_array_equal(wav[0, :480], 0.0)  # upstream's fade-in mutes the first 20 ms
-    print(f"S3Gen {prompt_tokens}+{tokens} tokens, {steps} steps: mel {mel_err:.2e}, wav {wav_err:.2e}")
