@@ -18,7 +18,7 @@ from .audio.io import load_audio
 from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
 from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
-from .generation.speech_tokens import drop_invalid_tokens, generate_speech_tokens
+from .generation.speech_tokens import check_params, drop_invalid_tokens, generate_speech_tokens
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .generation.watermark import Watermarker
@@ -278,6 +278,9 @@ class TTS:
         progress: called with a ``Progress`` after every speech token and around every piece's vocoding.
         Every argument is checked before any work."""
         params = _params(params, knobs)
+        check_params(
+            self.t3, params
+        )  # a cap above the model's limit is an error, even where budgets are lower
         check_cfm_steps(cfm_steps)
         pieces = split_pieces(text, self._fits)  # tokenizes: an empty text is refused here
         voice = self._voice(voice)

@@ -220,6 +220,7 @@ class _ProgressLine:
 
     def __init__(self, stream):
         self.stream = stream
+        self.drawn = False
 
     def __call__(self, p: Progress) -> None:
         finished = p.piece - 1 + (p.stage == "vocode" and p.done == p.total)
@@ -232,9 +233,11 @@ class _ProgressLine:
         # \r and "erase to the end of the line" redraw the line in place.
         self.stream.write(f"\r[{bar}] piece {p.piece}/{p.pieces}: {where}\x1b[K")
         self.stream.flush()
+        self.drawn = True
 
     def close(self) -> None:
-        self.stream.write("\n")
+        if self.drawn:  # end the line; nothing to end if an error came first
+            self.stream.write("\n")
 
 
 def _log_format(stream) -> str:

@@ -346,3 +346,10 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     monkeypatch.setattr(sys, "stderr", quiet)
     assert main([*args, "--max-new-tokens", "3", "--cfm-steps", "1", "-o", str(tmp_path / "b.wav")]) == 0
     assert "piece" not in quiet.getvalue()
+    # An error before any progress: the error line alone.
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main([*args, "--max-new-tokens", "5000", "-o", str(tmp_path / "c.wav")]) == 1
+    assert (
+        terminal.getvalue().count("\n") == 1 and "max_new_tokens=5000 is out of range" in terminal.getvalue()
+    )

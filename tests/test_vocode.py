@@ -141,6 +141,7 @@ def test_bad_arguments_are_refused_before_any_work(tts, monkeypatch):
         (dict(cfm_steps=0), "cfm_steps=0 must be an integer >= 1"),
         (dict(temperature=-1.0), "temperature=-1.0 is out of range"),
         (dict(max_new_tokens=0), "max_new_tokens=0 is out of range"),
+        (dict(max_new_tokens=5000), "max_new_tokens=5000 is out of range: at most 4096"),
     ]:
         with pytest.raises(ValueError, match=message):
             tts.generate("Hello there.", "me.wav", **kwargs)

@@ -28,9 +28,14 @@ def check_request(model: T3, text_ids: Sequence[int], params: SamplingParams) ->
     bad = [i for i in text_ids if not 0 <= i < cfg.text_vocab_size]
     if bad:
         raise ValueError(f"text id {bad[0]} is outside the model's text vocabulary of {cfg.text_vocab_size}")
-    if params.max_new_tokens > cfg.max_speech_tokens:
+    check_params(model, params)
+
+
+def check_params(model: T3, params: SamplingParams) -> None:
+    """Knob values that this model cannot take (the rest are checked by ``SamplingParams`` itself)."""
+    if params.max_new_tokens > model.config.max_speech_tokens:
         raise ValueError(
-            f"max_new_tokens={params.max_new_tokens} is out of range: at most {cfg.max_speech_tokens}"
+            f"max_new_tokens={params.max_new_tokens} is out of range: at most {model.config.max_speech_tokens}"
         )
 
 
