@@ -166,3 +166,68 @@ def draw(
         idx = (cdf <= uniform * cdf[:, -1:]).sum(axis=-1)
         return mx.minimum(idx, logits.shape[-1] - 1).astype(mx.int32)
     return mx.random.categorical(logits, axis=-1, key=key).astype(mx.int32)
+
+
+# --- many requests at once (generation/batch.py) ---
+
+ROW_KNOBS = ("cfg_weight", "repetition_penalty", "temperature", "min_p", "top_p")
+
+
+def row_knobs(params: list[SamplingParams]) -> dict[str, mx.array]:
+    """Each request's knobs as a (R, 1) float32 column, and ``greedy`` as a (R, 1) bool column."""
+    knobs = {k: mx.array([[getattr(p, k)] for p in params], dtype=mx.float32) for k in ROW_KNOBS}
+    knobs["greedy"] = mx.array([[p.greedy] for p in params])
+    return knobs
+
+
+def process_rows(
+    logits: mx.array, cond: mx.array, uncond: mx.array, seen: mx.array, knobs: dict[str, mx.array]
+) -> mx.array:
+    """``process_logits`` for R requests at once, each with its own knobs (``row_knobs``), row for row the same
+    numbers: (B, V) backbone logits, whose rows ``cond`` (R,) and ``uncond`` (R,) are each request's CFG pair
+    (the same row twice for a request without CFG: c + w·(c - c) is c), and (R, V) ``seen`` -> (R, V).
+    Greedy rows come back after the repetition penalty, as ``process_logits`` returns them."""
+    x = logits.astype(mx.float32)
+    c, u = x[cond], x[uncond]
+    x = c + knobs["cfg_weight"] * (c - u)
+    # A penalty of 1 multiplies or divides by 1, which is exact: no row needs to skip it.
+    p = knobs["repetition_penalty"]
+    x = mx.where(seen, mx.where(x < 0, x * p, x / p), x)
+    greedy, t = knobs["greedy"], knobs["temperature"]
+    # apply_temperature per row (a greedy row's temperature, ~0, is never used: its row is x).
+    sampled = mx.where(t == 1.0, x, (x - x.max(axis=-1, keepdims=True)) / mx.where(greedy, 1.0, t))
+    # min_p = 0 drops nothing (p < 0 never holds); top_p = 1 is skipped as top_p_filter skips it.
+    sampled = _min_p_rows(sampled, knobs["min_p"])
+    sampled = mx.where(knobs["top_p"] >= 1.0, sampled, _top_p_rows(sampled, knobs["top_p"]))
+    return mx.where(greedy, x, sampled)
+
+
+def _min_p_rows(logits: mx.array, min_p: mx.array) -> mx.array:
+    probs = softmax(logits)
+    return mx.where(probs < min_p * probs.max(axis=-1, keepdims=True), -mx.inf, logits)
+
+
+def _top_p_rows(logits: mx.array, top_p: mx.array) -> mx.array:
+    """``top_p_filter`` with a (R, 1) threshold."""
+    order = mx.argsort(logits, axis=-1)
+    cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
+    keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
+    drop_sorted = (cumulative <= 1 - top_p) & ~keep_last
+    drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
+    return mx.where(drop, -mx.inf, logits)
+
+
+def draw_rows(
+    logits: mx.array, greedy: mx.array, keys: mx.array, uniforms: mx.array, by_uniform: mx.array
+) -> mx.array:
+    """``draw`` for R rows of processed logits (``process_rows``), each as its request would draw alone: the
+    arg-max where ``greedy`` (R, 1); else the inverse-CDF draw of ``uniforms`` (R,) where ``by_uniform`` (R,);
+    else a categorical draw with the row's own key, ``keys`` (R, 2)."""
+    cdf = mx.cumsum(softmax(logits), axis=-1)
+    by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
+    # One categorical draw per row with that row's key, exactly the draw of a request on its own.
+    by_key = mx.concatenate(
+        [mx.random.categorical(logits[r : r + 1], axis=-1, key=keys[r]) for r in range(logits.shape[0])]
+    )
+    drawn = mx.where(by_uniform, by_cdf, by_key)
+    return mx.where(greedy[:, 0], mx.argmax(logits, axis=-1), drawn).astype(mx.int32)

@@ -129,3 +129,36 @@ def test_process_logits_order_penalty_before_temperature():
     params = SamplingParams(temperature=0.5, cfg_weight=0.0, repetition_penalty=2.0, min_p=0.0)
     out = np.array(process_logits(logits[:1], seen, params))
     np.testing.assert_allclose(out - out.max(), [[0.0, 0.0, -2.0]], atol=1e-6)
+
+
+def test_rows_with_their_own_knobs_match_each_request_alone():
+    """process_rows / draw_rows (many requests at once, generation/batch.py) give each row exactly what
+    process_logits / draw give its request alone: CFG pairs and single rows, every knob on and off."""
+    from mlx_chatterbox.sampling import draw_rows, process_rows, row_knobs
+
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, cfg_weight=0, repetition_penalty=1.0),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.0, cfg_weight=1.5),
+        SamplingParams(temperature=0.3, top_p=0.95, min_p=0.2, repetition_penalty=2.0, cfg_weight=0),
+        SamplingParams(temperature=1.7, top_p=1.0, min_p=0.0, repetition_penalty=1.0),
+    ]
+    rng = np.random.default_rng(0)
+    v = 300
+    rows = [2 if p.cfg_weight > 0 else 1 for p in params]  # a request without CFG has one T3 row
+    logits = mx.array(3 * rng.standard_normal((sum(rows), v)).astype(np.float32))
+    seen = mx.array(rng.random((len(params), v)) < 0.1)
+    first = np.cumsum([0] + rows)[:-1]
+    cond, uncond = mx.array(first), mx.array(first + np.array(rows) - 1)
+    processed = process_rows(logits, cond, uncond, seen, row_knobs(params))
+    keys = mx.random.split(mx.random.key(7), len(params))
+    u = mx.array(rng.random(len(params)).astype(np.float32))
+    by_uniform = mx.array([i % 2 == 0 for i in range(len(params))])
+    drawn = draw_rows(processed, row_knobs(params)["greedy"], keys, u, by_uniform).tolist()
+    for i, p in enumerate(params):
+        own = logits[int(first[i]) : int(first[i]) + rows[i]]
+        expected = process_logits(own, seen[i : i + 1], p)
+        np.testing.assert_array_equal(np.array(processed[i : i + 1]), np.array(expected), err_msg=f"row {i}")
+        draw_args = (None, None) if p.greedy else ((None, u[i]) if i % 2 == 0 else (keys[i], None))
+        assert drawn[i] == draw(expected, p, *draw_args).item(), f"row {i}"

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from ..models.cache import KVCache
 from ..models.t3 import T3, T3Cond
 from ..sampling import SamplingParams, draw, process_logits
 from .voice import Voice
@@ -74,27 +75,9 @@ def generate_speech_tokens(
     check_request(model, text_ids, params)
     cfg = model.config
     n = params.max_new_tokens
-    if uniforms is not None:
-        if key is not None or params.greedy:
-            raise ValueError("uniforms replace the random draws: give no key, and a temperature > 0")
-        if uniforms.shape != (n,):
-            raise ValueError(f"uniforms must have shape ({n},) (one per token), got {uniforms.shape}")
-    if params.greedy:
-        draws = mx.zeros((n,))  # unused: the arg-max draws nothing
-    elif uniforms is not None:
-        draws = uniforms.astype(mx.float32)
-    else:
-        draws = mx.random.split(mx.random.key(secrets.randbits(63)) if key is None else key, n)
-
-    cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, params.exaggeration)
-    embeds = prefill_embeds(model, cond, text_ids, params.cfg_weight)
-    logits, cache = model.prefill(embeds)
-    # The repetition penalty covers the start-of-speech id and every generated id.
-    seen = (mx.arange(cfg.speech_vocab_size) == cfg.start_speech_token)[None]
+    draws = make_draws(params, key, uniforms)
+    token, seen, cache = start(model, voice, text_ids, params, draws, uniforms is not None)
     step = decode_step(model, params, uniforms is not None)
-    token = draw(
-        process_logits(logits, seen, params), params, *_draw_args(params, uniforms is not None, draws[0])
-    )
     mx.async_eval(token)
     for i in range(n):
         next_token = None
@@ -108,6 +91,39 @@ def generate_speech_tokens(
         if stop_on_eos and t == cfg.stop_speech_token:
             return
         token = next_token
+
+
+def make_draws(params: SamplingParams, key: mx.array | None, uniforms: mx.array | None) -> mx.array:
+    """One draw per token: (n, 2) PRNG keys split from ``key`` (a fresh one if None), the (n,) ``uniforms``
+    given, or (n,) zeros that greedy decoding never reads; n = ``params.max_new_tokens``."""
+    n = params.max_new_tokens
+    if uniforms is not None:
+        if key is not None or params.greedy:
+            raise ValueError("uniforms replace the random draws: give no key, and a temperature > 0")
+        if uniforms.shape != (n,):
+            raise ValueError(f"uniforms must have shape ({n},) (one per token), got {uniforms.shape}")
+        return uniforms.astype(mx.float32)
+    if params.greedy:
+        return mx.zeros((n,))
+    return mx.random.split(mx.random.key(secrets.randbits(63)) if key is None else key, n)
+
+
+def start(
+    model: T3,
+    voice: Voice,
+    text_ids: Sequence[int],
+    params: SamplingParams,
+    draws: mx.array,
+    uniform_draws: bool,
+) -> tuple[mx.array, mx.array, KVCache]:
+    """The prefill and the first token (1,), drawn with ``draws[0]``; the seen-mask (1, V) and the cache."""
+    cfg = model.config
+    cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, params.exaggeration)
+    logits, cache = model.prefill(prefill_embeds(model, cond, text_ids, params.cfg_weight))
+    # The repetition penalty covers the start-of-speech id and every generated id.
+    seen = (mx.arange(cfg.speech_vocab_size) == cfg.start_speech_token)[None]
+    token = draw(process_logits(logits, seen, params), params, *_draw_args(params, uniform_draws, draws[0]))
+    return token, seen, cache
 
 
 def _draw_args(

@@ -46,3 +46,45 @@ class KVCache:
     @staticmethod
     def _padded(a: mx.array, capacity: int) -> mx.array:
         return mx.pad(a, [(0, 0), (0, 0), (0, capacity - a.shape[2]), (0, 0)])
+
+
+class BatchKVCache(KVCache):
+    """``KVCache`` buffers for rows of different lengths, each right-aligned so that all rows write their next
+    token at the same buffer index ``offset``: row b's sequence starts at ``pad[b]`` (left padding, masked).
+
+    Rows join (``extend``) and leave (``keep``) between decode steps, which is continuous batching.
+    """
+
+    def __init__(self, kv: list[mx.array], offset: int, pad: list[int], step: int = 256):
+        super().__init__(kv, offset, step)
+        self.pad = pad
+
+    @classmethod
+    def from_cache(cls, cache: KVCache) -> BatchKVCache:
+        return cls(cache.kv, cache.offset, [0] * cache.kv[0].shape[0], cache.step)
+
+    def extend(self, other: BatchKVCache) -> None:
+        """Append ``other``'s rows after this cache's, both shifted right to the later of the two ends."""
+        end = max(self.offset, other.offset)
+        mine, theirs = self._shifted(end - self.offset), other._shifted(end - other.offset)
+        capacity = max(self._capacity_for(end + 1), mine[0].shape[2], theirs[0].shape[2])
+        self.kv = [
+            mx.concatenate([self._padded(a, capacity), self._padded(b, capacity)], axis=0)
+            for a, b in zip(mine, theirs)
+        ]
+        self.pad = [p + end - self.offset for p in self.pad] + [p + end - other.offset for p in other.pad]
+        self.offset = end
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order), then drop the left padding that all of them share."""
+        index = mx.array(rows, dtype=mx.int32)
+        trim = min(self.pad[r] for r in rows)
+        self.kv = [a[index, :, trim:] for a in self.kv]
+        self.pad = [self.pad[r] - trim for r in rows]
+        self.offset -= trim
+
+    def _shifted(self, n: int) -> list[mx.array]:
+        """The buffers with ``n`` masked positions in front (nothing when n is 0)."""
+        if n == 0:
+            return self.kv
+        return [mx.pad(a, [(0, 0), (0, 0), (n, 0), (0, 0)]) for a in self.kv]

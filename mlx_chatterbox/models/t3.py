@@ -123,19 +123,29 @@ class Attention(nn.Module):
         return self._out(out)
 
     def decode(
-        self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array
+        self,
+        x: mx.array,
+        position: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        pad: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """One token (B, 1, D) at sequence ``position`` (an int32 scalar array) against fixed-size key and
+        """One token (B, 1, D) at buffer index ``position`` (an int32 scalar array) against fixed-size key and
         value buffers (B, H, capacity, hd); returns the output and the buffers with this token written in.
-        Nothing here depends on the position's value, so a compiled step is traced once per capacity."""
+        pad: (B,) int32, for rows of a batch left-padded to a common length: row b's sequence starts at buffer
+        index pad[b], so its token sits at sequence position ``position - pad[b]`` and sees nothing before.
+        Nothing here depends on the values of position or pad, so a compiled step is traced once per shape."""
         b, h, hd = x.shape[0], self.num_heads, self.head_dim
         # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes (fewer
         # primitives per step, which is what a decode step's time goes to; ADR 9).
         qkv = self.qkv_proj(x).reshape(b, 3, h, 1, hd)
-        qk = self._rope(qkv[:, :2], position)
+        qk = self._rope(qkv[:, :2], position if pad is None else position - pad)
         keys = mx.slice_update(keys, qk[:, 1], position[None], axes=(2,))
         values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
-        visible = mx.arange(keys.shape[2]) <= position  # the buffer's tail beyond this token is unwritten
+        index = mx.arange(keys.shape[2])
+        visible = index <= position  # the buffer's tail beyond this token is unwritten
+        if pad is not None:
+            visible = (visible & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
         out = mx.fast.scaled_dot_product_attention(qk[:, 0], keys, values, scale=hd**-0.5, mask=visible)
         return self.o_proj(out.reshape(b, 1, h * hd)), keys, values
 
@@ -165,9 +175,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(
-        self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array
+        self,
+        x: mx.array,
+        position: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        pad: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values)
+        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values, pad)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
@@ -190,11 +205,13 @@ class Llama(nn.Module):
             x = layer(x, kv)
         return self.norm(x)
 
-    def decode(self, x: mx.array, position: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+    def decode(
+        self, x: mx.array, position: mx.array, kv: list[mx.array], pad: mx.array | None = None
+    ) -> tuple[mx.array, list[mx.array]]:
         """One token through every layer; ``kv`` holds each layer's key and value buffers, in layer order."""
         out = []
         for i, layer in enumerate(self.layers):
-            x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1])
+            x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1], pad)
             out += [keys, values]
         return self.norm(x), out
 
@@ -314,13 +331,20 @@ class T3(nn.Module):
         return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
 
     def decode(
-        self, token: mx.array, speech_position: mx.array, position: mx.array, kv: list[mx.array]
+        self,
+        token: mx.array,
+        speech_position: mx.array,
+        position: mx.array,
+        kv: list[mx.array],
+        pad: mx.array | None = None,
     ) -> tuple[mx.array, list[mx.array]]:
-        """One speech token (B,) at ``speech_position`` of the speech position table and at sequence
-        ``position`` (int32 scalar arrays) -> its logits (B, V) and the key/value buffers with it written in.
-        Pure in its arrays, so that it can be compiled (generation/speech_tokens.py)."""
+        """One speech token (B,) at ``speech_position`` of the speech position table (an int32 scalar, or (B,)
+        for rows at different points of their speech) and at buffer index ``position`` (an int32 scalar) -> its
+        logits (B, V) and the key/value buffers with it written in. ``pad``: rows left-padded to a common length
+        (``Attention.decode``; generation/batch.py). Pure in its arrays, so that it can be compiled
+        (generation/speech_tokens.py)."""
         x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
-        h, kv = self.tfmr.decode(x, position, kv)
+        h, kv = self.tfmr.decode(x, position, kv, pad)
         return self.speech_head(h[:, 0]), kv
 
     def __call__(self, cond: T3Cond, text_tokens: mx.array, speech_tokens: mx.array) -> mx.array:

@@ -1,0 +1,200 @@
+"""Many speech-token requests through one T3 at once (continuous batching).
+
+Each request has its own text, voice, knobs, draws and stop; all of them decode together, one token each per
+step, so that the per-step host cost (what bounds T3 on a GPU, ADR 9) is paid once for every request. A request
+joins between two steps (its prefill is the single-request prefill, then its keys and values are right-aligned
+with the others' in a ``BatchKVCache``) and leaves after its stop token or its ``max_new_tokens``.
+
+Row for row this computes what ``generate_speech_tokens`` computes for the request alone: the same prefill, the
+same decode with per-row sequence positions and masks, the same logits chain with per-row knobs
+(``sampling.process_rows``) and the same draws (``sampling.draw_rows``), so a request's tokens do not depend on
+what else is in the batch (tests/test_batch.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..models.cache import BatchKVCache
+from ..models.t3 import T3
+from ..sampling import SamplingParams, draw_rows, process_rows, row_knobs
+from .speech_tokens import check_request, make_draws, start
+from .voice import Voice
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request: as the arguments of ``generate_speech_tokens``."""
+
+    text_ids: Sequence[int]  # the tokenized text without SOT/EOT
+    voice: Voice
+    params: SamplingParams = SamplingParams()
+    key: mx.array | None = None  # PRNG key for the draws (a fresh one if None; greedy draws nothing)
+    uniforms: mx.array | None = None  # (max_new_tokens,) inverse-CDF draws instead of the PRNG
+
+
+@dataclass
+class _Active:
+    """A request in the batch: its id, its stop rule, and how many of its tokens were drawn so far."""
+
+    uid: int
+    request: BatchRequest
+    draws: mx.array  # (n, 2) keys or (n,) uniforms, one per token
+    drawn: int = 1  # the prefill draws token 0
+    rows: int = 2  # T3 rows: the CFG pair, or one without CFG
+
+
+class SpeechTokenBatch:
+    """Continuous batching over T3. ``add`` requests at any time; each ``step`` advances every request by one
+    token and returns ``(uid, token, finished)`` for each: raw ids, the stop token included when it comes (as
+    ``generate_speech_tokens`` yields them). A finished request has left the batch.
+
+    stop_on_eos: False decodes every request to its max_new_tokens (benchmarks).
+    """
+
+    def __init__(self, model: T3, stop_on_eos: bool = True):
+        self.model, self.stop_on_eos = model, stop_on_eos
+        self._uids = itertools.count()
+        self._pending: list[tuple[int, BatchRequest]] = []
+        self._active: list[_Active] = []
+        # Device state of the active requests, in their order: the last drawn (not yet read) token of each, the
+        # seen-masks, the cache of their T3 rows, and the layout of the rows and knobs (``_lay_out``).
+        self._tokens = self._seen = None
+        self._cache: BatchKVCache | None = None
+        self._layout: dict[str, mx.array] = {}
+
+    def add(self, request: BatchRequest) -> int:
+        """Queue a request (checked now, prefilled at the next step); returns its id."""
+        check_request(self.model, request.text_ids, request.params)
+        make_draws(request.params, request.key, request.uniforms)  # checks the draws
+        uid = next(self._uids)
+        self._pending.append((uid, request))
+        return uid
+
+    def __len__(self) -> int:
+        """Requests not finished yet, waiting or decoding."""
+        return len(self._pending) + len(self._active)
+
+    def step(self) -> list[tuple[int, int, bool]]:
+        """Admit waiting requests, queue the next decode step, then read the tokens drawn by the last one (the
+        device works on the next step while the host reads, as in ``generate_speech_tokens``)."""
+        if self._pending:
+            for uid, request in self._pending:
+                self._join(uid, request)
+            self._pending.clear()
+            self._lay_out()
+        if not self._active:
+            return []
+        queued = self._queue_next()
+        out, keep = [], []
+        for i, (a, token) in enumerate(zip(self._active, self._tokens.tolist())):
+            stop = self.stop_on_eos and token == self.model.config.stop_speech_token
+            finished = stop or a.drawn == a.request.params.max_new_tokens
+            out.append((a.uid, token, finished))
+            if not finished:
+                keep.append(i)
+                a.drawn += 1
+        self._tokens, self._seen = queued
+        if len(keep) < len(self._active):
+            self._leave(keep)
+        return out
+
+    def _join(self, uid: int, request: BatchRequest) -> None:
+        draws = make_draws(request.params, request.key, request.uniforms)
+        by_uniform = request.uniforms is not None
+        token, seen, cache = start(
+            self.model, request.voice, request.text_ids, request.params, draws, by_uniform
+        )
+        mx.async_eval(token)
+        rows = BatchKVCache.from_cache(cache)
+        if self._cache is None:
+            self._tokens, self._seen, self._cache = token, seen, rows
+        else:
+            self._tokens = mx.concatenate([self._tokens, token])
+            self._seen = mx.concatenate([self._seen, seen])
+            self._cache.extend(rows)
+        self._active.append(_Active(uid, request, draws, rows=cache.kv[0].shape[0]))
+
+    def _leave(self, keep: list[int]) -> None:
+        """Keep only the requests at ``keep`` (and their T3 rows)."""
+        first = list(itertools.accumulate((a.rows for a in self._active), initial=0))
+        rows = [r for i in keep for r in range(first[i], first[i] + self._active[i].rows)]
+        self._active = [self._active[i] for i in keep]
+        if not keep:
+            self._tokens = self._seen = self._cache = None
+            return
+        index = mx.array(keep, dtype=mx.int32)
+        self._tokens, self._seen = self._tokens[index], self._seen[index]
+        self._cache.keep(rows)
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """What changes only when requests join or leave: which request each T3 row serves, each request's
+        conditional and unconditional row (the conditional one twice without CFG), knobs and draw kind."""
+        row_request, cond, uncond = [], [], []
+        for i, a in enumerate(self._active):
+            cond.append(len(row_request))
+            uncond.append(len(row_request) + a.rows - 1)
+            row_request += [i] * a.rows
+        self._layout = {
+            "row_request": mx.array(row_request, dtype=mx.int32),
+            "cond": mx.array(cond, dtype=mx.int32),
+            "uncond": mx.array(uncond, dtype=mx.int32),
+            "knobs": row_knobs([a.request.params for a in self._active]),
+            "by_uniform": mx.array([a.request.uniforms is not None for a in self._active]),
+        }
+
+    def _queue_next(self) -> tuple[mx.array, mx.array]:
+        """Feed every request's last token (token i at speech position i + 1, as alone) and draw the next with
+        ``draws[i + 1]``; a request that ends with its last token draws again with its last draw, unread."""
+        keys, uniforms = [], []
+        for a in self._active:
+            d = a.draws[min(a.drawn, a.request.params.max_new_tokens - 1)]
+            keys.append(d if d.ndim == 1 else mx.zeros(2, mx.uint32))  # (2,) key, or a dummy
+            uniforms.append(d if d.ndim == 0 else mx.array(0.0))
+        position = self._cache.claim()
+        token, seen, self._cache.kv = _batch_step(self.model)(
+            self._tokens,
+            mx.array([a.drawn for a in self._active], dtype=mx.int32),
+            mx.array(position, dtype=mx.int32),
+            mx.array(self._cache.pad, dtype=mx.int32),
+            self._seen,
+            mx.stack(keys),
+            mx.stack(uniforms).astype(mx.float32),
+            self._layout,
+            self._cache.kv,
+        )
+        mx.async_eval(token)
+        return token, seen
+
+
+def _batch_step(model: T3):
+    """The compiled batched decode step (traced again for each new number of rows or capacity)."""
+    steps = model.compiled_steps
+    if "batch" not in steps:
+        vocab = mx.arange(model.config.speech_vocab_size)
+
+        def step(
+            tokens: mx.array,
+            speech_positions: mx.array,
+            position: mx.array,
+            pad: mx.array,
+            seen: mx.array,
+            keys: mx.array,
+            uniforms: mx.array,
+            layout: dict,
+            kv: list[mx.array],
+        ) -> tuple[mx.array, mx.array, list[mx.array]]:
+            rows = layout["row_request"]
+            logits, kv = model.decode(tokens[rows], speech_positions[rows], position, kv, pad)
+            seen = seen | (vocab == tokens[:, None])
+            knobs = layout["knobs"]
+            x = process_rows(logits, layout["cond"], layout["uncond"], seen, knobs)
+            return draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"]), seen, kv
+
+        steps["batch"] = mx.compile(step)
+    return steps["batch"]

@@ -1,0 +1,134 @@
+"""Continuous batching over T3 (generation/batch.py) on a tiny random model: each request's tokens are the tokens
+it gets alone, whatever joins or leaves the batch around it (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
+from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens, prefill_embeds
+from mlx_chatterbox.models.cache import BatchKVCache
+from mlx_chatterbox.models.t3 import T3, T3Cond
+from mlx_chatterbox.sampling import SamplingParams
+from tests.conftest import random_voice
+
+
+def alone(model: T3, request: BatchRequest, stop_on_eos: bool = True) -> list[int]:
+    return list(
+        generate_speech_tokens(
+            model,
+            request.voice,
+            request.text_ids,
+            request.params,
+            key=request.key,
+            uniforms=request.uniforms,
+            stop_on_eos=stop_on_eos,
+        )
+    )
+
+
+def uniforms(n: int, seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).random(n).astype(np.float32))
+
+
+def requests() -> list[BatchRequest]:
+    """Different texts (so prefills of different lengths), voices, knobs, draw kinds and lengths."""
+    return [
+        BatchRequest([5, 17, 42, 2, 99], random_voice(1, prompt_len=150), SamplingParams(max_new_tokens=12),
+                     uniforms=uniforms(12, 1)),
+        BatchRequest(list(range(3, 12)), random_voice(2, prompt_len=40),
+                     SamplingParams(temperature=0, cfg_weight=0, max_new_tokens=8)),
+        BatchRequest([9, 8, 7], random_voice(3, prompt_len=75),
+                     SamplingParams(top_p=0.9, min_p=0, repetition_penalty=1.5, cfg_weight=1.0, max_new_tokens=15),
+                     key=mx.random.key(3)),
+        BatchRequest([30, 31, 32, 33], random_voice(4, prompt_len=10),
+                     SamplingParams(exaggeration=0.8, temperature=1.3, max_new_tokens=10), uniforms=uniforms(10, 4)),
+        BatchRequest([44] * 20, random_voice(5, prompt_len=150),
+                     SamplingParams(temperature=0.5, cfg_weight=0, max_new_tokens=9), key=mx.random.key(5)),
+    ]  # fmt: skip
+
+
+def run_batch(model: T3, joins: dict[int, list[BatchRequest]], stop_on_eos: bool = True) -> dict[int, list]:
+    """Add ``joins[k]`` before step k; step until every request has finished. Returns each request's tokens by
+    its place in the join order."""
+    batch, tokens, order, k = SpeechTokenBatch(model, stop_on_eos), {}, [], 0
+    while k in joins or len(batch) or k < max(joins):
+        for request in joins.get(k, []):
+            order.append(batch.add(request))
+        for uid, token, finished in batch.step():
+            assert uid not in tokens or not tokens[uid][1], "a finished request came back"
+            tokens.setdefault(uid, [[], False])[0].append(token)
+            tokens[uid][1] = finished
+        k += 1
+    assert all(done for _, done in tokens.values())
+    return {i: tokens[uid][0] for i, uid in enumerate(order)}
+
+
+def test_requests_decoded_together_get_the_tokens_they_get_alone(tiny_t3):
+    reqs = requests()
+    got = run_batch(tiny_t3, {0: reqs})
+    for i, request in enumerate(reqs):
+        assert got[i] == alone(tiny_t3, request), f"request {i}"
+        assert len(got[i]) == request.params.max_new_tokens  # random weights do not stop
+
+
+def test_requests_join_and_leave_between_steps(tiny_t3):
+    """Requests join a running batch (with shorter and longer prefills than it has), others leave after their
+    last token, and the batch empties and fills again."""
+    a, b, c, d, e = requests()
+    f = dataclasses.replace(
+        a, text_ids=list(range(60)), key=mx.random.key(6), uniforms=None
+    )  # a long prefill
+    got = run_batch(tiny_t3, {0: [b, c], 2: [f], 3: [a], 5: [d], 9: [e], 30: [b]})
+    for i, request in enumerate([b, c, f, a, d, e, b]):
+        assert got[i] == alone(tiny_t3, request), f"request {i}"
+
+
+def test_a_request_leaves_at_its_stop_token(tiny_t3):
+    a, b, c, *_ = requests()
+    free = alone(tiny_t3, b, stop_on_eos=False)  # greedy: the same ids with any stop id
+    stop = free[3]
+    model = T3(dataclasses.replace(tiny_t3.config, stop_speech_token=stop))
+    model.update(tiny_t3.parameters())
+    got = run_batch(model, {0: [a, b, c]})
+    assert got[1] == alone(model, b) == free[: free.index(stop) + 1]
+    assert got[0] == alone(model, a) and got[2] == alone(model, c)
+    assert run_batch(model, {0: [a, b, c]}, stop_on_eos=False)[1] == free
+
+
+def test_left_padded_decode_matches_each_row_alone(tiny_t3):
+    """One decode step of two rows of different prefill lengths, right-aligned in a ``BatchKVCache``, against
+    each row decoded alone."""
+    model, caches, alone_logits = tiny_t3, [], []
+    for seed, prompt_len, text in [(1, 150, [5, 6, 7]), (2, 20, list(range(40)))]:
+        voice = random_voice(seed, prompt_len=prompt_len)
+        cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, 0.5)
+        _, cache = model.prefill(prefill_embeds(model, cond, text, 0.5))
+        position = mx.array(cache.claim(), dtype=mx.int32)
+        logits, _ = model.decode(mx.array([7, 7]), mx.array(1, dtype=mx.int32), position, cache.kv)
+        alone_logits.append(logits)
+        cache.offset -= 1  # unclaim: the batch claims it again
+        caches.append(BatchKVCache.from_cache(cache))
+    batch = caches[0]
+    batch.extend(caches[1])
+    assert batch.pad == [37, 37, 0, 0]  # the first pair's prefill is 37 positions shorter than the second's
+    position = mx.array(batch.claim(), dtype=mx.int32)
+    pad = mx.array(batch.pad, dtype=mx.int32)
+    logits, _ = model.decode(mx.array([7, 7, 7, 7]), mx.array(1, dtype=mx.int32), position, batch.kv, pad)
+    expected = mx.concatenate(alone_logits)
+    err = float(mx.abs(logits - expected).max() / mx.abs(expected).max())
+    assert err < 1e-5, err
+
+
+def test_bad_requests_are_refused_when_added(tiny_t3):
+    batch = SpeechTokenBatch(tiny_t3)
+    voice = random_voice()
+    with pytest.raises(ValueError, match="at most 4096"):
+        batch.add(BatchRequest([5], voice, SamplingParams(max_new_tokens=5000)))
+    with pytest.raises(ValueError, match="uniforms must have shape"):
+        batch.add(BatchRequest([5], voice, SamplingParams(max_new_tokens=3), uniforms=uniforms(2, 0)))
+    assert len(batch) == 0 and batch.step() == []
