@@ -165,7 +165,14 @@ def draw(
         cdf = mx.cumsum(softmax(logits), axis=-1)
         idx = (cdf <= uniform * cdf[:, -1:]).sum(axis=-1)
         return mx.minimum(idx, logits.shape[-1] - 1).astype(mx.int32)
-    return mx.random.categorical(logits, axis=-1, key=key).astype(mx.int32)
+    return gumbel_max(logits[0], key)[None]
+
+
+def gumbel_max(logits: mx.array, key: mx.array) -> mx.array:
+    """A categorical draw from one row of (V,) logits: the arg-max of logits + Gumbel noise drawn with ``key``.
+    Written out rather than ``mx.random.categorical`` so that ``mx.vmap`` draws many rows, each with its own key,
+    in one go, each exactly as alone (``draw_rows``)."""
+    return mx.argmax(logits + mx.random.gumbel(logits.shape, key=key), axis=-1).astype(mx.int32)
 
 
 # --- many requests at once (generation/batch.py) ---
@@ -225,9 +232,6 @@ def draw_rows(
     else a categorical draw with the row's own key, ``keys`` (R, 2)."""
     cdf = mx.cumsum(softmax(logits), axis=-1)
     by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
-    # One categorical draw per row with that row's key, exactly the draw of a request on its own.
-    by_key = mx.concatenate(
-        [mx.random.categorical(logits[r : r + 1], axis=-1, key=keys[r]) for r in range(logits.shape[0])]
-    )
+    by_key = mx.vmap(gumbel_max)(logits, keys)  # each row with its own key, as alone
     drawn = mx.where(by_uniform, by_cdf, by_key)
     return mx.where(greedy[:, 0], mx.argmax(logits, axis=-1), drawn).astype(mx.int32)
