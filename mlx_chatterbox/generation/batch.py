@@ -62,8 +62,8 @@ class SpeechTokenBatch:
         self._pending: list[tuple[int, BatchRequest]] = []
         self._active: list[_Active] = []
         # Device state of the active requests, in their order: the last drawn (not yet read) token of each, the
-        # seen-masks, the cache of their T3 rows, and the layout of the rows and knobs (``_lay_out``).
-        self._tokens = self._seen = None
+        # seen-masks, how many tokens each has drawn, the cache of their T3 rows, and ``_lay_out``'s layout.
+        self._tokens = self._seen = self._drawn = None
         self._cache: BatchKVCache | None = None
         self._layout: dict[str, mx.array] = {}
 
@@ -125,7 +125,7 @@ class SpeechTokenBatch:
         rows = [r for i in keep for r in range(first[i], first[i] + self._active[i].rows)]
         self._active = [self._active[i] for i in keep]
         if not keep:
-            self._tokens = self._seen = self._cache = None
+            self._tokens = self._seen = self._drawn = self._cache = None
             return
         index = mx.array(keep, dtype=mx.int32)
         self._tokens, self._seen = self._tokens[index], self._seen[index]
@@ -133,43 +133,51 @@ class SpeechTokenBatch:
         self._lay_out()
 
     def _lay_out(self) -> None:
-        """What changes only when requests join or leave: which request each T3 row serves, each request's
-        conditional and unconditional row (the conditional one twice without CFG), knobs and draw kind."""
+        """What changes only when requests join or leave, kept on the device so that a step costs the host a
+        few calls whatever the number of requests: which request each T3 row serves, each request's conditional
+        and unconditional row (the conditional one twice without CFG), knobs, draw kind and its draws (padded
+        to a table), how many tokens it has drawn, and the rows' left padding."""
         row_request, cond, uncond = [], [], []
         for i, a in enumerate(self._active):
             cond.append(len(row_request))
             uncond.append(len(row_request) + a.rows - 1)
             row_request += [i] * a.rows
+        n = max(a.request.params.max_new_tokens for a in self._active)
+        by_key = [a.draws.ndim == 2 for a in self._active]
         self._layout = {
             "row_request": mx.array(row_request, dtype=mx.int32),
             "cond": mx.array(cond, dtype=mx.int32),
             "uncond": mx.array(uncond, dtype=mx.int32),
             "knobs": row_knobs([a.request.params for a in self._active]),
             "by_uniform": mx.array([a.request.uniforms is not None for a in self._active]),
+            # A request's draws[i] draws its token i; the entries past its own max_new_tokens are never read.
+            "keys": mx.stack(
+                [_fill(a.draws if k else None, n, (2,), mx.uint32) for a, k in zip(self._active, by_key)]
+            ),
+            "uniforms": mx.stack(
+                [_fill(None if k else a.draws, n, (), mx.float32) for a, k in zip(self._active, by_key)]
+            ),
+            "last": mx.array([a.request.params.max_new_tokens - 1 for a in self._active], dtype=mx.int32),
+            "pad": mx.array(self._cache.pad, dtype=mx.int32),
         }
+        self._drawn = mx.array([a.drawn for a in self._active], dtype=mx.int32)
 
     def _queue_next(self) -> tuple[mx.array, mx.array]:
         """Feed every request's last token (token i at speech position i + 1, as alone) and draw the next with
         ``draws[i + 1]``; a request that ends with its last token draws again with its last draw, unread."""
-        keys, uniforms = [], []
-        for a in self._active:
-            d = a.draws[min(a.drawn, a.request.params.max_new_tokens - 1)]
-            keys.append(d if d.ndim == 1 else mx.zeros(2, mx.uint32))  # (2,) key, or a dummy
-            uniforms.append(d if d.ndim == 0 else mx.array(0.0))
-        position = self._cache.claim()
-        token, seen, self._cache.kv = _batch_step(self.model)(
-            self._tokens,
-            mx.array([a.drawn for a in self._active], dtype=mx.int32),
-            mx.array(position, dtype=mx.int32),
-            mx.array(self._cache.pad, dtype=mx.int32),
-            self._seen,
-            mx.stack(keys),
-            mx.stack(uniforms).astype(mx.float32),
-            self._layout,
-            self._cache.kv,
+        position = mx.array(self._cache.claim(), dtype=mx.int32)
+        token, seen, self._drawn, self._cache.kv = _batch_step(self.model)(
+            self._tokens, self._drawn, position, self._seen, self._layout, self._cache.kv
         )
         mx.async_eval(token)
         return token, seen
+
+
+def _fill(draws: mx.array | None, n: int, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A request's draws as n rows of a draw table: zero-padded, or all zeros where it has none of this kind."""
+    if draws is None:
+        return mx.zeros((n, *shape), dtype=dtype)
+    return mx.concatenate([draws.astype(dtype), mx.zeros((n - draws.shape[0], *shape), dtype=dtype)])
 
 
 def _batch_step(model: T3):
@@ -180,21 +188,23 @@ def _batch_step(model: T3):
 
         def step(
             tokens: mx.array,
-            speech_positions: mx.array,
+            drawn: mx.array,
             position: mx.array,
-            pad: mx.array,
             seen: mx.array,
-            keys: mx.array,
-            uniforms: mx.array,
             layout: dict,
             kv: list[mx.array],
-        ) -> tuple[mx.array, mx.array, list[mx.array]]:
+        ) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
             rows = layout["row_request"]
-            logits, kv = model.decode(tokens[rows], speech_positions[rows], position, kv, pad)
+            # Drawn token i is fed back at speech position i + 1, the position ``drawn`` counts.
+            logits, kv = model.decode(tokens[rows], drawn[rows], position, kv, layout["pad"])
             seen = seen | (vocab == tokens[:, None])
             knobs = layout["knobs"]
             x = process_rows(logits, layout["cond"], layout["uncond"], seen, knobs)
-            return draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"]), seen, kv
+            which = mx.minimum(drawn, layout["last"])
+            requests = mx.arange(which.shape[0])
+            keys, uniforms = layout["keys"][requests, which], layout["uniforms"][requests, which]
+            token = draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"])
+            return token, seen, drawn + 1, kv
 
         steps["batch"] = mx.compile(step)
     return steps["batch"]
