@@ -7,6 +7,10 @@ once. One warm-up run per concurrency (it traces the compiled step for each batc
 ``--repeats`` runs is reported.
 
     python benchmarks/bench_batch.py --concurrency 1,8,32,64 --tokens 100 --device gpu --out benchmarks/out/batch.jsonl
+
+--profile splits one step at each concurrency into its parts, each compiled alone on the batch's real state and
+timed both waited for (host + device: a step's latency) and queued back to back (whichever of host and device is
+slower): T3's decode of all rows, and the logits chain with the draws.
 """
 
 from __future__ import annotations
@@ -23,27 +27,32 @@ import statistics
 import time
 
 import mlx.core as mx
-from bench_t3 import EXAGGERATION, KNOBS, fixed_inputs
+from bench_t3 import EXAGGERATION, KNOBS, OUR_DTYPES, fixed_inputs
 from common import machine_info, write_line
 
 from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.t3 import T3, T3Config
-from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.sampling import SamplingParams, draw_rows, process_rows
 
 TINY = T3Config(
     hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128
 )  # --tiny: a smoke run
 
 
-def build(cfg: T3Config) -> tuple[T3, Voice, list[int], SamplingParams]:
+def build(cfg: T3Config, dtype_name: str) -> tuple[T3, Voice, list[int], SamplingParams]:
     mx.random.seed(0)
     model = T3(cfg)
+    float_name, transform = OUR_DTYPES[dtype_name]
+    dtype = getattr(mx, float_name)
+    model.set_dtype(dtype)
+    if transform is not None:
+        transform(model)
     mx.eval(model.parameters())
     text, prompt = fixed_inputs()
     voice = Voice(
-        speaker_emb=mx.random.normal((1, cfg.speaker_embed_size)),
+        speaker_emb=mx.random.normal((1, cfg.speaker_embed_size)).astype(dtype),  # the KV cache's dtype
         t3_prompt_tokens=mx.array([prompt], dtype=mx.int32),
         s3gen_prompt_tokens=mx.zeros((1, 4), dtype=mx.int32),  # S3Gen parts: unused by T3
         s3gen_prompt_mel=mx.zeros((1, 8, 80)),
@@ -74,6 +83,55 @@ def run_single(model: T3, voice: Voice, text: list[int], params: SamplingParams)
     return time.perf_counter() - start
 
 
+def profile(
+    model: T3, voice: Voice, text: list[int], params: SamplingParams, n: int, iters: int = 20
+) -> dict:
+    """ms per call of a step's parts at n requests, after ``params.max_new_tokens // 2`` real steps."""
+    batch = SpeechTokenBatch(model, stop_on_eos=False)
+    for seed in range(n):
+        batch.add(BatchRequest(text, voice, params, key=mx.random.key(seed)))
+    for _ in range(params.max_new_tokens // 2):
+        batch.step()
+    layout, cache = batch._layout, batch._cache
+    rows = layout["row_request"]
+    tokens, drawn = batch._tokens[rows], batch._drawn[rows]
+    position = mx.array(
+        cache.offset - 1, dtype=mx.int32
+    )  # rewrites the last position: same work, same shapes
+    decode = mx.compile(lambda kv: model.decode(tokens, drawn, position, kv, layout["pad"]))
+    logits = decode(cache.kv)[0]
+    knobs = layout["knobs"]
+    keys = layout["keys"][:, 0]
+
+    def chain(x: mx.array) -> mx.array:
+        uses = batch._uses
+        x = process_rows(
+            x, layout["cond"], layout["uncond"], batch._seen, knobs, min_p=uses[0], top_p=uses[1]
+        )
+        return draw_rows(
+            x, knobs["greedy"], keys, layout["uniforms"][:, 0], layout["by_uniform"], kinds=uses[2:]
+        )
+
+    sample = mx.compile(chain)
+    mx.eval(logits, sample(logits))
+
+    def timed(fn, state, waited: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(iters):
+            state = fn(state)
+            (mx.eval if waited else mx.async_eval)(state)
+        mx.eval(state)
+        return 1000 * (time.perf_counter() - start) / iters
+
+    out = {}
+    for waited in (True, False):
+        tag = "waited" if waited else "queued"
+        out[f"decode_ms_{tag}"] = timed(lambda kv: decode(kv)[1], cache.kv, waited)
+        # The next call's logits depend on this call's draw, so that queued calls run one after the other.
+        out[f"sample_ms_{tag}"] = timed(lambda x: x + sample(x)[:1, None].astype(x.dtype) * 0, logits, waited)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated request counts")
@@ -81,12 +139,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument(
+        "--dtype", choices=sorted(OUR_DTYPES), default="float32", help="T3's weights and cache"
+    )
+    parser.add_argument("--profile", action="store_true", help="also time a step's parts (see above)")
+    parser.add_argument(
         "--tiny", action="store_true", help="a tiny T3 instead of the full size (a smoke run)"
     )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    model, voice, text, params = build(TINY if args.tiny else T3Config())
+    model, voice, text, params = build(TINY if args.tiny else T3Config(), args.dtype)
     params = SamplingParams(**{**params.__dict__, "max_new_tokens": args.tokens})
     info = machine_info()
     run_single(model, voice, text, params)  # warm-up
@@ -109,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 tok_s=n * args.tokens / total,
                 step_ms=1000 * step,
                 peak_mem_bytes=mx.get_peak_memory(),
+                **(profile(model, voice, text, params, n) if args.profile else {}),
             )
         )
     for row in rows:
@@ -116,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             dict(
                 bench="batch",
                 tokens=args.tokens,
+                dtype=args.dtype,
                 tiny=args.tiny,
                 **row,
                 machine=info,
@@ -123,9 +187,14 @@ def main(argv: list[str] | None = None) -> None:
             ),
             args.out,
         )
-    print(f"\n| system | requests | aggregate tok/s | ms per step |\n|---|---|---|---|")
+    parts = [k for k in rows[-1] if k.endswith(("_waited", "_queued"))]
+    print(f"\n| system | requests | aggregate tok/s | ms per step | {' | '.join(parts)} |")
+    print("|---" * (4 + len(parts)) + "|")
     for row in rows:
-        print(f"| {row['system']} | {row['requests']} | {row['tok_s']:.1f} | {row['step_ms']:.2f} |")
+        cells = [f"{row[k]:.2f}" if k in row else "" for k in parts]
+        print(
+            f"| {row['system']} | {row['requests']} | {row['tok_s']:.1f} | {row['step_ms']:.2f} | {' | '.join(cells)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def seed_keys(seed: int) -> tuple[mx.array, mx.array]:
+    """Independent PRNG keys for T3's draws and S3Gen's noise from one user seed."""
+    t3, s3gen = mx.random.split(mx.random.key(seed))
+    return t3, s3gen
+
+
 def _exp(x: mx.array) -> mx.array:
     """exp for x <= 0 to about 1e-7 relative error. MLX's CPU exp is a fast approximation (up to ~4e-6),
     which would put our distributions visibly off upstream's; this is Cody-Waite range reduction plus a
@@ -188,12 +194,20 @@ def row_knobs(params: list[SamplingParams]) -> dict[str, mx.array]:
 
 
 def process_rows(
-    logits: mx.array, cond: mx.array, uncond: mx.array, seen: mx.array, knobs: dict[str, mx.array]
+    logits: mx.array,
+    cond: mx.array,
+    uncond: mx.array,
+    seen: mx.array,
+    knobs: dict[str, mx.array],
+    *,
+    min_p: bool = True,
+    top_p: bool = True,
 ) -> mx.array:
     """``process_logits`` for R requests at once, each with its own knobs (``row_knobs``), row for row the same
     numbers: (B, V) backbone logits, whose rows ``cond`` (R,) and ``uncond`` (R,) are each request's CFG pair
     (the same row twice for a request without CFG: c + w·(c - c) is c), and (R, V) ``seen`` -> (R, V).
-    Greedy rows come back after the repetition penalty, as ``process_logits`` returns them."""
+    Greedy rows come back after the repetition penalty, as ``process_logits`` returns them.
+    min_p, top_p: False where no row uses that filter (min_p 0, top_p 1), which skips its work (the sort)."""
     x = logits.astype(mx.float32)
     c, u = x[cond], x[uncond]
     x = c + knobs["cfg_weight"] * (c - u)
@@ -204,8 +218,10 @@ def process_rows(
     # apply_temperature per row (a greedy row's temperature, ~0, is never used: its row is x).
     sampled = mx.where(t == 1.0, x, (x - x.max(axis=-1, keepdims=True)) / mx.where(greedy, 1.0, t))
     # min_p = 0 drops nothing (p < 0 never holds); top_p = 1 is skipped as top_p_filter skips it.
-    sampled = _min_p_rows(sampled, knobs["min_p"])
-    sampled = mx.where(knobs["top_p"] >= 1.0, sampled, _top_p_rows(sampled, knobs["top_p"]))
+    if min_p:
+        sampled = _min_p_rows(sampled, knobs["min_p"])
+    if top_p:
+        sampled = mx.where(knobs["top_p"] >= 1.0, sampled, _top_p_rows(sampled, knobs["top_p"]))
     return mx.where(greedy, x, sampled)
 
 
@@ -225,13 +241,23 @@ def _top_p_rows(logits: mx.array, top_p: mx.array) -> mx.array:
 
 
 def draw_rows(
-    logits: mx.array, greedy: mx.array, keys: mx.array, uniforms: mx.array, by_uniform: mx.array
+    logits: mx.array,
+    greedy: mx.array,
+    keys: mx.array,
+    uniforms: mx.array,
+    by_uniform: mx.array,
+    *,
+    kinds: tuple[bool, bool] = (True, True),
 ) -> mx.array:
     """``draw`` for R rows of processed logits (``process_rows``), each as its request would draw alone: the
     arg-max where ``greedy`` (R, 1); else the inverse-CDF draw of ``uniforms`` (R,) where ``by_uniform`` (R,);
-    else a categorical draw with the row's own key, ``keys`` (R, 2)."""
-    cdf = mx.cumsum(softmax(logits), axis=-1)
-    by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
-    by_key = mx.vmap(gumbel_max)(logits, keys)  # each row with its own key, as alone
-    drawn = mx.where(by_uniform, by_cdf, by_key)
+    else a categorical draw with the row's own key, ``keys`` (R, 2).
+    kinds: whether any row draws by key, and whether any draws by uniform (a kind no row uses is skipped)."""
+    drawn = mx.zeros(logits.shape[:1], mx.int32)
+    if kinds[0]:
+        drawn = mx.vmap(gumbel_max)(logits, keys)  # each row with its own key, as alone
+    if kinds[1]:
+        cdf = mx.cumsum(softmax(logits), axis=-1)
+        by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
+        drawn = mx.where(by_uniform, by_cdf.astype(mx.int32), drawn)
     return mx.where(greedy[:, 0], mx.argmax(logits, axis=-1), drawn).astype(mx.int32)

@@ -132,3 +132,23 @@ def test_bad_requests_are_refused_when_added(tiny_t3):
     with pytest.raises(ValueError, match="uniforms must have shape"):
         batch.add(BatchRequest([5], voice, SamplingParams(max_new_tokens=3), uniforms=uniforms(2, 0)))
     assert len(batch) == 0 and batch.step() == []
+
+
+def test_cancelled_requests_leave_and_the_rest_are_unchanged(tiny_t3):
+    a, b, c, d, _ = requests()
+    batch = SpeechTokenBatch(tiny_t3)
+    uids = [batch.add(r) for r in (a, b, c)]
+    waiting = batch.add(d)
+    batch.cancel(waiting)  # never decoded
+    tokens = {u: [] for u in uids}
+    for uid, token, _ in batch.step() + batch.step():
+        tokens[uid].append(token)
+    batch.cancel(uids[1])  # mid-decode
+    with pytest.raises(KeyError, match="not in the batch"):
+        batch.cancel(uids[1])
+    while len(batch):
+        for uid, token, _ in batch.step():
+            assert uid != uids[1]
+            tokens[uid].append(token)
+    assert tokens[uids[0]] == alone(tiny_t3, a) and tokens[uids[2]] == alone(tiny_t3, c)
+    assert tokens[uids[1]] == alone(tiny_t3, b)[:2]

@@ -75,6 +75,18 @@ class SpeechTokenBatch:
         self._pending.append((uid, request))
         return uid
 
+    def cancel(self, uid: int) -> None:
+        """Drop a request that has not finished, waiting or decoding (its rows leave the batch now)."""
+        for j, (u, _) in enumerate(self._pending):
+            if u == uid:
+                del self._pending[j]
+                return
+        for i, a in enumerate(self._active):
+            if a.uid == uid:
+                self._leave([k for k in range(len(self._active)) if k != i])
+                return
+        raise KeyError(f"request {uid} is not in the batch (finished, cancelled or never added)")
+
     def __len__(self) -> int:
         """Requests not finished yet, waiting or decoding."""
         return len(self._pending) + len(self._active)
@@ -161,12 +173,20 @@ class SpeechTokenBatch:
             "pad": mx.array(self._cache.pad, dtype=mx.int32),
         }
         self._drawn = mx.array([a.drawn for a in self._active], dtype=mx.int32)
+        # Work that no active request needs is left out of the step (it is traced once per such set).
+        sampled = [a.request.params for a in self._active if not a.request.params.greedy]
+        self._uses = (
+            any(p.min_p > 0 for p in sampled),
+            any(p.top_p < 1 for p in sampled),
+            any(by_key),
+            any(a.request.uniforms is not None for a in self._active),
+        )
 
     def _queue_next(self) -> tuple[mx.array, mx.array]:
         """Feed every request's last token (token i at speech position i + 1, as alone) and draw the next with
         ``draws[i + 1]``; a request that ends with its last token draws again with its last draw, unread."""
         position = mx.array(self._cache.claim(), dtype=mx.int32)
-        token, seen, self._drawn, self._cache.kv = _batch_step(self.model)(
+        token, seen, self._drawn, self._cache.kv = _batch_step(self.model, self._uses)(
             self._tokens, self._drawn, position, self._seen, self._layout, self._cache.kv
         )
         mx.async_eval(token)
@@ -180,10 +200,11 @@ def _fill(draws: mx.array | None, n: int, shape: tuple[int, ...], dtype: mx.Dtyp
     return mx.concatenate([draws.astype(dtype), mx.zeros((n - draws.shape[0], *shape), dtype=dtype)])
 
 
-def _batch_step(model: T3):
-    """The compiled batched decode step (traced again for each new number of rows or capacity)."""
+def _batch_step(model: T3, uses: tuple[bool, bool, bool, bool]):
+    """The compiled batched decode step (traced again for each new number of rows or capacity) for requests
+    that use min_p, top_p, keyed draws, uniform draws, as ``uses`` says."""
     steps = model.compiled_steps
-    if "batch" not in steps:
+    if ("batch", uses) not in steps:
         vocab = mx.arange(model.config.speech_vocab_size)
 
         def step(
@@ -199,12 +220,14 @@ def _batch_step(model: T3):
             logits, kv = model.decode(tokens[rows], drawn[rows], position, kv, layout["pad"])
             seen = seen | (vocab == tokens[:, None])
             knobs = layout["knobs"]
-            x = process_rows(logits, layout["cond"], layout["uncond"], seen, knobs)
+            x = process_rows(
+                logits, layout["cond"], layout["uncond"], seen, knobs, min_p=uses[0], top_p=uses[1]
+            )
             which = mx.minimum(drawn, layout["last"])
             requests = mx.arange(which.shape[0])
             keys, uniforms = layout["keys"][requests, which], layout["uniforms"][requests, which]
-            token = draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"])
+            token = draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"], kinds=uses[2:])
             return token, seen, drawn + 1, kv
 
-        steps["batch"] = mx.compile(step)
-    return steps["batch"]
+        steps["batch", uses] = mx.compile(step)
+    return steps["batch", uses]
