@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .convert import DTYPES, FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
 from .generation.vocode import S3Gen
@@ -48,7 +49,9 @@ def _load_network(
         # The quantized layers' parameters (weight, scales, biases) must exist before the strict load.
         quantize_t3(model, *quantization)
     model.load_weights(str(path), strict=True)
-    mx.eval(model.parameters())
+    # Every array the network holds, its derived tables (e.g. rope periods) too: a lazy array can only be
+    # evaluated on the thread that made it, and a server runs the model on a thread of its own.
+    mx.eval([a for _, a in tree_flatten(model)])
     return model
 
 

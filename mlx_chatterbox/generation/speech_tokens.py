@@ -148,6 +148,9 @@ def decode_step(model: T3, params: SamplingParams, uniform_draws: bool) -> Calla
     key = (knobs, uniform_draws)
     if key not in steps:
         vocab = mx.arange(model.config.speech_vocab_size)
+        # Evaluated now: a compiled step keeps the lazy arrays it closes over, and MLX evaluates a lazy array
+        # only on the thread that made it (a server steps on a thread of its own).
+        mx.eval(vocab)
 
         def step(
             token: mx.array, position: mx.array, seen: mx.array, d: mx.array, kv: list[mx.array]

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
-from ..audio.resample import resample_soxr_hq
-from ..audio.resample import resample_polyphase
+from ..audio.resample import resample_polyphase, resample_soxr_hq
 from ..audio.spectral import as_waveform, istft, stft
 from ..models.perth import PerthConfig, PerthNet
 
@@ -62,7 +62,7 @@ class Watermarker:
         # Stored weights may be narrower (float16); the network runs in float32 as perth does.
         net.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
         net.eval()
-        mx.eval(net.parameters())
+        mx.eval([a for _, a in tree_flatten(net)])  # its tables too: a server uses it on another thread
         return cls(net)
 
     @staticmethod
