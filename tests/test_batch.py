@@ -52,10 +52,12 @@ def requests() -> list[BatchRequest]:
     ]  # fmt: skip
 
 
-def run_batch(model: T3, joins: dict[int, list[BatchRequest]], stop_on_eos: bool = True) -> dict[int, list]:
+def run_batch(
+    model: T3, joins: dict[int, list[BatchRequest]], stop_on_eos: bool = True, window_size: int = 32
+) -> dict[int, list]:
     """Add ``joins[k]`` before step k; step until every request has finished. Returns each request's tokens by
     its place in the join order."""
-    batch, tokens, order, k = SpeechTokenBatch(model, stop_on_eos), {}, [], 0
+    batch, tokens, order, k = SpeechTokenBatch(model, stop_on_eos, window_size), {}, [], 0
     while k in joins or len(batch) or k < max(joins):
         for request in joins.get(k, []):
             order.append(batch.add(request))
@@ -152,3 +154,106 @@ def test_cancelled_requests_leave_and_the_rest_are_unchanged(tiny_t3):
             tokens[uid].append(token)
     assert tokens[uids[0]] == alone(tiny_t3, a) and tokens[uids[2]] == alone(tiny_t3, c)
     assert tokens[uids[1]] == alone(tiny_t3, b)[:2]
+
+
+# --- the cache's window (models/cache.py BatchKVCache): positions base .. offset - 1 sit in a small buffer that is
+# flushed into the big ones every window_size steps and before every join or leave.
+
+
+def two_rows_cache(model: T3, window_size: int) -> BatchKVCache:
+    """Two CFG pairs of different prefill lengths, right-aligned in one cache."""
+    caches = []
+    for seed, prompt_len, text in [(1, 150, [5, 6, 7]), (2, 20, list(range(40)))]:
+        voice = random_voice(seed, prompt_len=prompt_len)
+        cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, 0.5)
+        _, cache = model.prefill(prefill_embeds(model, cond, text, 0.5))
+        caches.append(BatchKVCache.from_cache(cache, window_size))
+    caches[0].extend(caches[1])
+    return caches[0]
+
+
+def test_windowed_decode_matches_the_sdpa_decode_across_flushes(tiny_t3):
+    """``T3.decode_window`` (attention written out over big buffer + window) against ``T3.decode`` (sdpa over
+    one buffer written at every step) on the same rows, for 11 steps of a 4-position window: two full flushes and
+    a partly filled window."""
+    model, rng = tiny_t3, np.random.default_rng(0)
+    cache = two_rows_cache(model, window_size=4)
+    pad = mx.array(cache.pad, dtype=mx.int32)
+    reference, errors, bases = list(cache.kv), [], []
+    for k in range(11):
+        token = mx.array(rng.integers(0, 6561, 4), dtype=mx.int32)
+        speech_position = mx.array(k + 1, dtype=mx.int32)
+        position = cache.claim()
+        bases.append(cache.base)
+        at = mx.array([position, cache.base], dtype=mx.int32)
+        logits, cache.window = model.decode_window(token, speech_position, at, pad, cache.kv, cache.window)
+        expected, reference = model.decode(
+            token, speech_position, mx.array(position, dtype=mx.int32), reference, pad
+        )
+        assert not mx.isnan(logits).any()
+        errors.append(float(mx.abs(logits - expected).max() / mx.abs(expected).max()))
+    start = bases[0]
+    assert bases == [start] * 4 + [start + 4] * 4 + [start + 8] * 3  # flushed when full, not before
+    assert max(errors) < 1e-5, errors  # measured 5e-7 (fp32, tiny)
+    # After a flush the big buffers hold what the one-buffer decode wrote: the first layer's keys and values
+    # exactly (same inputs), the later ones up to the rounding of the attention above them.
+    cache.flush()
+    written = slice(0, cache.offset)
+    for i, (a, b) in enumerate(zip(cache.kv, reference)):
+        a, b = a[:, :, written], b[:, :, written]
+        assert mx.array_equal(a, b) if i < 2 else mx.allclose(a, b, rtol=1e-5, atol=1e-6), f"buffer {i}"
+
+
+@pytest.mark.parametrize("window_size", [4, 5])
+def test_requests_get_their_tokens_alone_across_flushes_joins_and_leaves(tiny_t3, window_size):
+    """Requests longer than two windows, joining and leaving in the middle of a window (4 divides the step
+    numbers of some joins, 5 of others)."""
+    a, b, c, d, e = requests()
+    f = dataclasses.replace(a, text_ids=list(range(60)), key=mx.random.key(6), uniforms=None)
+    joins = {0: [b, c], 2: [f], 3: [a], 5: [d], 9: [e], 30: [b]}
+    got = run_batch(tiny_t3, joins, window_size=window_size)
+    for i, request in enumerate([b, c, f, a, d, e, b]):
+        assert got[i] == alone(tiny_t3, request), f"request {i}"
+
+
+def test_a_long_request_with_the_default_window(tiny_t3):
+    """70 tokens (more than two 32-position windows), another request joining at step 40 (mid-window)."""
+    long = dataclasses.replace(requests()[2], params=SamplingParams(top_p=0.9, max_new_tokens=70))
+    short = requests()[4]
+    got = run_batch(tiny_t3, {0: [long], 40: [short]}, stop_on_eos=False)
+    assert got[0] == alone(tiny_t3, long, stop_on_eos=False)
+    assert got[1] == alone(tiny_t3, short, stop_on_eos=False)
+
+
+def test_the_cache_grows_past_256_positions_with_the_window(tiny_t3):
+    """A 62-token text (a ~97-position prefill) decoding 170 tokens crosses the first 256-position capacity;
+    a request joins at step 100 (mid-window) and leaves at step 130 (mid-window) around it."""
+    a, _, _, d, _ = requests()
+    long = dataclasses.replace(a, text_ids=list(range(60)), params=SamplingParams(max_new_tokens=170),
+                               uniforms=uniforms(170, 7))  # fmt: skip
+    got = run_batch(tiny_t3, {0: [long], 100: [d]}, stop_on_eos=False, window_size=16)
+    assert got[0] == alone(tiny_t3, long, stop_on_eos=False)
+    assert got[1] == alone(tiny_t3, d, stop_on_eos=False)
+
+
+def test_window_flushes_do_not_retrace_the_step(tiny_t3):
+    """The token's position and the window's base are values of one int32 array: a batch whose rows and
+    capacity do not change is traced once however often its window is flushed."""
+    model = T3(tiny_t3.config)
+    model.update(tiny_t3.parameters())
+    traces = []
+
+    def counted(*args):
+        traces.append(args[2].shape)  # runs only while mx.compile traces
+        return T3.decode_window(model, *args)
+
+    model.decode_window = counted
+    run_batch(model, {0: [requests()[1]]}, window_size=2)  # 8 tokens: 3 flushes
+    assert len(traces) == 1
+
+
+def test_bad_window_sizes_are_refused(tiny_t3):
+    with pytest.raises(ValueError, match="window_size must be at least 1"):
+        SpeechTokenBatch(tiny_t3, window_size=0)
+    with pytest.raises(ValueError, match="window_size must be at least 1"):
+        two_rows_cache(tiny_t3, window_size=0)

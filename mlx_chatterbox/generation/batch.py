@@ -54,10 +54,14 @@ class SpeechTokenBatch:
     ``generate_speech_tokens`` yields them). A finished request has left the batch.
 
     stop_on_eos: False decodes every request to its max_new_tokens (benchmarks).
+    window_size: positions written per step into the cache's small window before it is flushed into the big
+    buffers (models/cache.py ``BatchKVCache``).
     """
 
-    def __init__(self, model: T3, stop_on_eos: bool = True):
-        self.model, self.stop_on_eos = model, stop_on_eos
+    def __init__(self, model: T3, stop_on_eos: bool = True, window_size: int = 32):
+        if window_size < 1:
+            raise ValueError(f"window_size must be at least 1 position, got {window_size}; the default is 32")
+        self.model, self.stop_on_eos, self.window_size = model, stop_on_eos, window_size
         self._uids = itertools.count()
         self._pending: list[tuple[int, BatchRequest]] = []
         self._active: list[_Active] = []
@@ -122,7 +126,7 @@ class SpeechTokenBatch:
             self.model, request.voice, request.text_ids, request.params, draws, by_uniform
         )
         mx.async_eval(token)
-        rows = BatchKVCache.from_cache(cache)
+        rows = BatchKVCache.from_cache(cache, self.window_size)
         if self._cache is None:
             self._tokens, self._seen, self._cache = token, seen, rows
         else:
@@ -185,9 +189,10 @@ class SpeechTokenBatch:
     def _queue_next(self) -> tuple[mx.array, mx.array]:
         """Feed every request's last token (token i at speech position i + 1, as alone) and draw the next with
         ``draws[i + 1]``; a request that ends with its last token draws again with its last draw, unread."""
-        position = mx.array(self._cache.claim(), dtype=mx.int32)
-        token, seen, self._drawn, self._cache.kv = _batch_step(self.model, self._uses)(
-            self._tokens, self._drawn, position, self._seen, self._layout, self._cache.kv
+        cache = self._cache
+        at = mx.array([cache.claim(), cache.base], dtype=mx.int32)  # claim first: it may flush (move base)
+        token, seen, self._drawn, cache.window = _batch_step(self.model, self._uses)(
+            self._tokens, self._drawn, at, self._seen, self._layout, cache.kv, cache.window
         )
         mx.async_eval(token)
         return token, seen
@@ -201,23 +206,27 @@ def _fill(draws: mx.array | None, n: int, shape: tuple[int, ...], dtype: mx.Dtyp
 
 
 def _batch_step(model: T3, uses: tuple[bool, bool, bool, bool]):
-    """The compiled batched decode step (traced again for each new number of rows or capacity) for requests
-    that use min_p, top_p, keyed draws, uniform draws, as ``uses`` says."""
+    """The compiled batched decode step (traced again for each new number of rows or capacity; the token's
+    position and the window's base are values, not shapes) for requests that use min_p, top_p, keyed draws,
+    uniform draws, as ``uses`` says."""
     steps = model.compiled_steps
     if ("batch", uses) not in steps:
         vocab = mx.arange(model.config.speech_vocab_size)
+        mx.eval(vocab)  # now, as in speech_tokens.decode_step: steps may run on another thread
 
         def step(
             tokens: mx.array,
             drawn: mx.array,
-            position: mx.array,
+            at: mx.array,
             seen: mx.array,
             layout: dict,
             kv: list[mx.array],
+            window: list[mx.array],
         ) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
             rows = layout["row_request"]
-            # Drawn token i is fed back at speech position i + 1, the position ``drawn`` counts.
-            logits, kv = model.decode(tokens[rows], drawn[rows], position, kv, layout["pad"])
+            # Drawn token i is fed back at speech position i + 1, the position ``drawn`` counts. The big
+            # buffers are only read here (models/cache.py BatchKVCache: the step copies the windows alone).
+            logits, window = model.decode_window(tokens[rows], drawn[rows], at, layout["pad"], kv, window)
             seen = seen | (vocab == tokens[:, None])
             knobs = layout["knobs"]
             x = process_rows(
@@ -227,7 +236,7 @@ def _batch_step(model: T3, uses: tuple[bool, bool, bool, bool]):
             requests = mx.arange(which.shape[0])
             keys, uniforms = layout["keys"][requests, which], layout["uniforms"][requests, which]
             token = draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"], kinds=uses[2:])
-            return token, seen, drawn + 1, kv
+            return token, seen, drawn + 1, window
 
         steps["batch", uses] = mx.compile(step)
     return steps["batch", uses]

@@ -53,18 +53,60 @@ class BatchKVCache(KVCache):
     token at the same buffer index ``offset``: row b's sequence starts at ``pad[b]`` (left padding, masked).
 
     Rows join (``extend``) and leave (``keep``) between decode steps, which is continuous batching.
+
+    The batch's decode step runs one step ahead of the host (``mx.async_eval``), so its buffers are never donated
+    and writing one token into a buffer copies all of it. The newest positions therefore go to a small
+    ``window`` instead, ``[keys_0, values_0, ...]`` of shape (B, H, window_size, hd): positions ``base ..
+    offset - 1`` sit at window indices ``0 .. offset - 1 - base`` and the buffers ``kv`` hold the positions
+    before ``base``. A step then copies only the window, and the big buffers once per ``window_size`` steps, when
+    a full window is flushed into them (``claim``). Joins and leaves flush first, so that they only move ``kv``;
+    afterwards ``base == offset`` and every row's ``pad`` is below ``base``: the window holds no left padding.
+
+    window_size: per step and buffer this copies W window positions plus 1/W of a capacity-position flush,
+    W + capacity / W, least at W = sqrt(capacity): 16 at 256 positions, 32 at 1024. T3's sequences (34 cond +
+    text + up to 1000 speech tokens) mostly run to 300 .. 1200 positions, hence 32 (and fewer host-side flushes).
     """
 
-    def __init__(self, kv: list[mx.array], offset: int, pad: list[int], step: int = 256):
+    def __init__(
+        self, kv: list[mx.array], offset: int, pad: list[int], step: int = 256, window_size: int = 32
+    ):
         super().__init__(kv, offset, step)
-        self.pad = pad
+        if window_size < 1:
+            raise ValueError(f"window_size must be at least 1 position, got {window_size}; the default is 32")
+        self.pad, self.window_size = pad, window_size
+        self.base = offset
+        self.window = self._empty_window()
 
     @classmethod
-    def from_cache(cls, cache: KVCache) -> BatchKVCache:
-        return cls(cache.kv, cache.offset, [0] * cache.kv[0].shape[0], cache.step)
+    def from_cache(cls, cache: KVCache, window_size: int = 32) -> BatchKVCache:
+        return cls(cache.kv, cache.offset, [0] * cache.kv[0].shape[0], cache.step, window_size)
+
+    def claim(self) -> int:
+        """As ``KVCache.claim``; when the window is full it is first flushed into ``kv``, so that the position
+        returned always has its window slot ``position - base``."""
+        if self.offset - self.base == self.window_size:
+            self.flush()
+        return super().claim()
+
+    def flush(self) -> None:
+        """Write the window's positions into ``kv`` and start an empty window at ``offset``."""
+        n = self.offset - self.base
+        if n:
+            self.reserve(self.offset)
+            kv = []
+            for a, w in zip(self.kv, self.window):
+                # A new handle on the same data: item assignment rebinds only it, never an array another holder
+                # still reads. Static indices: 0.08 ms vs 0.22 for a dynamic slice_update (H200, 134 MB buffer).
+                a = mx.array(a)
+                a[:, :, self.base : self.offset] = w[:, :, :n]
+                kv.append(a)
+            self.kv = kv
+        self.base = self.offset
 
     def extend(self, other: BatchKVCache) -> None:
         """Append ``other``'s rows after this cache's, both shifted right to the later of the two ends."""
+        self.flush()
+        other.flush()
         end = max(self.offset, other.offset)
         mine, theirs = self._shifted(end - self.offset), other._shifted(end - other.offset)
         capacity = max(self._capacity_for(end + 1), mine[0].shape[2], theirs[0].shape[2])
@@ -73,15 +115,25 @@ class BatchKVCache(KVCache):
             for a, b in zip(mine, theirs)
         ]
         self.pad = [p + end - self.offset for p in self.pad] + [p + end - other.offset for p in other.pad]
-        self.offset = end
+        self.offset = self.base = end
+        self.window = self._empty_window()
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then drop the left padding that all of them share."""
+        self.flush()
         index = mx.array(rows, dtype=mx.int32)
         trim = min(self.pad[r] for r in rows)
         self.kv = [a[index, :, trim:] for a in self.kv]
         self.pad = [self.pad[r] - trim for r in rows]
         self.offset -= trim
+        self.base = self.offset
+        self.window = self._empty_window()
+
+    def _empty_window(self) -> list[mx.array]:
+        # The window past the current position is masked: its entries (zeros, or older finite keys and values)
+        # get probability 0, so they need no clearing.
+        b, h, _, hd = self.kv[0].shape
+        return [mx.zeros((b, h, self.window_size, hd), dtype=a.dtype) for a in self.kv]
 
     def _shifted(self, n: int) -> list[mx.array]:
         """The buffers with ``n`` masked positions in front (nothing when n is 0)."""

@@ -149,6 +149,49 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(qk[:, 0], keys, values, scale=hd**-0.5, mask=visible)
         return self.o_proj(out.reshape(b, 1, h * hd)), keys, values
 
+    def decode_window(
+        self,
+        x: mx.array,
+        at: mx.array,
+        pad: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        window_keys: mx.array,
+        window_values: mx.array,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
+        ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; ``at[1]`` is the window's first
+        buffer index (base). keys, values: (B, H, capacity, hd) holding the positions before base, read only;
+        window_keys, window_values: (B, H, W, hd) holding base .. at[0] - 1, returned with this token written
+        at index at[0] - base. Every row's pad is below base, so only the big buffers need the pad mask.
+        Nothing depends on the values of at or pad: one trace per shape."""
+        b, h, hd = x.shape[0], self.num_heads, self.head_dim
+        position, base = at[0], at[1]
+        qkv = self.qkv_proj(x).reshape(b, 3, h, 1, hd)
+        qk = self._rope(qkv[:, :2], position - pad)
+        slot = (position - base)[None]
+        window_keys = mx.slice_update(window_keys, qk[:, 1], slot, axes=(2,))
+        window_values = mx.slice_update(window_values, qkv[:, 2], slot, axes=(2,))
+        # sdpa cannot join two key sets under one softmax, so attention is written out: scores of both parts
+        # (B, H, 1, capacity + W), one softmax over them, then each part's values. Scaling q first, as sdpa.
+        q = qk[:, 0] * hd**-0.5
+        index = mx.arange(keys.shape[2])
+        old = ((index < base) & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
+        new = mx.arange(window_keys.shape[2]) <= position - base  # (W,): the window past this token is stale
+        # Scores and softmax in fp32 whatever the cache's dtype (as sdpa accumulates). -inf never meets an all
+        # -inf row: every row sees at least its own new token.
+        scores = mx.concatenate(
+            [
+                mx.where(old, (q @ keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
+                mx.where(new, (q @ window_keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
+            ],
+            axis=-1,
+        )
+        p = mx.softmax(scores, axis=-1).astype(values.dtype)
+        capacity = keys.shape[2]
+        out = p[..., :capacity] @ values + p[..., capacity:] @ window_values  # (B, H, 1, hd)
+        return self.o_proj(out.reshape(b, 1, h * hd)), window_keys, window_values
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: T3Config):
@@ -186,6 +229,22 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
+    def decode_window(
+        self,
+        x: mx.array,
+        at: mx.array,
+        pad: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        window_keys: mx.array,
+        window_values: mx.array,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        h, window_keys, window_values = self.self_attn.decode_window(
+            self.input_layernorm(x), at, pad, keys, values, window_keys, window_values
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), window_keys, window_values
+
 
 class Llama(nn.Module):
     """The Llama decoder stack on input embeddings; returns the post-final-norm hidden states, which is what
@@ -212,6 +271,19 @@ class Llama(nn.Module):
         out = []
         for i, layer in enumerate(self.layers):
             x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1], pad)
+            out += [keys, values]
+        return self.norm(x), out
+
+    def decode_window(
+        self, x: mx.array, at: mx.array, pad: mx.array, kv: list[mx.array], window: list[mx.array]
+    ) -> tuple[mx.array, list[mx.array]]:
+        """``decode`` over big buffers ``kv`` (read only) and windows ``window`` (``Attention.decode_window``),
+        both in layer order; returns the windows with the token written in."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            x, keys, values = layer.decode_window(
+                x, at, pad, kv[2 * i], kv[2 * i + 1], window[2 * i], window[2 * i + 1]
+            )
             out += [keys, values]
         return self.norm(x), out
 
@@ -346,6 +418,23 @@ class T3(nn.Module):
         x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
         h, kv = self.tfmr.decode(x, position, kv, pad)
         return self.speech_head(h[:, 0]), kv
+
+    def decode_window(
+        self,
+        token: mx.array,
+        speech_position: mx.array,
+        at: mx.array,
+        pad: mx.array,
+        kv: list[mx.array],
+        window: list[mx.array],
+    ) -> tuple[mx.array, list[mx.array]]:
+        """``decode`` for a batch in a ``BatchKVCache`` (generation/batch.py): ``at`` is [buffer index of
+        this token, the window's base] (int32 (2,)), ``pad`` (B,) the rows' left padding; ``kv`` the cache's big
+        buffers (read only), ``window`` its windows. Returns the logits (B, V) and the windows with the token
+        written in."""
+        x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
+        h, window = self.tfmr.decode_window(x, at, pad, kv, window)
+        return self.speech_head(h[:, 0]), window
 
     def __call__(self, cond: T3Cond, text_tokens: mx.array, speech_tokens: mx.array) -> mx.array:
         """Teacher-forced pass (upstream ``T3.forward``): [cond | text | speech] in one causal pass.
