@@ -5,6 +5,10 @@ modules are built and randomised, and ours load the same weights through our con
 ``--prompt-tokens`` tokens (and twice as many mel frames), ``--tokens`` new tokens (25 per second of audio),
 ``--steps`` Euler steps. One warm-up run is excluded; medians of ``--repeats`` runs are reported. ``--check``
 also runs both on the same injected noise and reports the relative error of the mel and the waveform.
+Peak memory is reported for the whole call and per stage (MLX's peak above the memory in use before it), under
+``--memory-budget`` (``S3Gen.memory_budget``: auto, none, or MiB). ``--batch N`` also times N requests (the
+voice prompt, tokens/2 .. tokens new tokens each) vocoded one by one and batched (``S3Gen.batch``): aggregate
+RTF, speedup, peak memory and the largest relative waveform difference between the two.
 
     python benchmarks/bench_s3gen.py --systems ours,upstream --prompt-tokens 250 --tokens 250 --repeats 3 \
         --device gpu --torch-device cuda --check --out benchmarks/out/s3gen.jsonl
@@ -21,6 +25,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -29,7 +34,7 @@ import numpy as np
 from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
 from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
-from mlx_chatterbox.generation.vocode import Draws, S3Gen
+from mlx_chatterbox.generation.vocode import Draws, S3Gen, resolve_memory_budget
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.cfm import solve
@@ -37,6 +42,7 @@ from mlx_chatterbox.variants import ENGLISH
 
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
+STAGE_PEAKS = ("encoder_peak_mib", "cfm_peak_mib", "hift_peak_mib")
 # Ours, timed under each setting: (layers.FAST_CPU_MATH, the CFM estimator's dtype).
 VARIANTS = {
     "default": (True, "float32"),
@@ -162,18 +168,22 @@ def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, variant: st
         mx.eval(s3gen(tokens, voice, cfm_steps=steps, key=key))
         t1 = time.perf_counter()
         peak = mx.get_peak_memory()
-        # The stages apart (each evaluated on its own, so their sum exceeds the fused total slightly).
-        mu, mask = s3gen.flow.encode(everything, lengths)
-        mx.eval(mu, mask)
+        # The stages apart (each evaluated on its own, so their sum exceeds the fused total slightly), each
+        # under the call's memory budget; their peaks count from the memory in use before each stage.
+        with stage_peak(s3gen) as encoder_peak:
+            mu, mask = s3gen.flow.encode(everything, lengths)
+            mx.eval(mu, mask)
         t2 = time.perf_counter()
-        spks = s3gen.flow.embed_speaker(voice.xvector)
-        cond = mx.zeros(mu.shape)
-        mel = solve(
-            s3gen.estimator, mu, mask, spks, cond, mx.random.normal(mu.shape, key=key), n_timesteps=steps
-        )
-        mx.eval(mel)
+        with stage_peak(s3gen) as cfm_peak:
+            spks = s3gen.flow.embed_speaker(voice.xvector)
+            cond = mx.zeros(mu.shape)
+            mel = solve(
+                s3gen.estimator, mu, mask, spks, cond, mx.random.normal(mu.shape, key=key), n_timesteps=steps
+            )
+            mx.eval(mel)
         t3 = time.perf_counter()
-        mx.eval(s3gen.hift(mel[:, voice.s3gen_prompt_mel.shape[1] :], key=key))
+        with stage_peak(s3gen) as hift_peak:
+            mx.eval(s3gen.hift(mel[:, voice.s3gen_prompt_mel.shape[1] :], key=key))
         t4 = time.perf_counter()
         return dict(
             total_ms=1e3 * (t1 - t0),
@@ -181,18 +191,101 @@ def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, variant: st
             cfm_ms=1e3 * (t3 - t2),
             hift_ms=1e3 * (t4 - t3),
             peak_mem_bytes=peak,
+            encoder_peak_mib=encoder_peak[0] / 2**20,
+            cfm_peak_mib=cfm_peak[0] / 2**20,
+            hift_peak_mib=hift_peak[0] / 2**20,
         )
 
     once()
     result = medians([once() for _ in range(repeats)])
     result.update(
         variant=variant,
-        peak_mem_kind="mx.get_peak_memory over the whole call, weights included",
+        peak_mem_kind="mx.get_peak_memory: whole call with the weights; stages above the memory before",
+        memory_budget=s3gen.memory_budget,
         backend=_backend.STATUS,
     )
     layers.FAST_CPU_MATH, _ = VARIANTS["default"]
     s3gen.estimator.update(float32_weights)
     return result
+
+
+@contextlib.contextmanager
+def stage_peak(s3gen: S3Gen):
+    """Yields a one-element list that receives MLX's peak above the memory in use at entry, with the memory
+    limit that ``S3Gen`` calls run under (``bounded_memory``) in force meanwhile."""
+    mx.synchronize()
+    before, out = mx.get_active_memory(), [0]
+    budget = resolve_memory_budget(s3gen.memory_budget)
+    previous = mx.set_memory_limit(before + budget) if budget is not None else None
+    mx.reset_peak_memory()
+    try:
+        yield out
+    finally:
+        if previous is not None:
+            mx.set_memory_limit(previous)
+        mx.synchronize()
+        out[0] = mx.get_peak_memory() - before
+
+
+def bench_batch(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, n: int) -> dict:
+    """N requests (one voice, tokens/2 .. tokens new tokens, a key each) one by one and batched."""
+    voice = Voice(
+        speaker_emb=mx.zeros((1, 256)),
+        t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
+        s3gen_prompt_tokens=mx.array(inputs["prompt_token"].astype(np.int32)),
+        s3gen_prompt_mel=mx.array(inputs["prompt_feat"]),
+        xvector=mx.array(inputs["embedding"]),
+    )
+    full = inputs["token"].shape[1]
+    counts = np.linspace(max(1, full // 2), full, n).round().astype(int)
+    rng = np.random.default_rng(2)
+    ids = [mx.array(rng.integers(0, 6561, (1, c)).astype(np.int32)) for c in counts]
+    voices, keys = [voice] * n, [mx.random.key(100 + i) for i in range(n)]
+
+    def one_by_one() -> list[mx.array]:
+        out = []
+        for t, k in zip(ids, keys):
+            out.append(s3gen(t, voice, cfm_steps=steps, key=k))
+            mx.eval(out[-1])
+        return out
+
+    def batched() -> list[mx.array]:
+        out = s3gen.batch(ids, voices, cfm_steps=steps, keys=keys)
+        mx.eval(out)
+        return out
+
+    def timed(fn) -> tuple[float, float, list[mx.array]]:
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, (mx.get_peak_memory() - before) / 2**20, out
+
+    timed(one_by_one), timed(batched)  # warm-up
+    runs = [(timed(one_by_one), timed(batched)) for _ in range(repeats)]
+    audio_s = float(counts.sum()) * TOKEN_SECONDS
+    single_s = statistics.median(r[0][0] for r in runs)
+    batch_s = statistics.median(r[1][0] for r in runs)
+    (_, _, single), (_, _, together) = runs[-1]
+    err = max(
+        float(np.linalg.norm(np.array(b) - np.array(a)) / np.linalg.norm(np.array(a)))
+        for a, b in zip(single, together)
+    )
+    return dict(
+        requests=n,
+        token_counts=counts.tolist(),
+        audio_s=round(audio_s, 2),
+        one_by_one_ms=round(1e3 * single_s, 1),
+        batched_ms=round(1e3 * batch_s, 1),
+        speedup=round(single_s / batch_s, 2),
+        rtf_one_by_one=round(single_s / audio_s, 4),
+        rtf_batched=round(batch_s / audio_s, 4),
+        peak_one_by_one_mib=round(max(r[0][1] for r in runs)),
+        peak_batched_mib=round(max(r[1][1] for r in runs)),
+        wav_max_rel_err=err,
+        memory_budget=s3gen.memory_budget,
+    )
 
 
 def upstream_mel(torch, flow, t: dict, steps: int):
@@ -332,6 +425,12 @@ def main(argv: list[str] | None = None) -> None:
         "--variants", default="default", help=f"ours, comma list of: {', '.join(VARIANTS)} (one row each)"
     )
     p.add_argument("--check", action="store_true", help="also compare outputs on injected noise")
+    p.add_argument(
+        "--memory-budget",
+        default="auto",
+        help="ours: S3Gen.memory_budget: auto, none, or MiB above the memory in use at a call's start",
+    )
+    p.add_argument("--batch", type=int, help="also time N requests (ours) one by one and batched")
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
@@ -340,6 +439,15 @@ def main(argv: list[str] | None = None) -> None:
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
         p.error(f"unknown variant in {args.variants!r}; choose from {', '.join(VARIANTS)}")
+
+    if args.memory_budget in ("auto", "none"):
+        budget = None if args.memory_budget == "none" else "auto"
+    elif args.memory_budget.isdigit():
+        budget = int(args.memory_budget) * 2**20
+    else:
+        p.error(f"--memory-budget {args.memory_budget!r}: auto, none, or a whole number of MiB")
+    if args.batch is not None and args.batch < 1:
+        p.error(f"--batch {args.batch}: at least 1 request")
 
     import torch
 
@@ -354,6 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     mx.set_default_device(mx.gpu if mlx_device == "gpu" else mx.cpu)
     flow, hift = build_upstream(torch, device)
     s3gen = ours_from(flow, hift)
+    s3gen.memory_budget = budget
     inputs = fixed_inputs(args.prompt_tokens, args.tokens)
     audio_s = args.tokens * TOKEN_SECONDS
     info = machine_info()
@@ -375,19 +484,32 @@ def main(argv: list[str] | None = None) -> None:
         row.update(steps=args.steps, repeats=args.repeats, audio_s=audio_s, **res, **info)
         write_line(row, args.out)
         rows.append(row)
+    if args.batch:
+        print(f"# ours, {args.batch} requests one by one and batched ...", file=sys.stderr)
+        res = bench_batch(s3gen, inputs, args.steps, args.repeats, args.batch)
+        write_line(dict(system="ours-batch", device=mlx_device, steps=args.steps, **res, **info), args.out)
+        print(
+            f"# batch of {args.batch} ({res['audio_s']} s of audio): one by one {res['one_by_one_ms']} ms, "
+            f"batched {res['batched_ms']} ms ({res['speedup']}x; RTF {res['rtf_one_by_one']} -> "
+            f"{res['rtf_batched']}), peak {res['peak_one_by_one_mib']} -> {res['peak_batched_mib']} MiB, "
+            f"max wav rel. err {res['wav_max_rel_err']:.1e}",
+            file=sys.stderr,
+        )
     if args.check:
         errors = check(torch, s3gen, flow, hift, inputs, args.steps, device)
         write_line(dict(system="check", **errors, **info), args.out)
         print(f"# ours vs upstream on the same draws: {errors}", file=sys.stderr)
     print(
-        f"{'system':9} {'variant':15} {'device':7} {'total ms':>9} {'RTF':>7} {'encoder':>8} {'CFM':>8} {'CFM/step':>8} {'HiFT':>7} {'peak MiB':>8}",
+        f"{'system':9} {'variant':15} {'device':7} {'total ms':>9} {'RTF':>7} {'encoder':>8} {'CFM':>8} {'CFM/step':>8} {'HiFT':>7} {'peak MiB':>8} "
+        f"{'stage peaks MiB (enc/CFM/HiFT)':>30}",
         file=sys.stderr,
     )
     for r in rows:
         print(
             f"{r['system']:9} {r.get('variant', '-'):15} {r['device']:7} {r['total_ms']:>9.1f} {r['rtf']:>7.4f} {r['encoder_ms']:>8.1f} "
             f"{r['cfm_ms']:>8.1f} {r['cfm_step_ms']:>8.2f} {r['hift_ms']:>7.1f} "
-            f"{(r['peak_mem_bytes'] or 0) / 2**20:>8.0f}",
+            f"{(r['peak_mem_bytes'] or 0) / 2**20:>8.0f} "
+            f"{'/'.join(str(round(r[k])) for k in STAGE_PEAKS if k in r):>30}",
             file=sys.stderr,
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable, Literal, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,7 @@ from .voice import Voice
 SAMPLE_RATE = 24000
 SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples
 FADE_IN = 480  # samples muted, then as many faded in (S3Token2Wav.trim_fade: half a token each)
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,61 @@ class Draws:
     source_noise: mx.array
 
 
+# Bytes an S3Gen call may hold above the memory in use when it starts ("auto"; see bounded_memory).
+# Measured at 10 s prompt + 10 s output, full size, fp32 (peak above the weights; time). CPU, 2 cores:
+# 695 -> 446 MiB at 256 MiB, no slower. H200: 5482 MiB, 308 ms unbounded; 2089 MiB, 320 ms at 2 GiB;
+# 1084 MiB, 312-338 ms at 1 GiB; 756 MiB, 508 ms at 512 MiB (too little work stays queued to keep the GPU
+# busy).
+MEMORY_BUDGETS = {"cpu": 256 * 2**20, "gpu": 2**30}
+
+
+def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
+    """Run an ``S3Gen`` method under MLX's memory limit of (active memory + the call's memory budget), and
+    queue its result (``mx.async_eval``) before the limit is restored.
+
+    MLX's evaluation runs ahead of the kernels, and what queued kernels use stays allocated until they have
+    run: an unbounded call held 5.4 GiB above the weights on an H200, and HiFT alone 691 MiB on the CPU. Above
+    its limit MLX waits for queued work before queueing more, so the peak stays near the budget (plus the
+    largest single kernels) and the numbers do not change; a call under the budget is never held back. The
+    limit is process-wide while the method runs: evaluations in other threads meanwhile are held back too."""
+
+    @functools.wraps(method)
+    def run(self: S3Gen, *args, **kwargs) -> R:
+        budget = resolve_memory_budget(self.memory_budget)
+        if budget is None:
+            return method(self, *args, **kwargs)
+        previous = mx.set_memory_limit(mx.get_active_memory() + budget)
+        try:
+            out = method(self, *args, **kwargs)
+            mx.async_eval(out)  # queued under the limit: the caller's later eval finds the work in flight
+        finally:
+            mx.set_memory_limit(previous)
+        return out
+
+    return run
+
+
+def resolve_memory_budget(budget: int | str | None) -> int | None:
+    """``S3Gen.memory_budget`` -> bytes (or None: unbounded); "auto" picks by MLX's default device."""
+    if budget == "auto":
+        return MEMORY_BUDGETS["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"memory_budget={budget!r} must be a number of bytes >= 0, 'auto' or None")
+    return budget
+
+
 @dataclass
 class S3Gen:
-    """The three networks that turn speech tokens into audio."""
+    """The three networks that turn speech tokens into audio. ``memory_budget``: bytes a call may hold above
+    the memory in use when it starts; "auto" (``MEMORY_BUDGETS`` for the default device) or None (no bound
+    beyond MLX's own limit: fastest on GPUs, 5x the memory). See ``bounded_memory``."""
 
     flow: Flow
     estimator: Estimator
     hift: HiFT
+    memory_budget: int | Literal["auto"] | None = "auto"
 
+    @bounded_memory
     def mel(
         self,
         tokens: mx.array,
@@ -53,9 +102,12 @@ class S3Gen:
         cfm_steps: int | None = None,
         cfm_noise: mx.array | None = None,
         key: mx.array | None = None,
+        finalize: bool = True,
     ) -> mx.array:
         """(1, N) int32 speech tokens -> (1, 2N or 2N - 1, 80) log-mel at 50 frames/s (one frame fewer when
-        the voice's prompt mel has an odd length, as upstream). ``cfm_steps`` defaults to the config's 10."""
+        the voice's prompt mel has an odd length, as upstream). ``cfm_steps`` defaults to the config's 10.
+        ``finalize=False`` (streaming, upstream's flow ``finalize``): the frames of the last
+        ``pre_lookahead_len`` tokens are dropped, they wait for tokens that have not come yet."""
         check_tokens(tokens, self.flow.config.vocab_size)
         cfm = self.estimator.config
         check_cfm_steps(cfm_steps)
@@ -65,6 +117,13 @@ class S3Gen:
         lengths = mx.array([everything.shape[1]], dtype=mx.int32)
         mu, _ = self.flow.encode(everything, lengths)
         prompt_frames = prompt_mel.shape[1]
+        if not finalize:
+            mu = mu[:, : mu.shape[1] - self.flow.config.pre_lookahead_len * self.flow.config.upsample_stride]
+            if mu.shape[1] <= prompt_frames:
+                raise ValueError(
+                    f"{tokens.shape[1]} speech tokens leave no frame once the last "
+                    f"{self.flow.config.pre_lookahead_len} are held back; pass more or finalize"
+                )
         # The condition is the prompt mel over the prompt frames and zeros after (flow.py inference).
         cond = mx.concatenate(
             [prompt_mel.astype(mu.dtype), mx.zeros((1, mu.shape[1] - prompt_frames, mu.shape[2]), mu.dtype)],
@@ -81,6 +140,7 @@ class S3Gen:
         mel = solve(self.estimator, mu, None, spks, cond, cfm_noise, cfm_steps, cfm.cfg_rate)
         return mel[:, prompt_frames:]
 
+    @bounded_memory
     def __call__(
         self,
         tokens: mx.array,
@@ -110,6 +170,34 @@ class S3Gen:
         else:
             wav = self.hift(mel, phases=draws.phases, noise=draws.source_noise)
         return fade_in(wav)
+
+    @bounded_memory
+    def batch_mel(
+        self,
+        tokens: list[mx.array | np.ndarray],
+        voices: list[Voice],
+        *,
+        cfm_steps: int | None = None,
+        keys: list[mx.array | None] | None = None,
+    ) -> list[mx.array]:
+        """Several requests through one flow encoder and one CFM solve: ``mel`` for each (tokens[i],
+        voices[i], keys[i]), as a list of (1, T_i, 80) log-mels equal to the one-by-one results up to float
+        error. Tokens: (N_i,) or (1, N_i) integer ids; keys default to MLX's global generator."""
+        return _batch_mel(self, tokens, voices, cfm_steps, keys)
+
+    @bounded_memory
+    def batch(
+        self,
+        tokens: list[mx.array | np.ndarray],
+        voices: list[Voice],
+        *,
+        cfm_steps: int | None = None,
+        keys: list[mx.array | None] | None = None,
+    ) -> list[mx.array]:
+        """Several requests vocoded together: ``__call__`` for each (tokens[i], voices[i], keys[i]), as a
+        list of (1, samples_i) float32 waveforms at 24 kHz, faded in, equal to the one-by-one results up to
+        float error. Token counts and voices (prompt lengths) may differ between requests."""
+        return _batch_wav(self, tokens, voices, cfm_steps, keys)
 
 
 def check_cfm_steps(cfm_steps: int | None) -> None:
@@ -158,3 +246,105 @@ def crossfade_join(wavs: list[np.ndarray], overlap: int) -> np.ndarray:
         mixed = out[-n:] * (1 - fade) + wav[:n] * fade
         out = np.concatenate([out[:-n], mixed.astype(out.dtype), wav[n:]])
     return out
+
+
+# --- batched vocoding ---
+
+
+def _batch_mel(
+    s3gen: S3Gen,
+    tokens: list[mx.array | np.ndarray],
+    voices: list[Voice],
+    cfm_steps: int | None,
+    keys: list[mx.array | None] | None,
+) -> list[mx.array]:
+    n = len(tokens)
+    if n == 0:
+        raise ValueError("there are no requests to vocode: pass at least one token sequence")
+    if len(voices) != n:
+        raise ValueError(f"{n} token sequences but {len(voices)} voices: pass one voice per request")
+    keys = [None] * n if keys is None else list(keys)
+    if len(keys) != n:
+        raise ValueError(f"{n} token sequences but {len(keys)} keys: pass one key (or None) per request")
+    check_cfm_steps(cfm_steps)
+    cfm = s3gen.estimator.config
+    cfm_steps = cfm.n_timesteps if cfm_steps is None else cfm_steps
+    vocab, stride = s3gen.flow.config.vocab_size, s3gen.flow.config.upsample_stride
+    rows = [
+        mx.concatenate([voice.s3gen_prompt_tokens, _token_row(ids, vocab, i)], axis=1)
+        for i, (ids, voice) in enumerate(zip(tokens, voices))
+    ]
+    lengths = [row.shape[1] for row in rows]
+    width = max(lengths)
+    padded = mx.concatenate([mx.pad(row, [(0, 0), (0, width - row.shape[1])]) for row in rows], axis=0)
+    # Right padding, the lengths and the masks keep each row's valid frames to what it computes alone.
+    mu, mask = s3gen.flow.encode(padded, mx.array(lengths, dtype=mx.int32), isolate_rows=True)
+    frames, mel_dim = mu.shape[1], mu.shape[2]
+    conds, noises, spans = [], [], []
+    for i, (voice, key, length) in enumerate(zip(voices, keys, lengths)):
+        own, prompt = stride * length, voice.s3gen_prompt_mel.shape[1]
+        if prompt > own:
+            raise ValueError(
+                f"request {i}: the voice's prompt mel has {prompt} frames, more than the {own} frames of its "
+                "prompt and new tokens; the voice's prompt tokens and mel do not belong together"
+            )
+        pad = mx.zeros((1, frames - prompt, mel_dim), mu.dtype)
+        conds.append(mx.concatenate([voice.s3gen_prompt_mel.astype(mu.dtype), pad], axis=1))
+        # Each row draws the noise of its own shape from its own key, as alone, then is padded with zeros.
+        noise = mx.random.normal((1, own, mel_dim), key=key)
+        noises.append(mx.pad(noise, [(0, 0), (0, frames - own), (0, 0)]))
+        spans.append((prompt, own))
+    spks = s3gen.flow.embed_speaker(mx.concatenate([voice.xvector for voice in voices], axis=0))
+    cond, noise = mx.concatenate(conds, axis=0), mx.concatenate(noises, axis=0)
+    mel = solve(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps, cfm.cfg_rate)
+    return [mel[i : i + 1, start:stop] for i, (start, stop) in enumerate(spans)]
+
+
+def _batch_wav(
+    s3gen: S3Gen,
+    tokens: list[mx.array | np.ndarray],
+    voices: list[Voice],
+    cfm_steps: int | None,
+    keys: list[mx.array | None] | None,
+) -> list[mx.array]:
+    if keys is None:
+        keys = [None] * len(tokens)
+    split = [(None, None) if key is None else tuple(mx.random.split(key)) for key in keys]
+    mels = _batch_mel(s3gen, tokens, voices, cfm_steps, [cfm_key for cfm_key, _ in split])
+    # HiFT has no masks (its F0 predictor and resblocks see both sides): only rows of one mel length share a
+    # call, each with the source draws of its own shape from its own key.
+    groups: dict[int, list[int]] = {}
+    for i, mel in enumerate(mels):
+        groups.setdefault(mel.shape[1], []).append(i)
+    wavs: list[mx.array | None] = [None] * len(mels)
+    for frames, rows in groups.items():
+        draws = [s3gen.hift.draw_source(1, frames, split[i][1]) for i in rows]
+        wav = s3gen.hift(
+            mx.concatenate([mels[i] for i in rows], axis=0),
+            phases=mx.concatenate([phases for phases, _ in draws], axis=0),
+            noise=mx.concatenate([noise for _, noise in draws], axis=0),
+        )
+        for j, i in enumerate(rows):
+            wavs[i] = fade_in(wav[j : j + 1])
+    return wavs
+
+
+def _token_row(ids: mx.array | np.ndarray, vocab_size: int, index: int) -> mx.array:
+    """One request's speech tokens, (N,) or (1, N) integer ids -> a checked (1, N) int32 array."""
+    ids = ids if isinstance(ids, mx.array) else mx.array(np.asarray(ids))
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.size == 0:
+        raise ValueError(f"request {index}: there are no speech tokens to vocode")
+    if ids.ndim != 2 or ids.shape[0] != 1 or not mx.issubdtype(ids.dtype, mx.integer):
+        raise ValueError(
+            f"request {index}: speech tokens must be integer ids of shape (N,) or (1, N), "
+            f"got {ids.dtype} {ids.shape}"
+        )
+    low, high = mx.min(ids).item(), mx.max(ids).item()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"request {index}: speech tokens must lie in [0, {vocab_size}), "
+            f"found {low if low < 0 else high}; drop T3's start/stop ids first (drop_invalid_tokens)"
+        )
+    return ids.astype(mx.int32)

@@ -216,11 +216,18 @@ class UpsampleConformerEncoder(nn.Module):
             x = block(x, pos_emb, key_bias)
         return x
 
-    def __call__(self, x: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    def __call__(
+        self, x: mx.array, lengths: mx.array, *, isolate_rows: bool = False
+    ) -> tuple[mx.array, mx.array]:
         """x: (B, N, D) masked token embeddings; lengths: (B,) valid tokens per row.
-        Returns h (B, stride·N, D) after after_norm, and its (B, stride·N) bool mask (True = valid)."""
+        Returns h (B, stride·N, D) after after_norm, and its (B, stride·N) bool mask (True = valid).
+        ``isolate_rows``: zero the padded frames before the pre-lookahead conv, so that each row's valid
+        frames equal its batch-of-one result (upstream's padded batch lets them read LN(bias)·√d there)."""
         stride = self.up_layer.stride
-        x = self.pre_lookahead_layer(self.embed(x))
+        x = self.embed(x)
+        if isolate_rows:
+            x = x * length_mask(lengths, x.shape[1])[..., None].astype(x.dtype)
+        x = self.pre_lookahead_layer(x)
         x = self._stack(self.encoders, x, key_padding_mask(lengths, x.shape[1]))
         x = self.up_embed(self.up_layer(x))
         valid = key_padding_mask(lengths * stride, x.shape[1])
@@ -255,11 +262,15 @@ class Flow(nn.Module):
         x = self.input_embedding(mx.where(valid, tokens, 0))
         return x * valid[..., None].astype(x.dtype)
 
-    def encode(self, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    def encode(
+        self, tokens: mx.array, lengths: mx.array, *, isolate_rows: bool = False
+    ) -> tuple[mx.array, mx.array]:
         """(B, N) int speech tokens (prompt and generated already concatenated by the caller), (B,) lengths ->
         mu (B, 2N, mel_dim) in mel space (``encoder_proj`` output, channels last) and its (B, 2N) bool mask.
-        Frames past 2·length are padding; what they hold is what upstream computes there."""
-        h, valid = self.encoder(self.embed_tokens(tokens, lengths), lengths)
+        Frames past 2·length are padding; what they hold is what upstream computes there. With
+        ``isolate_rows`` each row's valid frames are its batch-of-one result instead of upstream's
+        padded-batch value (``UpsampleConformerEncoder``)."""
+        h, valid = self.encoder(self.embed_tokens(tokens, lengths), lengths, isolate_rows=isolate_rows)
         return self.encoder_proj(h), valid
 
     # --- checkpoint ---
