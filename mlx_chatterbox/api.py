@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,10 +19,11 @@ from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
 from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
 from .generation.speech_tokens import check_params, drop_invalid_tokens, generate_speech_tokens
+from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .generation.watermark import Watermarker
-from .sampling import SamplingParams
+from .sampling import SamplingParams, seed_keys
 from .text import punc_norm
 from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
@@ -112,6 +113,7 @@ class TTS:
         )
         if cfm_dtype != "float32":
             folder.s3gen.estimator.set_dtype(CFM_DTYPES[cfm_dtype])
+            mx.eval(folder.s3gen.estimator.parameters())  # materialised here: see weights._load_network
         torch_s3gen = None
         if s3gen == "torch":
             from .hybrid import TorchS3Gen  # imports torch: only in hybrid mode
@@ -199,7 +201,7 @@ class TTS:
     ) -> tuple[np.ndarray, bool]:
         """``speech_tokens`` for piece ``piece`` of ``pieces``, and whether T3 gave its stop token."""
         ids = self.text_ids(text)
-        key = None if seed is None else _keys(seed)[0]
+        key = None if seed is None else seed_keys(seed)[0]
         cfg = self.t3.config
         raw = []
         for token in generate_speech_tokens(self.t3, voice, ids, params, key=key):
@@ -236,7 +238,7 @@ class TTS:
             check_tokens(mx.array(ids.astype(np.int32)).reshape(1, -1), self.s3gen.flow.config.vocab_size)
             wav = self.torch_s3gen(ids, self._voice(voice), cfm_steps, seed)
         else:
-            key = None if seed is None else _keys(seed)[1]
+            key = None if seed is None else seed_keys(seed)[1]
             out = self.s3gen(
                 mx.array(ids.astype(np.int32))[None], self._voice(voice), cfm_steps=cfm_steps, key=key
             )
@@ -315,6 +317,57 @@ class TTS:
         wav = crossfade_join(wavs, CROSSFADE)
         return self._mark(wav) if watermark else wav
 
+    def stream(
+        self,
+        text: str,
+        voice: Voice | str | os.PathLike | None = None,
+        params: SamplingParams | None = None,
+        *,
+        cfm_steps: int | None = None,
+        seed: int | None = None,
+        watermark: bool = True,
+        first_chunk: int = 10,
+        chunk: int = 25,
+        **knobs: float,
+    ) -> Iterator[np.ndarray]:
+        """Text -> float32 mono chunks at ``sample_rate`` (24 kHz), yielded while T3 still speaks.
+
+        S3Gen re-decodes the utterance so far after ``first_chunk`` speech tokens, then after every
+        ``chunk`` more, and at the end (``generation.stream.StreamVocoder``: the first audio after 10 tokens,
+        then about 1 s of audio per chunk of 25). Long text is split into pieces as ``generate`` does, with
+        the same budgets, seed s + i for piece i and 40 ms crossfades between pieces. Concatenated, the chunks
+        have the length of ``generate``'s output for the same seed (the same speech tokens) and sound alike,
+        but are not equal: the chunked decoding draws its own noise tables.
+        watermark: Perth's watermark is applied to each chunk on its own as it is yielded (each chunk keeps
+            its length), not once over the whole as ``generate`` does.
+        Every argument is checked before any work; the work starts with the first ``next()``."""
+        params = _params(params, knobs)
+        check_params(self.t3, params)
+        check_cfm_steps(cfm_steps)
+        check_chunks(first_chunk, chunk, self.s3gen.flow.config.pre_lookahead_len)
+        if self.torch_s3gen is not None:
+            raise ValueError("streaming runs our MLX S3Gen; load the model with s3gen='mlx' to stream")
+        texts = split_pieces(text, self._fits)  # tokenizes: an empty text is refused here
+        voice = self._voice(voice)
+        if watermark:
+            self.watermarker()  # loaded now, so that a missing asset fails before any work
+        pieces = []
+        for i, piece in enumerate(texts):
+            keys = (None, None) if seed is None else seed_keys(seed + i)
+            budget = min(params.max_new_tokens, token_budget(piece))
+            piece_params = dataclasses.replace(params, max_new_tokens=budget)
+            pieces.append(Piece(self.text_ids(piece), piece_params, *keys))
+        settings = {"cfm_steps": cfm_steps, "first_chunk": first_chunk, "chunk": chunk}
+        streams = [stream_piece(self.t3, self.s3gen, voice, p, **settings) for p in pieces]  # lazy: no work yet
+        chunks = join_pieces(streams, CROSSFADE)
+        return (self._mark_chunk(c) for c in chunks) if watermark else chunks
+
+    def _mark_chunk(self, chunk: np.ndarray) -> np.ndarray:
+        """Perth on one chunk, kept at its length: perth's iSTFT may drop up to 10 ms at the end, which is
+        put back unmarked so that chunks still join sample for sample."""
+        marked = self._mark(chunk)[: len(chunk)]
+        return np.concatenate([marked, chunk[len(marked) :]])
+
     def _fits(self, text: str) -> bool:
         """Whether T3 takes ``text`` in one pass (SOT and EOT included)."""
         return len(self.text_ids(text)) + 2 <= self.t3.config.text_positions
@@ -338,9 +391,3 @@ def _params(params: SamplingParams | None, knobs: dict[str, float]) -> SamplingP
             f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}"
         )
     return dataclasses.replace(params or SamplingParams(), **knobs)
-
-
-def _keys(seed: int) -> tuple[mx.array, mx.array]:
-    """Independent PRNG keys for T3 and S3Gen from one user seed."""
-    t3, s3gen = mx.random.split(mx.random.key(seed))
-    return t3, s3gen

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from .sampling import SamplingParams
 PROG = "mlx-chatterbox"
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG"}
 _DEFAULTS = SamplingParams()
+APLAY = "aplay -f S16_LE -r 24000 -c 1"  # a player for --stream's output
 KNOBS = {  # SamplingParams field -> help
     "temperature": "sampling temperature, >= 0; 0 = greedy",
     "top_p": "nucleus probability mass kept, in (0, 1]",
@@ -107,7 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="vocode these speech tokens (as 'mlx-chatterbox tokens' writes them) instead of a text",
     )
     _model_arguments(p)
-    p.add_argument("-o", "--output", required=True, type=Path, help="audio file to write")
+    p.add_argument(
+        "-o", "--output", type=Path, help="audio file to write (required unless --stream or --play)"
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="write raw PCM (s16le, mono, 24 kHz) to standard output as it is made, for a player: "
+        f"... --stream | {APLAY}",
+    )
+    p.add_argument(
+        "--play",
+        action="store_true",
+        help="play through the default audio device as it is made (needs mlx-chatterbox[play] and PortAudio)",
+    )
     p.add_argument(
         "--no-watermark",
         action="store_true",
@@ -169,6 +184,48 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(p)
     p.add_argument("-o", "--output", type=Path, help="write the tokens to this file instead of stdout")
     _knob_arguments(p)
+
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible speech server",
+        description="Serve POST /v1/audio/speech (OpenAI's text-to-speech API, plus Chatterbox's knobs) and a "
+        "voice library under /v1/audio/voices over HTTP, batching concurrent requests through one model "
+        "(needs mlx-chatterbox[serve]; README: Server).",
+    )
+    _model_arguments(p)  # here --voice is the voice named "default" (instead of the built-in one)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument(
+        "--max-batch",
+        type=_at_least_1,
+        default=32,
+        help="requests whose speech tokens are drawn together, at most (default: 32)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_at_least_1,
+        default=128,
+        help="requests running or waiting, at most; more are answered 429 (default: 128)",
+    )
+    p.add_argument(
+        "--voices",
+        type=Path,
+        metavar="DIR",
+        help="folder of the stored voices (<name>.safetensors; uploads go there); default: "
+        "$XDG_CACHE_HOME/mlx-chatterbox/voices or ~/.cache/mlx-chatterbox/voices",
+    )
+    p.add_argument(
+        "--cfm-steps",
+        type=_at_least_1,
+        help="Euler steps of the flow-matching decoder for requests that give none (default: 10)",
+    )
+    _cfm_dtype_argument(p)
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GB",
+        help="cap MLX's memory (mx.set_memory_limit) and its buffer cache at this many GB (default: no cap)",
+    )
     return parser
 
 
@@ -336,11 +393,76 @@ def _read_tokens(path: Path) -> np.ndarray:
         raise ValueError(f"--tokens {path}: no such file") from None
 
 
+def _check_live(args: argparse.Namespace):
+    """Check --stream / --play against the other say arguments and the machine; the sounddevice module
+    for --play (None otherwise)."""
+    if args.stream and args.play:
+        raise ValueError("choose one of --stream and --play")
+    flag = "--stream" if args.stream else "--play"
+    if args.tokens is not None:
+        raise ValueError(f"{flag} speaks a text; vocode --tokens into an audio file with -o instead")
+    if args.stream:
+        if args.output is not None and str(args.output) != "-":
+            raise ValueError("--stream writes to standard output; leave out -o (or give -o -)")
+        if sys.stdout.isatty():
+            raise ValueError(
+                f"--stream writes raw PCM to standard output, which is a terminal; pipe it to a player: "
+                f"... --stream | {APLAY} (or | ffplay -f s16le -ar 24000 -nodisp -)"
+            )
+        return None
+    if args.output is not None:
+        raise ValueError("--play plays the audio; leave out -o (or drop --play to write a file)")
+    return _sounddevice()
+
+
+def _sounddevice():
+    """The sounddevice module, with PortAudio and a default output device, or a one-line error."""
+    try:
+        sd = importlib.import_module("sounddevice")
+    except ImportError:
+        raise ValueError("--play needs sounddevice: pip install 'mlx-chatterbox[play]'") from None
+    except OSError as e:  # sounddevice raises OSError when it cannot load the PortAudio library
+        raise ValueError(
+            f"--play needs the PortAudio library ({e}): install it (apt install libportaudio2, "
+            "brew install portaudio), or use --stream"
+        ) from None
+    try:
+        sd.query_devices(kind="output")
+    except Exception as e:  # PortAudioError or ValueError, depending on what is missing
+        raise ValueError(f"--play found no default audio output device ({e}); use --stream or -o") from None
+    return sd
+
+
+def _write_pcm(chunks, out, rate: int) -> float:
+    """Raw s16le samples of each chunk to the binary stream ``out`` as it comes; the seconds written."""
+    samples = 0
+    for chunk in chunks:
+        out.write((np.clip(chunk, -1.0, 1.0) * 32767).round().astype("<i2").tobytes())
+        out.flush()
+        samples += len(chunk)
+    return samples / rate
+
+
+def _play(sd, chunks, rate: int) -> float:
+    """Play each chunk through the default output as it comes; the seconds played."""
+    samples = 0
+    with sd.OutputStream(samplerate=rate, channels=1, dtype="float32") as out:
+        for chunk in chunks:
+            out.write(np.ascontiguousarray(chunk, dtype=np.float32).reshape(-1, 1))
+            samples += len(chunk)
+    return samples / rate
+
+
 def _say(args: argparse.Namespace) -> None:
     # Every argument is checked before the model loads: generation can take minutes on a CPU.
     if [args.text, args.file, args.tokens].count(None) != 2:
         raise ValueError("give one of: a TEXT to speak, --file FILE, --tokens FILE")
-    _check_output(args.output, tuple(AUDIO_FORMATS))
+    live = args.stream or args.play
+    sd = _check_live(args) if live else None
+    if not live:
+        if str(args.output) == "-":
+            raise ValueError("-o - writes raw PCM to standard output: add --stream")
+        _check_output(args.output, tuple(AUDIO_FORMATS))
     _check_voice(args.voice)
     if args.tokens is not None:
         given = [n for n in KNOBS if getattr(args, n) is not None]
@@ -356,6 +478,22 @@ def _say(args: argparse.Namespace) -> None:
     loaded = time.perf_counter()
     voice = _load_voice(tts, args.voice)
     watermark = not args.no_watermark
+    if live:
+        chunks = tts.stream(
+            text, voice, params, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark
+        )
+        if args.stream:
+            seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
+        else:
+            seconds = _play(sd, chunks, tts.sample_rate)
+        if args.verbose:
+            spent = time.perf_counter() - loaded
+            print(
+                f"load {loaded - start:.2f} s, speech {spent:.2f} s for {seconds:.2f} s of audio "
+                f"(real-time factor {spent / max(seconds, 1e-9):.2f})\n" + _backend_lines(),
+                file=sys.stderr,
+            )
+        return
     if args.tokens is not None:
         wav = tts.vocode(tokens, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark)
     else:
@@ -455,17 +593,75 @@ def _tokens(args: argparse.Namespace) -> None:
         )
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 1-65535."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: a port is in 1-65535")
+    return value
+
+
+_port.__name__ = "port"
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    # Fail before the model loads when the server's packages are missing.
+    missing = [m for m in ("fastapi", "uvicorn", "python_multipart") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"the server needs {', '.join(missing)}, which is not installed: pip install 'mlx-chatterbox[serve]'"
+        )
+    import mlx.core as mx
+    import uvicorn
+
+    from .server.app import create_app
+    from .server.voices import VoiceStore, default_voices_dir
+    from .server.worker import Worker
+
+    _check_voice(args.voice)
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        raise ValueError(f"--memory-limit {args.memory_limit}: give a positive number of GB")
+    folder = args.voices if args.voices is not None else default_voices_dir()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--voices {folder}: not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--voices {folder}: the folder is not writable (uploaded voices are saved there)")
+    tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
+    if args.memory_limit is not None:
+        limit = int(args.memory_limit * 2**30)
+        mx.set_memory_limit(limit)
+        mx.set_cache_limit(limit)
+    voices = VoiceStore(folder, _load_voice(tts, args.voice) or tts.builtin_voice)
+    model_name = Path(args.model).name or str(args.model)
+    with Worker(tts, max_batch=args.max_batch, max_queue=args.max_queue) as worker:
+        app = create_app(worker, voices, model_name=model_name, cfm_steps=args.cfm_steps)
+        log_level = "info" if args.verbose else "warning"
+        print(f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder})", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=log_level)
+
+
 def _backend_lines() -> str:
     return "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items())
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "say" and args.output is None and not (args.stream or args.play):
+        parser.exit(
+            2,
+            f"{PROG} say: error: the following arguments are required: -o/--output (or --stream, --play) "
+            f"(see {PROG} say --help)\n",
+        )
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format=_log_format(sys.stderr)
     )
     try:
         commands = {"convert": _convert, "say": _say, "voice": _voice, "bench": _bench, "tokens": _tokens}
+        commands["serve"] = _serve
         commands[args.command](args)
     except (ValueError, OSError, ImportError) as e:  # our errors say what is wrong and how to fix it
         print(f"{PROG}: error: {e}", file=sys.stderr)

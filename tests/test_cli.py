@@ -6,6 +6,7 @@ import functools
 import io
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -353,3 +354,152 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     assert (
         terminal.getvalue().count("\n") == 1 and "max_new_tokens=5000 is out of range" in terminal.getvalue()
     )
+
+
+# --- say --stream / --play ---
+
+
+def _streamed(model, tmp_path, **kwargs) -> np.ndarray:
+    """What TTS.stream gives for the arguments of _live_args, as one float32 array."""
+    from mlx_chatterbox.api import TTS, Voice
+
+    tts = TTS.load(model)
+    voice = Voice.load(tmp_path / "voice.safetensors")
+    chunks = tts.stream("Hello there.", voice, seed=3, cfm_steps=1, max_new_tokens=20, **kwargs)
+    return np.concatenate(list(chunks))
+
+
+def _live_args(model, tmp_path) -> list[str]:
+    voice = ["--voice", str(tmp_path / "voice.safetensors")]
+    knobs = ["--seed", "3", "--max-new-tokens", "20", "--cfm-steps", "1"]
+    return ["say", "Hello there.", "--model", str(model), *voice, *knobs]
+
+
+@pytest.mark.parametrize("output", [[], ["-o", "-"]])
+def test_say_stream_writes_raw_pcm_to_stdout(model, capsysbinary, tmp_path, output):
+    assert main([*_live_args(model, tmp_path), "--stream", "--no-watermark", *output]) == 0
+    pcm = np.frombuffer(capsysbinary.readouterr().out, dtype="<i2")
+    wav = _streamed(model, tmp_path, watermark=False)
+    # 20 speech tokens at most (random weights never stop), 960 samples each, two bytes a sample.
+    assert 0 < len(pcm) == len(wav) <= 20 * 960
+    np.testing.assert_array_equal(pcm, np.round(np.clip(wav, -1, 1) * 32767).astype(np.int16))
+
+
+class _FakeSoundDevice(types.ModuleType):
+    """A stand-in for the sounddevice module: one output device; what is written is kept."""
+
+    def __init__(self, device_error: Exception | None = None):
+        super().__init__("sounddevice")
+        self.device_error = device_error
+        self.streams: list[dict] = []
+
+    def query_devices(self, kind=None):
+        if self.device_error is not None:
+            raise self.device_error
+        return {"name": "fake", "max_output_channels": 2}
+
+    def OutputStream(self, **settings):  # noqa: N802 (sounddevice's name)
+        stream = {"settings": settings, "written": [], "closed": False}
+        self.streams.append(stream)
+
+        class Stream:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                stream["closed"] = True
+
+            def write(self, data):
+                assert not stream["closed"]
+                stream["written"].append(np.array(data))
+
+        return Stream()
+
+
+def test_say_play_plays_the_stream(model, tmp_path, monkeypatch):
+    fake = _FakeSoundDevice()
+    monkeypatch.setitem(sys.modules, "sounddevice", fake)
+    assert main([*_live_args(model, tmp_path), "--play"]) == 0
+    [stream] = fake.streams
+    assert stream["settings"] == {"samplerate": 24000, "channels": 1, "dtype": "float32"}
+    assert stream["closed"] and len(stream["written"]) >= 2  # chunk by chunk
+    assert all(c.dtype == np.float32 and c.ndim == 2 and c.shape[1] == 1 for c in stream["written"])
+    played = np.concatenate(stream["written"])[:, 0]
+    np.testing.assert_array_equal(played, _streamed(model, tmp_path))  # watermarked chunk by chunk
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--stream", "-o", "out.wav"], "--stream writes to standard output; leave out -o (or give -o -)"),
+        (["--stream", "--play"], "choose one of --stream and --play"),
+        (["--play", "-o", "out.wav"], "--play plays the audio; leave out -o"),
+        (["-o", "-"], "-o - writes raw PCM to standard output: add --stream"),
+    ],
+)
+def test_stream_and_play_errors_come_before_the_model_loads(tmp_path, capsys, monkeypatch, extra, message):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli.TTS, "load", load)
+    monkeypatch.setitem(sys.modules, "sounddevice", _FakeSoundDevice())
+    monkeypatch.chdir(tmp_path)
+    assert main(["say", "Hi.", *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "ids.txt").write_text("1 2 3")
+    assert main(["say", "--tokens", "ids.txt", "--stream"]) == 1
+    assert (
+        "--stream speaks a text; vocode --tokens into an audio file with -o instead"
+        in capsys.readouterr().err
+    )
+
+
+def test_stream_refuses_a_terminal(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli.TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    assert main(["say", "Hi.", "--stream"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "standard output, which is a terminal; pipe it to a player" in err
+        and "aplay -f S16_LE -r 24000 -c 1" in err
+    )
+    assert err.count("\n") == 1
+
+
+def test_say_needs_an_output_a_stream_or_play(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["say", "Hi."])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "the following arguments are required: -o/--output (or --stream, --play)" in err
+
+
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        (None, "--play needs sounddevice: pip install 'mlx-chatterbox[play]'"),
+        (
+            OSError("PortAudio library not found"),
+            "--play needs the PortAudio library (PortAudio library not found)",
+        ),
+        (
+            _FakeSoundDevice(ValueError("No output device found")),
+            "--play found no default audio output device",
+        ),
+    ],
+)
+def test_play_without_sounddevice_portaudio_or_a_device(capsys, monkeypatch, module, message):
+    monkeypatch.setattr(cli.TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    if isinstance(module, OSError):  # what importing sounddevice raises when PortAudio is missing
+
+        def import_module(name, *args):
+            raise module
+
+        monkeypatch.setattr(cli.importlib, "import_module", import_module)
+    else:
+        monkeypatch.setitem(sys.modules, "sounddevice", module)  # None: import raises ImportError
+    assert main(["say", "Hi.", "--play"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1

@@ -1,0 +1,147 @@
+"""Serving: time to first audio of a streamed request, and many requests at once through the server's engine
+(server/worker.py), on the full-size English model with random weights.
+
+- ``stream``: one ``TTS.stream`` request alone: seconds to its first chunk, and to its end.
+- ``worker``: N requests submitted at once to one ``Worker`` (T3 batched, S3Gen per request), streamed or
+  not: time to each request's first audio (median and worst), the wall time until all are done, and the
+  aggregate real-time factor (wall / seconds of audio made).
+
+The voice is random at upstream's sizes (6 s T3 prompt, 10 s S3Gen prompt); random weights never stop, so
+each request speaks ``--tokens`` speech tokens (``max_new_tokens``). Watermark on, as users get it.
+
+    python benchmarks/bench_stream.py --tokens 250 --concurrency 1,8,32 --out benchmarks/out/stream.jsonl
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the toy tokenizer
+import mlx_chatterbox  # noqa: F401  isort: skip  (before mlx.core: see _backend.py)
+from mlx_chatterbox import _backend  # isort: skip
+
+import argparse
+import statistics
+import threading
+import time
+
+import mlx.core as mx
+from common import machine_info, write_line
+from toy_tokenizer import build_toy_tokenizer
+
+from mlx_chatterbox import TTS
+from mlx_chatterbox.generation.vocode import S3Gen
+from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models.cfm import Estimator
+from mlx_chatterbox.models.flow import Flow
+from mlx_chatterbox.models.hift import HiFT
+from mlx_chatterbox.models.t3 import T3
+from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server.worker import SpeechJob, Worker
+from mlx_chatterbox.text import EnTokenizer
+from mlx_chatterbox.variants import ModelConfig
+from mlx_chatterbox.weights import ModelFolder
+
+TEXT = "Speech synthesis turns written text into spoken words, and this voice was cloned a moment ago."
+SAMPLE_RATE = 24000
+
+
+def build() -> TTS:
+    mx.random.seed(0)
+    cfg = ModelConfig()
+    t3 = T3(cfg.t3)
+    s3gen = S3Gen(Flow(cfg.flow), Estimator(cfg.cfm), HiFT(cfg.hift))
+    mx.eval(t3.parameters(), s3gen.flow.parameters(), s3gen.estimator.parameters(), s3gen.hift.parameters())
+    voice = Voice(
+        speaker_emb=mx.random.normal((1, cfg.t3.speaker_embed_size)),
+        t3_prompt_tokens=mx.random.randint(0, 6561, (1, 150)).astype(mx.int32),
+        s3gen_prompt_tokens=mx.random.randint(0, 6561, (1, 250)).astype(mx.int32),
+        s3gen_prompt_mel=mx.random.normal((1, 500, 80)) - 5,
+        xvector=mx.random.normal((1, 192)),
+    )
+    folder = ModelFolder(Path("."), {}, cfg, t3, s3gen, EnTokenizer(build_toy_tokenizer()), voice)
+    return TTS(folder)
+
+
+def bench_stream(tts: TTS, tokens: int) -> dict:
+    start = time.perf_counter()
+    first, samples = None, 0
+    for chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens):
+        first = time.perf_counter() - start if first is None else first
+        samples += len(chunk)
+    return dict(first_audio_s=first, total_s=time.perf_counter() - start, audio_s=samples / SAMPLE_RATE)
+
+
+def bench_worker(tts: TTS, n: int, tokens: int, stream: bool) -> dict:
+    params = SamplingParams(max_new_tokens=tokens)
+    firsts, samples = [], []
+
+    def read(ticket, start: float) -> None:
+        count = 0
+        for chunk in ticket:
+            if not count:
+                firsts.append(time.perf_counter() - start)
+            count += len(chunk)
+        samples.append(count)
+
+    with Worker(tts, max_batch=max(n, 1)) as worker:
+        start = time.perf_counter()
+        readers = [
+            threading.Thread(target=read, args=(worker.submit(SpeechJob(TEXT, tts.builtin_voice, params, seed=i,
+                                                                        stream=stream)), start))
+            for i in range(n)
+        ]  # fmt: skip
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join()
+        wall = time.perf_counter() - start
+    audio = sum(samples) / SAMPLE_RATE
+    return dict(
+        first_audio_median_s=statistics.median(firsts),
+        first_audio_max_s=max(firsts),
+        wall_s=wall,
+        audio_s=audio,
+        rtf=wall / audio,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=250, help="speech tokens per request (25 per second)")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (worker)")
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--out", help="append JSON lines here")
+    args = parser.parse_args(argv)
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    tts = build()
+    info = machine_info()
+    bench_stream(tts, 30)  # warm-up: traces and compiles
+    rows = [
+        dict(mode="stream", requests=1, **bench_stream(tts, args.tokens), peak_mem_bytes=mx.get_peak_memory())
+    ]
+    for stream in (True, False):
+        for n in (int(c) for c in args.concurrency.split(",")):
+            bench_worker(tts, n, 30, stream)  # warm-up for this batch's shapes
+            mx.reset_peak_memory()
+            row = bench_worker(tts, n, args.tokens, stream)
+            rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
+                             peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
+    for row in rows:
+        write_line(
+            dict(bench="stream", tokens=args.tokens, **row, machine=info, backend=_backend.STATUS), args.out
+        )
+    print("\n| mode | requests | first audio (median / worst) s | wall s | audio s | RTF | peak GB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        first = f"{r.get('first_audio_median_s', r.get('first_audio_s')):.3f} / {r.get('first_audio_max_s', r.get('first_audio_s')):.3f}"
+        wall = r.get("wall_s", r.get("total_s"))
+        print(
+            f"| {r['mode']} | {r['requests']} | {first} | {wall:.2f} | {r['audio_s']:.1f} | {wall / r['audio_s']:.3f} | {r['peak_mem_bytes'] / 1e9:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

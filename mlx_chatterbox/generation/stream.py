@@ -1,0 +1,341 @@
+"""Streaming synthesis: 24 kHz audio chunks while T3's speech tokens still arrive (perf-serving.md §4.5).
+
+S3Gen's flow encoder and CFM attend over the whole utterance, so nothing is cached between chunks: every
+chunk re-decodes the voice prompt and all the tokens so far into a mel, with one fixed noise table for the
+utterance so that the re-decoded prefix barely moves. HiFT then vocodes only the frames not yet final (plus a
+little left context), continuing the sine source of the previous chunk, and a short crossfade hides what
+moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.t3 import T3
+from ..sampling import SamplingParams
+from .speech_tokens import generate_speech_tokens
+from .vocode import Draws, S3Gen, check_cfm_steps, crossfade_join, fade_in
+from .voice import Voice
+
+logger = logging.getLogger(__name__)
+
+# HiFT is not causal: its convolutions (conv_pre, the F0 predictor, the resblocks) reach ~13 mel frames either
+# way, most of it within a few frames. So each chunk vocodes HIFT_CONTEXT already-final frames in front of the
+# new ones, and holds back its last HIFT_HOLDBACK frames, whose right context is still to come.
+HIFT_CONTEXT = 8  # mel frames (20 ms each)
+HIFT_HOLDBACK = 6  # mel frames
+CROSSFADE = 480  # samples (20 ms) where a chunk's re-vocoded head meets the previous chunk's held-back tail
+CFM_NOISE_BLOCK = 250  # mel frames per drawn block of the CFM noise table (5 s)
+SOURCE_NOISE_BLOCK = 24000  # samples per drawn block of the sine source's noise table (1 s)
+
+
+def check_chunks(first_chunk: int, chunk: int, lookahead: int = 3) -> None:
+    """Chunk sizes in speech tokens: integers, the first large enough to leave audio once the last
+    ``lookahead`` tokens are held back for their lookahead and HiFT's holdback is taken off."""
+    least = min_first_chunk(lookahead)
+    for name, value, low in (("first_chunk", first_chunk, least), ("chunk", chunk, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} must be an integer number of speech tokens")
+        if value < low:
+            why = "a chunk holds at least one token"
+            if name == "first_chunk":
+                why = f"the last {lookahead} wait for their lookahead, HiFT holds back {HIFT_HOLDBACK} frames"
+            raise ValueError(f"{name}={value} is too small: it must be >= {low} ({why})")
+
+
+def min_first_chunk(lookahead: int) -> int:
+    """The fewest tokens whose non-final decode yields audio: 2 frames a token (one fewer after an odd prompt
+    mel) for the tokens before the lookahead must cover HiFT's holdback, then the crossfade tail (a frame),
+    then at least one frame."""
+    return lookahead + math.ceil((1 + HIFT_HOLDBACK + 2) / 2)
+
+
+class _NoiseTable:
+    """An endless N(0, 1) table of (rows, width), drawn block by block, each block from the next key of a
+    split chain: any prefix is the same however far the table has been drawn (a longer mx.random.normal draw
+    does not start with a shorter one)."""
+
+    def __init__(self, key: mx.array, width: int, block: int):
+        self.key, self.width, self.block = key, width, block
+        self.blocks: list[mx.array] = []
+
+    def take(self, start: int, stop: int) -> mx.array:
+        """Rows [start, stop) as (1, stop - start, width) float32."""
+        while len(self.blocks) * self.block < stop:
+            block_key, self.key = mx.random.split(self.key)
+            self.blocks.append(mx.random.normal((1, self.block, self.width), key=block_key))
+        if stop <= start:
+            return mx.zeros((1, 0, self.width))
+        first, last = start // self.block, (stop - 1) // self.block
+        rows = mx.concatenate(self.blocks[first : last + 1], axis=1)
+        offset = first * self.block
+        return rows[:, start - offset : stop - offset]
+
+
+class StreamVocoder:
+    """Speech tokens pushed as T3 makes them -> the waveform in final pieces (chunked S3Gen re-decoding).
+
+    Chunk schedule: the first decode runs once ``first_chunk`` tokens have been pushed, then one every
+    ``chunk`` tokens more (at first_chunk + k·chunk tokens; a push that crosses several boundaries decodes
+    once, with all its tokens), and ``finish`` decodes the rest. A decode runs the flow encoder and the CFM
+    over [voice prompt + all tokens so far] with the frames of the last 3 tokens dropped (upstream's
+    ``finalize=False``: they wait for their lookahead), then HiFT over the new frames with ``HIFT_CONTEXT``
+    frames of left context, holding back its last ``HIFT_HOLDBACK`` frames and ``CROSSFADE`` samples that the
+    next decode crossfades with its own. At 2 mel frames (960 samples) a token, the decode at n tokens makes
+    final the audio of the first 2·(n - 3) - 6 generated frames (one fewer after an odd prompt mel), less the
+    20 ms tail: with the defaults, 0.14 s after 10 tokens, then 1 s more every 25 tokens (0.4 s of audio
+    behind the tokens); ``finish`` gives the rest.
+
+    Randomness: one key (MLX's global generator when None) gives the CFM noise table, the sine source's
+    start phases and its noise table, all fixed for the utterance and sliced per decode; ``draws(n)`` returns
+    them as a one-shot ``S3Gen.__call__`` of the same n tokens takes them, so the stream can be compared with
+    (and is close to) the one-shot result.
+    """
+
+    def __init__(
+        self,
+        s3gen: S3Gen,
+        voice: Voice,
+        *,
+        cfm_steps: int | None = None,
+        key: mx.array | None = None,
+        first_chunk: int = 10,
+        chunk: int = 25,
+    ):
+        flow = s3gen.flow.config
+        check_cfm_steps(cfm_steps)
+        check_chunks(first_chunk, chunk, flow.pre_lookahead_len)
+        self.s3gen, self.voice, self.cfm_steps = s3gen, voice, cfm_steps
+        self.first_chunk, self.chunk = first_chunk, chunk
+        self._lookahead, self._stride = flow.pre_lookahead_len, flow.upsample_stride
+        self._prompt_tokens = voice.s3gen_prompt_tokens.shape[1]
+        self._prompt_frames = voice.s3gen_prompt_mel.shape[1]
+        hift = s3gen.hift.config
+        self._spf, self._harmonics = hift.samples_per_frame, hift.num_harmonics
+        if key is None:  # from MLX's global generator, so that mx.random.seed makes it reproducible
+            key = mx.random.key(mx.random.randint(0, 2**31 - 1, ()).item())
+        cfm_key, source_key = mx.random.split(key)
+        phase_key, noise_key = mx.random.split(source_key)
+        self._cfm_noise = _NoiseTable(cfm_key, flow.mel_dim, CFM_NOISE_BLOCK)
+        self._source_noise = _NoiseTable(noise_key, self._harmonics, SOURCE_NOISE_BLOCK)
+        # SineGen's start phases, the fundamental's 0, as HiFT.draw_source draws them.
+        phases = mx.random.uniform(-math.pi, math.pi, (1, self._harmonics), key=phase_key)
+        self._phases = mx.concatenate([mx.zeros((1, 1)), phases[:, 1:]], axis=1)
+        self._tokens: list[int] = []
+        self._next = first_chunk  # the token count that triggers the next decode
+        self._final_frames = 0  # mel frames whose audio is out, but for the held-back tail
+        self._tail = np.zeros(0, np.float32)  # the audio just before _final_frames·480, held back
+        # HiFT's source over the HIFT_CONTEXT frames before _final_frames, reused by the next decode
+        self._source_tail = mx.zeros((1, 0, 1))
+        self._cycles = np.zeros(self._harmonics)  # sine phase at _final_frames, in cycles (float64, mod 1)
+        self._finished = False
+
+    @property
+    def pushed(self) -> int:
+        """How many speech tokens have been pushed."""
+        return len(self._tokens)
+
+    def push(self, tokens: Sequence[int]) -> np.ndarray:
+        """New speech tokens (valid ids < 6561 only; the caller drops T3's start/stop ids) -> the float32
+        samples that are final now (possibly empty, shape (0,))."""
+        self._check_open()
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"tokens must be a 1-d sequence of integer ids, got {ids.dtype} {ids.shape}")
+        vocab = self.s3gen.flow.config.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(
+                f"speech tokens must lie in [0, {vocab}), found {bad}; drop T3's start/stop ids first"
+            )
+        self._tokens += ids.tolist()
+        if len(self._tokens) < self._next:
+            return np.zeros(0, np.float32)
+        while self._next <= len(self._tokens):
+            self._next += self.chunk
+        return self._decode(final=False)
+
+    def finish(self) -> np.ndarray:
+        """All remaining samples (finalize). After it, push/finish raise."""
+        self._check_open()
+        self._finished = True
+        if not self._tokens:
+            raise ValueError("no speech tokens were pushed; there is nothing to vocode")
+        return self._decode(final=True)
+
+    def draws(self, tokens: int) -> Draws:
+        """The random inputs with which a one-shot ``S3Gen.__call__`` of ``tokens`` tokens (the same voice)
+        uses this stream's noise tables and phases."""
+        frames = self._stride * (self._prompt_tokens + tokens)
+        return Draws(
+            cfm_noise=self._cfm_noise.take(0, frames),
+            phases=self._phases,
+            source_noise=self._source_noise.take(0, (frames - self._prompt_frames) * self._spf),
+        )
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise RuntimeError("this stream is finished; start a new StreamVocoder for the next utterance")
+
+    def _decode(self, final: bool) -> np.ndarray:
+        n = len(self._tokens)
+        held = 0 if final else self._lookahead
+        mu_frames = self._stride * (self._prompt_tokens + n - held)
+        frames = mu_frames - self._prompt_frames  # generated mel frames of this decode
+        end = frames if final else frames - HIFT_HOLDBACK  # the audio up to here becomes final
+        done, spf = self._final_frames, self._spf
+        if end <= done and not final:
+            return np.zeros(0, np.float32)
+        mel = self.s3gen.mel(
+            mx.array(self._tokens, dtype=mx.int32)[None],
+            self.voice,
+            cfm_steps=self.cfm_steps,
+            cfm_noise=self._cfm_noise.take(0, mu_frames),
+            finalize=final,
+        )
+        hift = self.s3gen.hift
+        start = max(0, done - HIFT_CONTEXT)
+        segment = mel[:, start:frames]
+        f0 = hift.predict_f0(segment)[:, done - start :]  # (1, frames - done)
+        # The sine continues the phase it had at `done`; over the context frames, the previous decode's source
+        # is reused as it was (upstream's cache_source).
+        fresh = hift.source(
+            f0,
+            phases=self._phases + mx.array(2 * math.pi * self._cycles, dtype=mx.float32)[None],
+            noise=self._source_noise.take(done * spf, frames * spf),
+        )
+        source = mx.concatenate([self._source_tail.astype(fresh.dtype), fresh], axis=1)
+        wav = hift.decode(segment, source)
+        if start == 0:
+            wav = fade_in(wav)  # upstream's trim_fade, on the utterance's first 40 ms only
+        # Cycles per frame as HiFT.source computes its frequencies (fp32), summed in float64.
+        freq = f0.astype(mx.float32)[..., None] * mx.arange(1, self._harmonics + 1, dtype=mx.float32)
+        freq = np.array(freq / hift.config.sampling_rate, dtype=np.float64)[0]  # (frames - done, H)
+        self._cycles = (self._cycles + spf * freq[: end - done].sum(axis=0)) % 1.0
+        keep = max(0, end - HIFT_CONTEXT)
+        self._source_tail = source[:, (keep - start) * spf : (end - start) * spf]
+        audio = np.array(wav[0], dtype=np.float32)
+        # Samples [done·spf - len(tail), end·spf) of the utterance; the head overlaps the held-back tail.
+        x = len(self._tail)
+        new = audio[done * spf - x - start * spf : end * spf - start * spf]
+        fade = (1 - np.cos(np.pi * (np.arange(x) + 0.5) / max(x, 1))) / 2  # 0 -> 1
+        new[:x] = self._tail * (1 - fade) + new[:x] * fade
+        self._final_frames = end
+        if final:
+            self._tail = np.zeros(0, np.float32)
+            return new
+        self._tail = new[len(new) - CROSSFADE :].copy()
+        return new[: len(new) - CROSSFADE]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One T3 pass of a streamed text: its token ids (no SOT/EOT), sampling knobs and keys (None: fresh)."""
+
+    text_ids: list[int]
+    params: SamplingParams
+    t3_key: mx.array | None = None
+    s3gen_key: mx.array | None = None
+
+
+def stream_piece(
+    t3: T3,
+    s3gen: S3Gen,
+    voice: Voice,
+    piece: Piece,
+    *,
+    cfm_steps: int | None = None,
+    first_chunk: int = 10,
+    chunk: int = 25,
+) -> Iterator[np.ndarray]:
+    """T3's speech tokens for one piece, vocoded as they come (``StreamVocoder``): non-empty float32 chunks.
+
+    Tokens are filtered online: T3's stop id ends the piece and other non-speech ids (>= 6561) are dropped.
+    (Upstream's ``drop_invalid_tokens`` also drops what precedes a start-of-speech id inside the output; audio
+    already streamed cannot be taken back, so the stream keeps it.)
+    """
+    vocoder = StreamVocoder(
+        s3gen, voice, cfm_steps=cfm_steps, key=piece.s3gen_key, first_chunk=first_chunk, chunk=chunk
+    )
+    cfg = t3.config
+    stopped = False
+    for token in generate_speech_tokens(t3, voice, piece.text_ids, piece.params, key=piece.t3_key):
+        if token == cfg.stop_speech_token:
+            stopped = True
+            break
+        if token >= cfg.start_speech_token:
+            continue
+        out = vocoder.push([token])
+        if out.size:
+            yield out
+    if not stopped:
+        logger.warning(
+            "T3 stopped at its budget of %d speech tokens without the stop token: the end may be cut off "
+            "(raise max_new_tokens, or try another seed)",
+            piece.params.max_new_tokens,
+        )
+    if not vocoder.pushed:
+        raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+    out = vocoder.finish()
+    if out.size:
+        yield out
+
+
+class PieceJoiner:
+    """The chunks of a text's consecutive pieces -> one stream, each piece's head crossfaded over the end of the
+    piece before as ``crossfade_join`` does: concatenated, the output equals ``crossfade_join`` of the whole
+    pieces. While more pieces follow, the newest ``overlap`` samples are held back for the next head."""
+
+    def __init__(self, overlap: int):
+        self.overlap = overlap
+        self._held = np.zeros(0, np.float32)  # the end of the output so far, not yet out
+        self._head: list[np.ndarray] | None = None  # a new piece's first samples, until they cover _held
+
+    def push(self, chunk: np.ndarray, more: bool) -> np.ndarray:
+        """A chunk of the current piece (``more``: pieces follow it) -> the samples that are final now."""
+        if self._head is not None:
+            self._head.append(chunk)
+            if sum(len(h) for h in self._head) < len(self._held):
+                return np.zeros(0, np.float32)
+            self._mix()
+        else:
+            self._held = np.concatenate([self._held, chunk])
+        keep = self.overlap if more else 0
+        if len(self._held) <= keep:
+            return np.zeros(0, np.float32)
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return out
+
+    def end_piece(self, more: bool) -> np.ndarray:
+        """The current piece is over: the samples held back, unless the next piece's head will mix into them."""
+        if self._head is not None:  # a piece shorter than the held tail
+            self._mix()
+        if more:
+            self._head = []
+            return np.zeros(0, np.float32)
+        out, self._held = self._held, np.zeros(0, np.float32)
+        return out
+
+    def _mix(self) -> None:
+        head = np.concatenate(self._head) if self._head else np.zeros(0, np.float32)
+        self._held, self._head = crossfade_join([self._held, head], len(self._held)), None
+
+
+def join_pieces(pieces: Sequence[Iterator[np.ndarray]], overlap: int) -> Iterator[np.ndarray]:
+    """``PieceJoiner`` over the chunk iterators of a text's pieces: the non-empty joined chunks."""
+    joiner = PieceJoiner(overlap)
+    for i, chunks in enumerate(pieces):
+        more = i + 1 < len(pieces)
+        for chunk in chunks:
+            out = joiner.push(chunk, more)
+            if len(out):
+                yield out
+        out = joiner.end_piece(more)
+        if len(out):
+            yield out

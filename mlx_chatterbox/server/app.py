@@ -1,0 +1,394 @@
+"""The OpenAI-compatible HTTP routes: ``POST /v1/audio/speech`` (whole, streamed or server-sent events), the voice
+library under ``/v1/audio/voices``, ``/v1/models`` and ``/health``. All model work goes through the ``Worker``.
+
+Every error is OpenAI's JSON shape (``schema.error_body``); FastAPI's 422 for a bad body becomes a 400 naming
+the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import numpy as np
+import soundfile as sf
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..audio.stretch import time_stretch
+from .encode import StreamEncoder, check_format, content_type, encode
+from .schema import KNOBS, OPENAI_MODELS, SpeechRequest, error_body
+from .voices import BUILTIN, UnknownVoice, VoiceExists, VoiceStore, check_name
+from .worker import QueueFull, SpeechJob, Ticket, Worker
+
+logger = logging.getLogger(__name__)
+MAX_UPLOAD = 50 * 2**20  # bytes of a voice recording; only its first 10 s are used
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def create_app(
+    worker: Worker,
+    voices: VoiceStore,
+    *,
+    model_name: str,
+    cfm_steps: int | None = None,
+    max_upload: int = MAX_UPLOAD,
+) -> FastAPI:
+    """The server's app over a started ``worker`` (it is not started or closed here).
+
+    model_name: the id ``/v1/models`` lists; a speech request's ``model`` must be it, "chatterbox", or one of
+        OpenAI's tts-1, tts-1-hd, gpt-4o-mini-tts (so that clients written for OpenAI work unchanged).
+    cfm_steps: the flow-matching steps of requests that give none (None: upstream's 10).
+    max_upload: the largest voice recording accepted, in bytes.
+    """
+    app = FastAPI(title="mlx-chatterbox", version=__version__)
+    models = list(dict.fromkeys([model_name, "chatterbox", *OPENAI_MODELS]))
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {
+            "status": "ok",
+            "model": model_name,
+            "queue": worker.jobs,
+            "max_queue": worker.max_queue,
+            "max_batch": worker.max_batch,
+            "sample_rate": worker.sample_rate,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "mlx-chatterbox"} for m in models
+            ],
+        }
+
+    @app.post("/v1/audio/speech")
+    @app.post("/audio/speech", include_in_schema=False)
+    async def speech(body: SpeechRequest, request: Request) -> Response:
+        job, stream = await _job(body, worker, voices, models, cfm_steps)
+        try:
+            ticket = worker.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}; retry later", code="queue_full") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), _param_of(str(e), "input")) from None
+        watch = _watch_disconnect(request, ticket)
+        try:
+            if not stream:
+                wav = await _whole(ticket)
+                if body.speed != 1:
+                    wav = await run_in_threadpool(time_stretch, wav, body.speed, ticket.sample_rate)
+                if body.stream_format == "sse":
+                    chunks = _once(wav)
+                else:
+                    data = await run_in_threadpool(encode, wav, ticket.sample_rate, body.response_format)
+                    watch.cancel()
+                    return Response(data, media_type=content_type(body.response_format, ticket.sample_rate))
+            else:
+                chunks = ticket.__aiter__()
+                first = await _first(chunks)  # errors before any audio get a proper status
+                chunks = _prepend(first, chunks)
+        except BaseException:
+            watch.cancel()
+            ticket.cancel()
+            raise
+        if body.stream_format == "sse":
+            content = _sse(chunks, body.response_format, ticket, watch)
+            return StreamingResponse(
+                content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        content = _audio(chunks, body.response_format, ticket, watch)
+        return StreamingResponse(content, media_type=content_type(body.response_format, ticket.sample_rate))
+
+    @app.get("/v1/audio/voices")
+    async def list_voices() -> dict:
+        names = await run_in_threadpool(voices.names)
+        return {
+            "voices": [
+                {"id": n, "name": n, "builtin": n == BUILTIN and voices.builtin is not None} for n in names
+            ]
+        }
+
+    @app.post("/v1/audio/voices", status_code=201)
+    async def add_voice(
+        name: str = Form(...), file: UploadFile = File(...), overwrite: bool = Form(False)
+    ) -> dict:
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise ApiError(400, str(e), "name") from None
+        if not overwrite and name in await run_in_threadpool(voices.names):
+            raise ApiError(
+                409, f"voice {name!r} exists already; delete it first or send overwrite=true", "name"
+            )
+        data = await file.read(max_upload + 1)
+        if len(data) > max_upload:
+            raise ApiError(413, f"the recording is over {max_upload} bytes; send 5-10 s of speech", "file")
+        samples, rate = await run_in_threadpool(_decode_upload, data, file.filename or "file")
+        try:
+            voice = await asyncio.wrap_future(
+                worker.run(_clone, worker.tts, samples, rate, voices, name, overwrite)
+            )
+        except VoiceExists as e:
+            raise ApiError(409, str(e), "name") from None
+        except ValueError as e:
+            raise ApiError(400, f"cannot clone a voice from {file.filename}: {e}", "file") from None
+        return {"id": name, "name": name, "builtin": False}
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str) -> dict:
+        try:
+            await run_in_threadpool(voices.delete, name)
+        except UnknownVoice as e:
+            raise ApiError(404, str(e), "name") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), "name") from None
+        return {"id": name, "deleted": True}
+
+    return app
+
+
+async def _job(
+    body: SpeechRequest, worker: Worker, voices: VoiceStore, models: list[str], cfm_steps: int | None
+) -> tuple[SpeechJob, bool]:
+    """The worker job of a speech request, and whether its audio streams; ApiError for what cannot be done."""
+    if body.model not in models:
+        raise ApiError(
+            400, f"model {body.model!r} is not served here; use one of: {', '.join(models)}", "model"
+        )
+    if not body.input.strip():
+        raise ApiError(400, "input is empty; give some words to speak", "input")
+    if body.instructions:
+        raise ApiError(
+            400,
+            "instructions are not supported: Chatterbox takes no style prompt; leave them out, and set "
+            "exaggeration (emotion intensity, default 0.5) instead",
+            "instructions",
+        )
+    try:
+        check_format(body.response_format)
+    except ValueError as e:
+        raise ApiError(400, str(e), "response_format") from None
+    try:
+        params = body.sampling_params()
+    except ValueError as e:
+        raise ApiError(400, str(e), _param_of(str(e))) from None
+    try:  # a voice file is read on the worker thread: its arrays are MLX work
+        voice = voices.cached(body.voice_name) or await asyncio.wrap_future(
+            worker.run(voices.get, body.voice_name)
+        )
+    except UnknownVoice as e:
+        hint = ""
+        if body.voice_name == BUILTIN:
+            hint = " (this model has no built-in voice: start the server with --voice, or upload one)"
+        raise ApiError(400, f"{e}{hint}", "voice") from None
+    # A time-stretch needs the whole audio; a streamed request's speed could only be honoured at its end.
+    stream = body.stream if body.stream is not None else body.speed == 1
+    if stream and body.speed != 1:
+        raise ApiError(
+            400,
+            f"speed={body.speed} needs the whole audio before it is sent (a time-stretch); leave out stream, "
+            "or send stream=false (or speed 1 to stream)",
+            "speed",
+        )
+    steps = body.cfm_steps if body.cfm_steps is not None else cfm_steps
+    job = SpeechJob(body.input, voice, params, cfm_steps=steps, seed=body.seed, stream=stream)
+    return job, stream
+
+
+def _param_of(message: str, default: str | None = None) -> str | None:
+    """The request field an error message is about (our messages start with ``field=`` or name it)."""
+    head = message.split("=", 1)[0].split(" ", 1)[0]
+    fields = (*KNOBS, "max_new_tokens", "cfm_steps", "seed", "input", "voice", "speed")
+    if head in fields:
+        return head
+    return next((f for f in fields if f in message), default)
+
+
+def _watch_disconnect(request: Request, ticket: Ticket) -> asyncio.Task:
+    """A task that cancels the job when the client goes away (it waits for ASGI's http.disconnect)."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                if not ticket.cancelled:
+                    logger.info("client gone: cancelling its job")
+                ticket.cancel()
+                return
+
+    return asyncio.create_task(watch())
+
+
+async def _whole(ticket: Ticket) -> np.ndarray:
+    try:
+        chunks = [c async for c in ticket]
+    except Exception as e:
+        raise ApiError(500, f"speech generation failed: {e}", code="generation_failed") from None
+    if ticket.cancelled:
+        raise ApiError(499, "the client went away")
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
+async def _first(chunks: AsyncIterator[np.ndarray]) -> np.ndarray | None:
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Exception as e:
+        raise ApiError(500, f"speech generation failed: {e}", code="generation_failed") from None
+
+
+async def _prepend(first: np.ndarray | None, rest: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def _once(wav: np.ndarray) -> AsyncIterator[np.ndarray]:
+    yield wav
+
+
+async def _audio(
+    chunks: AsyncIterator[np.ndarray], fmt: str, ticket: Ticket, watch: asyncio.Task
+) -> AsyncIterator[bytes]:
+    """The encoded bytes of a streamed response, as the chunks come."""
+    encoder = StreamEncoder(fmt, ticket.sample_rate)
+    finished = False
+    try:
+        async for chunk in chunks:
+            data = encoder.write(chunk)
+            if data:
+                yield data
+        data = encoder.close()
+        finished = True
+        if data:
+            yield data
+    finally:  # an error raised here ends the body early (the status line has gone out); uvicorn logs it
+        watch.cancel()
+        if not finished:
+            ticket.cancel()
+
+
+async def _sse(
+    chunks: AsyncIterator[np.ndarray], fmt: str, ticket: Ticket, watch: asyncio.Task
+) -> AsyncIterator[str]:
+    """Server-sent events: ``speech.audio.delta`` with base64 audio in ``fmt`` (the deltas' bytes joined are one
+    file), then ``speech.audio.done`` with the token usage; a failure ends with an ``error`` event."""
+
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def delta(data: bytes) -> str:
+        return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+
+    encoder = StreamEncoder(fmt, ticket.sample_rate)
+    finished = False
+    try:
+        async for chunk in chunks:
+            data = encoder.write(chunk)
+            if data:
+                yield delta(data)
+        data = encoder.close()
+        if data:
+            yield delta(data)
+        finished = True
+        usage = {
+            "input_tokens": ticket.text_tokens,
+            "output_tokens": ticket.speech_tokens,
+            "total_tokens": ticket.text_tokens + ticket.speech_tokens,
+        }
+        yield event({"type": "speech.audio.done", "usage": usage})
+    except Exception as e:
+        logger.exception("speech generation failed mid-stream")
+        finished = True
+        yield event({"type": "error", **error_body(f"speech generation failed: {e}", kind="server_error")})
+    finally:
+        watch.cancel()
+        if not finished:
+            ticket.cancel()
+
+
+def _clone(tts, samples: np.ndarray, rate: int, voices: VoiceStore, name: str, overwrite: bool) -> None:
+    """On the worker thread, which the cloned voice's lazy arrays belong to: clone, then store."""
+    voices.add(name, tts.voice(samples, rate), overwrite)
+
+
+def _decode_upload(data: bytes, filename: str) -> tuple[np.ndarray, int]:
+    """An uploaded recording -> (T,) float32 mono samples and their rate; ApiError naming what is wrong."""
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        raise ApiError(
+            400,
+            f"{filename} is not audio this server can read ({e}); send WAV, FLAC, OGG or MP3",
+            "file",
+        ) from None
+    if samples.shape[0] == 0:
+        raise ApiError(400, f"{filename} holds no samples", "file")
+    if not np.isfinite(samples).all():
+        raise ApiError(400, f"{filename} holds NaN or infinite samples", "file")
+    return samples.mean(axis=1).astype(np.float32), int(rate)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def answer(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(message, param, code, kind), status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return answer(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        kind = err.get("type", "")
+        param = loc[1] if len(loc) > 1 and loc[0] in ("body", "query", "path") else None
+        if kind == "json_invalid":
+            return answer(
+                400, f"the body is not valid JSON ({err.get('msg')}); send a JSON object", None, kind
+            )
+        if kind == "extra_forbidden":
+            fields = ", ".join(SpeechRequest.model_fields)
+            message = f"unknown field {param!r}; the fields are: {fields}"
+        elif kind == "string_too_long" and param == "input":
+            n = len(err.get("input") or "")
+            message = f"input is {n} characters; the limit is {err['ctx']['max_length']}: split the text"
+        elif param is None:
+            message = f"the request body is missing or not a JSON object ({err.get('msg')})"
+        else:
+            message = f"{param}: {err.get('msg')}"
+            if err.get("input") is not None and kind != "missing":
+                message += f" (got {err['input']!r})"
+        return answer(400, message, param, kind)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return answer(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return answer(500, f"internal error: {exc}")

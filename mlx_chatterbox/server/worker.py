@@ -1,0 +1,345 @@
+"""The server's engine: one thread owns the model and runs every request's T3 together (continuous batching).
+
+Request handlers (any thread, or asyncio) ``submit`` a ``SpeechJob`` and read its audio from the ``Ticket`` they
+get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time into one ``SpeechTokenBatch``,
+steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
+jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). A job's audio is what ``TTS.generate``
+gives for the same arguments and seed (``TTS.stream`` for streamed jobs): pieces, budgets, seeds per piece,
+crossfades and watermark as there. All MLX work happens on this one thread, so that no two threads ever build
+MLX graphs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from ..api import CROSSFADE, TTS
+from ..generation.batch import BatchRequest, SpeechTokenBatch
+from ..generation.pieces import split_pieces, token_budget
+from ..generation.speech_tokens import check_params, drop_invalid_tokens
+from ..generation.stream import PieceJoiner, StreamVocoder
+from ..generation.vocode import check_cfm_steps, crossfade_join
+from ..generation.voice import Voice
+from ..sampling import SamplingParams, seed_keys
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()  # a ticket's last item
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechJob:
+    """One request: as the arguments of ``TTS.generate`` (``stream``: of ``TTS.stream``)."""
+
+    text: str
+    voice: Voice
+    params: SamplingParams = SamplingParams()
+    cfm_steps: int | None = None
+    seed: int | None = None
+    watermark: bool = True
+    stream: bool = False  # chunks as T3's tokens arrive; else one chunk, the whole audio
+
+
+class QueueFull(Exception):
+    """``max_queue`` jobs are already waiting or running."""
+
+
+class Ticket:
+    """A submitted job's audio: float32 mono chunks at ``sample_rate``, read once, by a thread (``for``) or by
+    asyncio (``async for``); the job's error, if it fails, is raised there."""
+
+    def __init__(self, sample_rate: int, text_tokens: int):
+        self.sample_rate = sample_rate
+        self.text_tokens = text_tokens
+        self.speech_tokens = 0  # grows as T3 draws (usage)
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aitems: asyncio.Queue | None = None
+
+    def cancel(self) -> None:
+        """The reader is gone: the worker drops the job at its next step."""
+        self.cancelled = True
+
+    def _put(self, item: Any) -> None:
+        """From the worker thread: a chunk, an exception, or _END."""
+        with self._lock:
+            if self._aitems is None:
+                self._items.put(item)
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._aitems.put_nowait, item)
+            except RuntimeError:  # the reader's event loop has closed: nobody reads any more
+                self.cancelled = True
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while True:
+            item = self._items.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[np.ndarray]:
+        with self._lock:  # from now on the worker hands items to this loop
+            if self._aitems is None:
+                self._loop, self._aitems = asyncio.get_running_loop(), asyncio.Queue()
+                while not self._items.empty():
+                    self._aitems.put_nowait(self._items.get())
+        while True:
+            item = await self._aitems.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+@dataclasses.dataclass
+class _Job:
+    """A job on the worker thread: its pieces, the piece in T3 now and its raw tokens, and the audio so far."""
+
+    job: SpeechJob
+    ticket: Ticket
+    pieces: list[str]
+    piece: int = 0
+    uid: int | None = None  # its request in the batch
+    raw: list[int] = dataclasses.field(default_factory=list)
+    wavs: list[np.ndarray] = dataclasses.field(default_factory=list)  # finished pieces (not streamed)
+    vocoder: StreamVocoder | None = None  # the piece being streamed
+    joiner: PieceJoiner = dataclasses.field(default_factory=lambda: PieceJoiner(CROSSFADE))  # streamed pieces
+
+    def seed(self) -> int | None:
+        """Piece i is spoken with seed + i, as ``TTS.generate`` does."""
+        return None if self.job.seed is None else self.job.seed + self.piece
+
+
+class Worker:
+    """Runs speech jobs on one background thread, T3 batched over up to ``max_batch`` jobs at once; at most
+    ``max_queue`` jobs wait or run (``submit`` raises ``QueueFull`` beyond)."""
+
+    def __init__(self, tts: TTS, *, max_batch: int = 32, max_queue: int = 128):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch={max_batch} and max_queue={max_queue} must both be at least 1")
+        self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
+        self.sample_rate = tts.sample_rate
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
+        self._jobs = 0  # submitted and not finished (under _lock)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._device = mx.default_device()  # MLX streams belong to a thread: the worker makes its own
+
+    def __enter__(self) -> Worker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def jobs(self) -> int:
+        """Jobs waiting or running."""
+        return self._jobs
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the worker has already been started")
+        self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop after the running step; jobs not finished get an error."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, job: SpeechJob) -> Ticket:
+        """Check ``job`` (ValueError naming the problem) and queue it; its audio comes through the ticket."""
+        tts = self.tts
+        check_params(tts.t3, job.params)
+        check_cfm_steps(job.cfm_steps)
+        if job.stream and tts.torch_s3gen is not None:
+            raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
+        pieces = split_pieces(job.text, tts._fits)  # tokenizes: an empty text is refused here
+        # Lazy arrays can only be evaluated on the thread that made them: the voice is materialised here.
+        mx.eval(dataclasses.astuple(job.voice))
+        ticket = Ticket(self.sample_rate, sum(len(tts.text_ids(p)) for p in pieces))
+        with self._lock:
+            if self._thread is None:
+                raise RuntimeError("the worker is not running; start() it first")
+            if self._jobs >= self.max_queue:
+                raise QueueFull(f"{self._jobs} requests are already queued (the limit is {self.max_queue})")
+            self._jobs += 1
+        self._inbox.put(_Job(job, ticket, pieces))
+        return ticket
+
+    def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Run ``fn(*args)`` on the worker thread, between two steps (model work such as cloning a voice)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None:
+            raise RuntimeError("the worker is not running; start() it first")
+        self._inbox.put((fn, args, future))
+        return future
+
+    # The worker thread.
+
+    def _loop(self) -> None:
+        mx.set_default_device(self._device)
+        mx.set_default_stream(mx.new_stream(self._device))
+        try:
+            self._serve()
+        finally:
+            # MLX 0.32 needs each thread's streams released before the thread ends, or the process aborts
+            # at exit ("terminate called without an active exception", exit code 134).
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        batch = SpeechTokenBatch(self.tts.t3)
+        waiting: deque[_Job] = deque()
+        running: dict[int, _Job] = {}  # by uid
+        while True:
+            # Block for work only when there is nothing to step.
+            idle = not running and not waiting
+            try:
+                item = self._inbox.get(block=idle)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    self._stop(list(running.values()) + list(waiting))
+                    return
+                if isinstance(item, _Job):
+                    waiting.append(item)
+                else:
+                    self._call(*item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = False
+            for j in [j for j in running.values() if j.ticket.cancelled]:
+                batch.cancel(j.uid)
+                self._done(running.pop(j.uid), None)
+            for j in [j for j in waiting if j.ticket.cancelled]:
+                waiting.remove(j)
+                self._done(j, None)
+            while waiting and len(running) < self.max_batch:
+                j = waiting.popleft()
+                if self._guard(j, self._admit, j, batch):
+                    running[j.uid] = j
+            if not running:
+                continue
+            try:
+                steps = batch.step()
+            except Exception as error:  # the whole batch is lost (e.g. out of memory): fail its jobs
+                logger.exception("T3 batch step failed")
+                for j in running.values():
+                    self._done(j, error)
+                running.clear()
+                batch = SpeechTokenBatch(self.tts.t3)
+                continue
+            for uid, token, finished in steps:
+                j = running[uid]
+                j.raw.append(token)
+                j.ticket.speech_tokens += 1
+                ok = self._guard(j, self._took, j, token, finished)
+                if finished or not ok:
+                    del running[uid]
+                    if not ok and not finished:
+                        batch.cancel(uid)
+                    elif ok and j.piece < len(j.pieces):
+                        waiting.appendleft(j)  # its next piece goes in first
+
+    def _call(self, fn: Callable, args: tuple, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:
+            future.set_exception(error)
+
+    def _guard(self, j: _Job, fn: Callable, *args: Any) -> bool:
+        """Run one job's step; an error ends that job (its reader gets it), not the worker."""
+        try:
+            fn(*args)
+            return True
+        except Exception as error:
+            logger.debug("job failed", exc_info=True)
+            self._done(j, error)
+            return False
+
+    def _admit(self, j: _Job, batch: SpeechTokenBatch) -> None:
+        """Put the job's next piece into T3's batch."""
+        job, piece = j.job, j.pieces[j.piece]
+        params = dataclasses.replace(
+            job.params, max_new_tokens=min(job.params.max_new_tokens, token_budget(piece))
+        )
+        seed = j.seed()
+        key = None if seed is None else seed_keys(seed)[0]
+        j.raw = []
+        j.uid = batch.add(BatchRequest(self.tts.text_ids(piece), job.voice, params, key=key))
+        if job.stream:
+            s3gen_key = None if seed is None else seed_keys(seed)[1]
+            j.vocoder = StreamVocoder(self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key)
+
+    def _took(self, j: _Job, token: int, finished: bool) -> None:
+        """A token of the job's piece; when the piece is finished, its audio (and the job's, after its last)."""
+        cfg = self.tts.t3.config
+        if j.vocoder is not None and token < cfg.start_speech_token:  # only speech ids, as stream_piece
+            self._emit(j, j.vocoder.push([token]))
+        if not finished:
+            return
+        if not drop_invalid_tokens(j.raw, cfg.start_speech_token, cfg.stop_speech_token):
+            raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+        if cfg.stop_speech_token not in j.raw:
+            logger.warning(
+                "piece %d of %d stopped at its budget without the stop token", j.piece + 1, len(j.pieces)
+            )
+        last = j.piece == len(j.pieces) - 1
+        if j.vocoder is not None:
+            self._emit(j, j.vocoder.finish(), end=True)
+            j.vocoder = None
+        else:
+            tokens = np.array(drop_invalid_tokens(j.raw, cfg.start_speech_token, cfg.stop_speech_token))
+            j.wavs.append(
+                self.tts.vocode(
+                    tokens, j.job.voice, cfm_steps=j.job.cfm_steps, seed=j.seed(), watermark=False
+                )
+            )
+            if last:
+                wav = crossfade_join(j.wavs, CROSSFADE)
+                j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
+        j.piece += 1
+        if last:
+            self._done(j, None)
+
+    def _emit(self, j: _Job, samples: np.ndarray, end: bool = False) -> None:
+        """Hand a streamed job's samples to its reader, the pieces joined and each chunk watermarked exactly as
+        ``TTS.stream`` does (``PieceJoiner``)."""
+        more = j.piece < len(j.pieces) - 1  # pieces follow this one
+        outs = [j.joiner.push(samples, more)] + ([j.joiner.end_piece(more)] if end else [])
+        for out in outs:
+            if out.size:
+                j.ticket._put(self.tts._mark_chunk(out) if j.job.watermark else out)
+
+    def _done(self, j: _Job, error: BaseException | None) -> None:
+        j.ticket._put(_END if error is None else error)
+        with self._lock:
+            self._jobs -= 1
+
+    def _stop(self, jobs: list[_Job]) -> None:
+        for j in jobs:
+            self._done(j, RuntimeError("the server is shutting down"))

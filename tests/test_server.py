@@ -1,0 +1,444 @@
+"""The OpenAI-compatible server, live: a tiny converted model, the real Worker, uvicorn on a free local port and
+the official ``openai`` client (plus httpx for what that client does not do)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import uvicorn
+from fastapi.testclient import TestClient
+from openai import OpenAI
+
+from mlx_chatterbox import TTS, SamplingParams
+from mlx_chatterbox.cli import main
+from mlx_chatterbox.convert import convert
+from mlx_chatterbox.server.app import create_app
+from mlx_chatterbox.server.encode import StreamEncoder, encode, wav_header
+from mlx_chatterbox.server.voices import VoiceStore
+from mlx_chatterbox.server.worker import SpeechJob, Worker
+from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+
+TEXT = "Hello there, how are you today?"
+TOKENS = 20  # max_new_tokens of most requests: the random model rarely stops by itself
+STEP = 1 / 32768  # one 16-bit PCM step (int16 / 32768 reads PCM back)
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory) -> TTS:
+    tmp = tmp_path_factory.mktemp("model")
+    return TTS.load(convert(write_upstream_checkpoint(tmp / "up"), tmp / "mlx", config=TINY_MODEL))
+
+
+@pytest.fixture(scope="module")
+def server(tts, tmp_path_factory):
+    """(base url, worker, voice store) of a live server; shut down at the end of the module."""
+    voices = VoiceStore(tmp_path_factory.mktemp("voices"), builtin=random_voice(seed=5))
+    with Worker(tts, max_batch=4, max_queue=16) as worker:
+        app = create_app(worker, voices, model_name="tiny")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=srv.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not srv.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}", worker, voices
+        srv.should_exit = True
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server[0]}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tts, server):
+    """``tts.generate`` (or ``tts.stream``) for TEXT, the built-in voice and a seed, on the worker's thread (MLX
+    arrays belong to the thread that made them)."""
+    worker, voices = server[1], server[2]
+    done = {}
+
+    def run(seed: int, stream: bool) -> np.ndarray:
+        params = SamplingParams(max_new_tokens=TOKENS)
+        if stream:
+            return np.concatenate(list(tts.stream(TEXT, voices.builtin, params, seed=seed)))
+        return tts.generate(TEXT, voices.builtin, params, seed=seed)
+
+    def get(seed: int, stream: bool = False) -> np.ndarray:
+        if (seed, stream) not in done:
+            done[seed, stream] = worker.run(run, seed, stream).result(timeout=60)
+        return done[seed, stream]
+
+    return get
+
+
+def speech(client: OpenAI, fmt: str, seed: int = 3, voice="default", **extra) -> bytes:
+    """The body of a speech request through the openai client; ``extra``: our fields."""
+    body = {"seed": seed, "max_new_tokens": TOKENS, **extra}
+    r = client.audio.speech.create(
+        model="tts-1", voice=voice, input=TEXT, response_format=fmt, extra_body=body
+    )
+    return r.content
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    """Relative L2 distance of ``a`` from ``b``."""
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def decode_av(data: bytes) -> np.ndarray:
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+
+
+def post(server, body: dict, **kw) -> httpx.Response:
+    return httpx.post(f"{server[0]}/v1/audio/speech", json=body, timeout=60, **kw)
+
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+# Whole responses (stream=false: one pass, exactly TTS.generate).
+
+
+def test_whole_wav_pcm_flac_equal_generate(client, reference):
+    ref = reference(3)
+    assert len(ref) % 960 == 0 and len(ref) > 0
+    wav, rate = sf.read(io.BytesIO(speech(client, "wav", stream=False)), dtype="float32")
+    assert rate == 24000 and len(wav) == len(ref)
+    assert np.abs(wav - ref).max() <= STEP  # 16-bit rounding only
+    flac, _ = sf.read(io.BytesIO(speech(client, "flac", stream=False)), dtype="float32")
+    np.testing.assert_array_equal(flac, wav)  # lossless
+    pcm = np.frombuffer(speech(client, "pcm", stream=False), "<i2") / 32768
+    assert np.abs(pcm - ref).max() <= STEP / 2 + 1e-7
+
+
+def test_whole_lossy_formats_have_the_length(client, reference):
+    n = len(reference(3))
+    mp3, rate = sf.read(io.BytesIO(speech(client, "mp3", stream=False)))
+    assert rate == 24000 and len(mp3) == n  # the LAME tag carries the encoder delay and padding
+    opus, rate = sf.read(io.BytesIO(speech(client, "opus", stream=False)))
+    assert rate == 24000 and len(opus) == n
+    if importlib.util.find_spec("av") is not None:
+        aac = decode_av(speech(client, "aac", stream=False))
+        # ADTS has no gapless info: the decoder adds the encoder's 1024 priming samples and pads to a frame.
+        assert n <= len(aac) <= n + 2 * 1024
+
+
+def test_speed_stretches_the_whole_audio(client, reference):
+    n = len(reference(3))
+    for speed in (0.5, 2.0):
+        wav, _ = sf.read(io.BytesIO(speech(client, "wav", speed=speed)))
+        assert len(wav) == round(n / speed)
+
+
+# Streamed responses.
+
+
+def test_streamed_pcm_and_wav_match_tts_stream(client, reference):
+    ref = reference(3, stream=True)
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1",
+        voice="default",
+        input=TEXT,
+        response_format="pcm",
+        extra_body={"seed": 3, "max_new_tokens": TOKENS},
+    ) as r:
+        assert r.headers["content-type"] == "audio/pcm;rate=24000;channels=1"
+        parts = list(r.iter_bytes())
+    pcm = np.frombuffer(b"".join(parts), "<i2") / 32768
+    whole = reference(3)
+    assert len(pcm) == len(ref) == len(whole)
+    # The same samples as tts.stream but for the watermark, which goes on per chunk and the worker's chunks are
+    # cut elsewhere: measured 0.018 relative L2 (max abs 0.0034 at a 0.029 peak; 0 without the watermark).
+    assert rel(pcm, ref) < 0.05
+    # Chunked vocoding (generation/stream.py) is close to, not equal to, the whole audio's single pass: measured
+    # 0.049 relative L2 (max abs 0.0044) for seed 3 (0.050 for seed 4) on this random model.
+    assert rel(pcm, whole) < 0.1
+    data = speech(client, "wav", stream=True)
+    assert data[:44] == wav_header(24000, None)
+    np.testing.assert_array_equal(np.frombuffer(data[44:], "<i2"), np.frombuffer(b"".join(parts), "<i2"))
+
+
+@pytest.mark.parametrize("fmt", ["flac", "opus", "mp3"])
+def test_streamed_encoded_formats_decode(client, reference, fmt):
+    n = len(reference(3))
+    if fmt == "opus":
+        assert len(sf.read(io.BytesIO(speech(client, fmt, stream=True)))[0]) == n
+        return
+    pytest.importorskip("av")
+    got = len(decode_av(speech(client, fmt, stream=True)))
+    # A streamed mp3 has no LAME tag (module docstring of server/encode.py): delay and padding, up to 3 frames.
+    assert got == n if fmt == "flac" else n <= got <= n + 3 * 1152
+
+
+def test_sse_events(server, reference):
+    ref = reference(3)
+    body = {"model": "tiny", "input": TEXT, "response_format": "pcm", "stream_format": "sse"}
+    body |= {"seed": 3, "max_new_tokens": TOKENS}
+    with httpx.stream("POST", f"{server[0]}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    pcm = np.frombuffer(b"".join(base64.b64decode(e["audio"]) for e in events[:-1]), "<i2")
+    assert len(pcm) == len(ref)
+    done = events[-1]
+    assert done["type"] == "speech.audio.done"
+    usage = done["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] >= len(ref) // 960
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_concurrent_requests(client, reference):
+    seeds = [3, 4, 5, 6]
+    out = {}
+
+    def one(seed):
+        out[seed] = speech(client, "pcm", seed=seed, stream=False)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(out) == seeds
+    # Batched with the others, each request still gets exactly its own audio.
+    for s in (3, 4):
+        ref = reference(s)
+        got = np.frombuffer(out[s], "<i2") / 32768
+        assert len(got) == len(ref) and np.abs(got - ref).max() <= STEP / 2 + 1e-7
+    assert len({out[s] for s in seeds}) == 4
+
+
+# Errors: OpenAI's shape, naming the field.
+
+
+def test_bad_requests(server):
+    url = f"{server[0]}/v1/audio/speech"
+    ok = {"model": "tts-1", "input": "Hi.", "voice": "default"}
+    err = error_of(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}))
+    assert "not valid JSON" in err["message"]
+    err = error_of(post(server, {**ok, "input": "a" * 4097}))
+    assert err["param"] == "input" and "4097" in err["message"]
+    err = error_of(post(server, {**ok, "voice": "alloy"}))
+    assert err["param"] == "voice" and "alloy" in err["message"] and "default" in err["message"]
+    err = error_of(post(server, {**ok, "voice": {"id": "nobody"}}))
+    assert err["param"] == "voice"
+    err = error_of(post(server, {**ok, "top_p": 1.5}))
+    assert err["param"] == "top_p" and "top_p=1.5 is out of range" in err["message"]
+    err = error_of(post(server, {**ok, "temperature": "hot"}))
+    assert err["param"] == "temperature"
+    err = error_of(post(server, {**ok, "instructions": "Speak cheerfully."}))
+    assert err["param"] == "instructions" and "exaggeration" in err["message"]
+    err = error_of(post(server, {**ok, "temprature": 0.5}))
+    assert err["param"] == "temprature" and "unknown field" in err["message"]
+    err = error_of(post(server, {**ok, "model": "whisper-1"}))
+    assert err["param"] == "model" and "tiny" in err["message"]
+    err = error_of(post(server, {**ok, "response_format": "ogg"}))
+    assert err["param"] == "response_format"
+    err = error_of(post(server, {**ok, "speed": 5}))
+    assert err["param"] == "speed"
+    err = error_of(post(server, {**ok, "speed": 2, "stream": True}))
+    assert err["param"] == "speed" and "stream" in err["message"]
+    err = error_of(post(server, {**ok, "input": "   "}))
+    assert err["param"] == "input"
+    err = error_of(post(server, {**ok, "max_new_tokens": 10**6}))
+    assert err["param"] == "max_new_tokens"
+    err = error_of(post(server, {"input": "Hi."}))
+    assert err["param"] == "model"
+    error_of(httpx.get(f"{server[0]}/v1/nothing"), 404)
+
+
+def test_aac_without_pyav_names_the_extra(server, monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
+    err = error_of(post(server, {"model": "tts-1", "input": "Hi.", "response_format": "aac"}))
+    assert err["param"] == "response_format" and "pip install 'mlx-chatterbox[aac]'" in err["message"]
+
+
+def test_queue_full_is_429(tts):
+    """A worker held busy, its one queue place taken: the next request is refused with 429."""
+    release = threading.Event()
+    with Worker(tts, max_batch=1, max_queue=1) as worker:
+        app = create_app(worker, VoiceStore("/nonexistent", random_voice(seed=5)), model_name="tiny")
+        worker.run(release.wait, 30)  # the worker thread waits here
+        ticket = worker.submit(SpeechJob("Hi.", random_voice(seed=5), SamplingParams(max_new_tokens=2)))
+        with TestClient(app) as http:
+            assert http.get("/health").json()["queue"] == 1
+            r = http.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "max_new_tokens": 2})
+            err = error_of(r, 429)
+            assert err["code"] == "queue_full"
+        ticket.cancel()
+        release.set()
+
+
+def test_disconnect_cancels_the_job(server, monkeypatch):
+    worker = server[1]
+    tickets = []
+
+    def submit(job):
+        tickets.append(Worker.submit(worker, job))
+        return tickets[-1]
+
+    monkeypatch.setattr(worker, "submit", submit)
+    # About 80 pieces of up to ~20 s: thousands of speech tokens, many seconds even for the tiny model.
+    long_text = " ".join(["This sentence is here to make the speech long."] * 85)[:4096]
+    body = {"model": "tts-1", "input": long_text, "response_format": "pcm"}
+    with httpx.stream("POST", f"{server[0]}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        raw = r.iter_raw()  # kept: a dropped iterator would close the connection at once
+        assert len(next(raw)) > 0
+        assert worker.jobs == 1 and not tickets[0].cancelled
+    start = time.monotonic()
+    while worker.jobs and time.monotonic() - start < 5:
+        time.sleep(0.02)
+    assert worker.jobs == 0 and tickets[0].cancelled
+    drawn = tickets[0].speech_tokens
+    time.sleep(0.2)
+    assert tickets[0].speech_tokens == drawn < 2000  # the job stopped drawing
+
+
+# Voices.
+
+
+def test_voice_upload_list_use_delete(server, client):
+    url = f"{server[0]}/v1/audio/voices"
+    assert [v["id"] for v in httpx.get(url).json()["voices"]] == ["default"]
+    buf = io.BytesIO()
+    sf.write(buf, 0.1 * np.random.default_rng(0).standard_normal(32000), 16000, format="WAV")
+    upload = {"file": ("noise.wav", buf.getvalue(), "audio/wav")}
+    r = httpx.post(url, data={"name": "noise"}, files=upload, timeout=60)
+    assert r.status_code == 201, r.text
+    assert (server[2].directory / "noise.safetensors").is_file()
+    assert [v["id"] for v in httpx.get(url).json()["voices"]] == ["default", "noise"]
+    # A file put there by hand (as 'mlx-chatterbox voice' writes it) is read on first use.
+    random_voice(seed=9).save(server[2].directory / "copied.safetensors")
+    for voice in ("noise", {"id": "noise"}, "copied"):
+        pcm = speech(client, "pcm", voice=voice, stream=False, max_new_tokens=4)
+        assert 0 < len(pcm) <= 4 * 960 * 2
+    assert error_of(httpx.post(url, data={"name": "noise"}, files=upload), 409)["param"] == "name"
+    r = httpx.post(url, data={"name": "noise", "overwrite": "true"}, files=upload, timeout=60)
+    assert r.status_code == 201
+    bad = {"file": ("x.wav", b"not audio at all", "audio/wav")}
+    err = error_of(httpx.post(url, data={"name": "other"}, files=bad))
+    assert err["param"] == "file" and "x.wav" in err["message"]
+    assert error_of(httpx.post(url, data={"name": "../up"}, files=upload))["param"] == "name"
+    assert error_of(httpx.post(url, files=upload))["param"] == "name"
+    assert httpx.delete(f"{url}/noise").status_code == 200
+    assert error_of(httpx.delete(f"{url}/noise"), 404)["param"] == "name"
+    assert error_of(httpx.delete(f"{url}/default"))["param"] == "name"
+    assert httpx.delete(f"{url}/copied").status_code == 200
+    assert [v["id"] for v in httpx.get(url).json()["voices"]] == ["default"]
+
+
+def test_health_and_models(server, client):
+    health = httpx.get(f"{server[0]}/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny" and health["queue"] == 0
+    assert [m.id for m in client.models.list()][:2] == ["tiny", "chatterbox"]
+
+
+# Encoders, without a server.
+
+
+def test_stream_encoder_bytes_join_into_the_file():
+    x = (0.3 * np.sin(2 * np.pi * 220 * np.arange(30000) / 24000)).astype(np.float32)
+    for fmt in ("wav", "pcm", "flac", "opus"):
+        enc = StreamEncoder(fmt, 24000)
+        data = b"".join([enc.write(x[i : i + 4800]) for i in range(0, len(x), 4800)] + [enc.close()])
+        whole = encode(x, 24000, fmt)
+        if fmt == "pcm":
+            assert data == whole
+        elif fmt == "wav":
+            assert data[44:] == whole[44:] and data[:44] == wav_header(24000, None)
+        elif fmt == "opus":
+            assert len(sf.read(io.BytesIO(data))[0]) == len(x)
+        elif importlib.util.find_spec("av") is not None:
+            assert len(decode_av(data)) == len(x)
+
+
+# The command.
+
+
+def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--model", "--max-batch", "--max-queue", "--voices", "--cfm-steps"):
+        assert flag in out
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "70000"])
+    assert e.value.code == 2 and "out of range" in capsys.readouterr().err
+    nowhere = str(tmp_path / "no-model")  # never loaded: the checks come first
+    assert main(["serve", "--model", nowhere, "--voice", str(tmp_path / "v.safetensors")]) == 1
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["serve", "--model", nowhere, "--voices", str(tmp_path / "file")]) == 1
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["serve", "--model", nowhere, "--memory-limit", "-1"]) == 1
+    assert "--memory-limit" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a)
+    )
+    assert main(["serve", "--model", nowhere]) == 1
+    assert "pip install 'mlx-chatterbox[serve]'" in capsys.readouterr().err
+
+
+def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys):
+    """``serve`` up to uvicorn.run, which is replaced by a few requests to the app it was given."""
+    random_voice(seed=7).save(tmp_path / "mine.safetensors")
+    seen = {}
+
+    def run(app, host, port, log_level):
+        seen["where"] = (host, port)
+        with TestClient(app) as http:
+            seen["health"] = http.get("/health").json()
+            seen["voices"] = http.get("/v1/audio/voices").json()["voices"]
+            body = {
+                "model": "mlx",
+                "input": "Hi.",
+                "response_format": "pcm",
+                "max_new_tokens": 3,
+                "stream": False,
+            }
+            seen["speech"] = http.post("/v1/audio/speech", json=body)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    voices = tmp_path / "voices"
+    args = [
+        "serve",
+        "--model",
+        str(tts.path),
+        "--voice",
+        str(tmp_path / "mine.safetensors"),
+        "--port",
+        "8123",
+    ]
+    assert main([*args, "--voices", str(voices), "--max-queue", "3", "--max-batch", "2"]) == 0
+    assert seen["where"] == ("127.0.0.1", 8123) and voices.is_dir()
+    assert seen["health"]["model"] == "mlx" and seen["health"]["max_queue"] == 3
+    assert seen["health"]["max_batch"] == 2
+    assert [v["id"] for v in seen["voices"]] == ["default"]
+    assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
+    assert "serving mlx on http://127.0.0.1:8123" in capsys.readouterr().err

@@ -1,0 +1,138 @@
+"""The server's engine (server/worker.py) on a tiny random model: jobs decoded together give what each gives
+alone through ``TTS.generate`` / ``TTS.stream``; cancel, queue limit, errors, asyncio readers (no torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_chatterbox import TTS
+from mlx_chatterbox.convert import convert
+from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server.worker import QueueFull, SpeechJob, Worker
+from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+
+LONG = "First sentence of a text long enough for two pieces. " * 7  # 378 characters: two pieces
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("worker")
+    return convert(write_upstream_checkpoint(tmp / "up"), tmp / "mlx", config=TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tts(folder):
+    return TTS.load(folder)
+
+
+def jobs(stream: bool) -> list[SpeechJob]:
+    """Different texts, voices, knobs, seeds; random weights never stop, so max_new_tokens sets the lengths."""
+    return [
+        SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=14), cfm_steps=2, seed=1,
+                  watermark=False, stream=stream),
+        SpeechJob(LONG, random_voice(2, prompt_len=60), SamplingParams(max_new_tokens=12, cfg_weight=0), cfm_steps=2,
+                  seed=2, stream=stream),
+        SpeechJob("Short.", random_voice(3), SamplingParams(max_new_tokens=9, temperature=0), cfm_steps=3, seed=3,
+                  stream=stream),
+    ]  # fmt: skip
+
+
+def alone(tts: TTS, job: SpeechJob) -> list[np.ndarray]:
+    """The job's chunks through ``TTS.stream``, or its whole audio from ``TTS.generate`` as one chunk."""
+    kwargs = dict(cfm_steps=job.cfm_steps, seed=job.seed, watermark=job.watermark)
+    if job.stream:
+        return list(tts.stream(job.text, job.voice, job.params, **kwargs))
+    return [tts.generate(job.text, job.voice, job.params, **kwargs)]
+
+
+def wait_idle(worker: Worker, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while worker.jobs and time.monotonic() < end:
+        time.sleep(0.01)
+    assert worker.jobs == 0, "the worker still has jobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_jobs_together_give_what_each_gives_alone(tts, stream):
+    with Worker(tts, max_batch=2) as worker:  # the third job waits for a free place
+        specs = jobs(stream)
+        tickets = [worker.submit(job) for job in specs]
+        got = [list(t) for t in tickets]
+    for job, chunks, ticket in zip(specs, got, tickets):
+        # Streamed, a piece of 10 tokens or more (the first chunk) comes in several chunks; whole, in one.
+        assert len(chunks) > 1 if stream and job.params.max_new_tokens >= 10 else len(chunks) == 1
+        # Chunk for chunk: a chunk is watermarked on its own, so the chunking shows in the samples.
+        expected = alone(tts, job)
+        assert [len(c) for c in chunks] == [len(c) for c in expected]
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
+        assert ticket.speech_tokens == job.params.max_new_tokens * (2 if job.text == LONG else 1)
+        if job.text != LONG:
+            assert ticket.text_tokens == len(tts.text_ids(job.text))
+
+
+def test_asyncio_readers(tts):
+    async def read(ticket) -> np.ndarray:
+        return np.concatenate([chunk async for chunk in ticket])
+
+    async def main(worker: Worker) -> list[np.ndarray]:
+        return await asyncio.gather(*(read(worker.submit(job)) for job in jobs(True)[:2]))
+
+    with Worker(tts) as worker:
+        got = asyncio.run(main(worker))
+    for job, wav in zip(jobs(True), got):
+        assert np.array_equal(wav, np.concatenate(alone(tts, job)))
+
+
+def test_cancel_queue_limit_and_errors(tts):
+    endless = SpeechJob(
+        "Hello.", random_voice(4), SamplingParams(max_new_tokens=4000), cfm_steps=2, stream=True
+    )
+    with Worker(tts, max_queue=2) as worker:
+        first = worker.submit(endless)
+        next(iter(first))  # it is decoding and streaming
+        worker.submit(endless).cancel()  # cancelled while waiting or right after joining
+        with pytest.raises(QueueFull, match="limit is 2"):
+            worker.submit(endless)
+        first.cancel()
+        wait_idle(worker)
+        assert list(first) == []  # its stream ended
+
+        # A job that fails (a voice T3 cannot take) fails alone; the worker goes on.
+        bad = dataclasses.replace(
+            jobs(False)[0], voice=dataclasses.replace(random_voice(), speaker_emb=mx.zeros((1, 7)))
+        )
+        ticket = worker.submit(bad)
+        with pytest.raises(ValueError):
+            list(ticket)
+        assert len(list(worker.submit(jobs(False)[2]))) == 1
+
+        with pytest.raises(ValueError, match="empty"):
+            worker.submit(dataclasses.replace(endless, text="  "))
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            worker.submit(dataclasses.replace(endless, params=SamplingParams(max_new_tokens=5000)))
+        with pytest.raises(ValueError, match="cfm_steps"):
+            worker.submit(dataclasses.replace(endless, cfm_steps=0))
+        assert worker.run(sum, [1, 2]).result() == 3
+        with pytest.raises(ZeroDivisionError):
+            worker.run(divmod, 1, 0).result()
+    with pytest.raises(RuntimeError, match="not running"):
+        worker.submit(endless)
+
+
+@pytest.mark.parametrize("cfm_dtype", ["float32", "bfloat16"])
+def test_a_model_loaded_on_one_thread_serves_on_another(folder, cfm_dtype):
+    """MLX evaluates a lazy array only on the thread that made it, and the worker has a thread of its own:
+    loading must leave nothing lazy behind (T3's rope table once did, and a server's first request failed with
+    "There is no Stream(cpu, 0) in current thread"), the bf16 estimator and the watermarker included."""
+    fresh = TTS.load(folder, cfm_dtype=cfm_dtype)
+    fresh.watermarker()  # loaded on this thread, used on the worker's
+    job = SpeechJob("Hello.", random_voice(1), SamplingParams(max_new_tokens=5), cfm_steps=1, seed=0)
+    with Worker(fresh) as worker:
+        (wav,) = list(worker.submit(job))
+    assert wav.shape == (5 * 960,) and np.isfinite(wav).all()
