@@ -48,9 +48,11 @@ TEXT = "Speech synthesis turns written text into spoken words, and this voice wa
 SAMPLE_RATE = 24000
 
 
-def build() -> TTS:
+def build(tiny: bool = False) -> TTS:
     mx.random.seed(0)
     cfg = ModelConfig()
+    if tiny:  # a smoke run (tests/conftest.py's tiny networks; the voice keeps upstream's sizes)
+        from conftest import TINY_MODEL as cfg
     t3 = T3(cfg.t3)
     s3gen = S3Gen(Flow(cfg.flow), Estimator(cfg.cfm), HiFT(cfg.hift))
     mx.eval(t3.parameters(), s3gen.flow.parameters(), s3gen.estimator.parameters(), s3gen.hift.parameters())
@@ -113,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=250, help="speech tokens per request (25 per second)")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (worker)")
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    tts = build()
+    tts = build(args.tiny)
     info = machine_info()
     bench_stream(tts, 30)  # warm-up: traces and compiles
     rows = [
