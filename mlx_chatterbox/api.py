@@ -332,9 +332,9 @@ class TTS:
     ) -> Iterator[np.ndarray]:
         """Text -> float32 mono chunks at ``sample_rate`` (24 kHz), yielded while T3 still speaks.
 
-        S3Gen re-decodes the utterance so far after ``first_chunk`` speech tokens, then after every
-        ``chunk`` more, and at the end (``generation.stream.StreamVocoder``: the first audio after 10 tokens,
-        then about 1 s of audio per chunk of 25). Long text is split into pieces as ``generate`` does, with
+        S3Gen re-decodes the utterance so far after ``first_chunk`` speech tokens, ``chunk`` tokens later,
+        then after chunks that double up to 8 s, and at the end (``generation.stream.StreamVocoder``: the
+        first audio after 10 tokens, then 1 s, 2 s, 4 s, 8 s, 8 s, ... of audio). Long text is split into pieces as ``generate`` does, with
         the same budgets, seed s + i for piece i and 40 ms crossfades between pieces. Concatenated, the chunks
         have the length of ``generate``'s output for the same seed (the same speech tokens) and sound alike,
         but are not equal: the chunked decoding draws its own noise tables.
@@ -358,7 +358,9 @@ class TTS:
             piece_params = dataclasses.replace(params, max_new_tokens=budget)
             pieces.append(Piece(self.text_ids(piece), piece_params, *keys))
         settings = {"cfm_steps": cfm_steps, "first_chunk": first_chunk, "chunk": chunk}
-        streams = [stream_piece(self.t3, self.s3gen, voice, p, **settings) for p in pieces]  # lazy: no work yet
+        streams = [
+            stream_piece(self.t3, self.s3gen, voice, p, **settings) for p in pieces
+        ]  # lazy: no work yet
         chunks = join_pieces(streams, CROSSFADE)
         return (self._mark_chunk(c) for c in chunks) if watermark else chunks
 

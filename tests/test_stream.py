@@ -16,6 +16,7 @@ from mlx_chatterbox.generation import stream as stream_module
 from mlx_chatterbox.generation.stream import (
     CROSSFADE,
     HIFT_HOLDBACK,
+    MAX_CHUNK,
     StreamVocoder,
     join_pieces,
     min_first_chunk,
@@ -117,8 +118,11 @@ def test_re_decoded_mel_prefix_stays_put(tts):
 
 
 @pytest.mark.parametrize("prompt_frames", [2 * PROMPT, 2 * PROMPT + 1])  # odd: one frame fewer
-@pytest.mark.parametrize("first_chunk, chunk", [(10, 25), (8, 7)])
-def test_chunk_schedule_and_total_length(tts, prompt_frames, first_chunk, chunk):
+@pytest.mark.parametrize(
+    "first_chunk, chunk, max_chunk", [(10, 25, MAX_CHUNK), (8, 7, MAX_CHUNK), (8, 7, 20)]
+)
+def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_chunk, chunk, max_chunk):
+    monkeypatch.setattr(stream_module, "MAX_CHUNK", max_chunk)  # 20: capped at 8, 15, 29, 49, 69
     voice = random_voice(gen_tokens=PROMPT)
     mel = mx.array(np.random.default_rng(1).standard_normal((1, prompt_frames, 80)).astype(np.float32))
     voice = dataclasses.replace(voice, s3gen_prompt_mel=mel)
@@ -128,9 +132,10 @@ def test_chunk_schedule_and_total_length(tts, prompt_frames, first_chunk, chunk)
         tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0), first_chunk=first_chunk, chunk=chunk
     )
     outs = run(vocoder, tokens)
-    decodes = [
-        n for n in range(1, 71) if n == first_chunk or (n > first_chunk and (n - first_chunk) % chunk == 0)
-    ]
+    decodes, n, step = [], first_chunk, chunk  # chunks double after the second, up to MAX_CHUNK
+    while n <= 70:
+        decodes.append(n)
+        n, step = n + step, max(chunk, min(2 * step, max_chunk))
     assert [i + 1 for i, out in enumerate(outs[:-1]) if out.size] == decodes
     assert all(out.dtype == np.float32 and out.ndim == 1 for out in outs)
     # The decode at n tokens makes the audio of its first 2(n - 3) - odd - HIFT_HOLDBACK frames final, less
@@ -144,16 +149,16 @@ def test_chunk_schedule_and_total_length(tts, prompt_frames, first_chunk, chunk)
 
 
 def test_a_push_across_boundaries_decodes_once_with_all_its_tokens(tts):
-    voice, tokens = random_voice(gen_tokens=PROMPT), ids(70)
+    voice, tokens = random_voice(gen_tokens=PROMPT), ids(90)
     vocoder = StreamVocoder(tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0))
     assert vocoder.push(tokens[:9]).shape == (0,)
     out = vocoder.push(tokens[9:40])  # past 10 and 35: one decode of 40 tokens
     assert len(out) == 480 * (2 * (40 - 3) - HIFT_HOLDBACK) - CROSSFADE
     assert vocoder.pushed == 40
-    assert vocoder.push(tokens[40:59]).size == 0  # the next boundary is 60
-    at_60 = vocoder.push(tokens[59:60])
-    assert len(at_60) == 480 * 2 * (60 - 40)
-    assert len(out) + len(at_60) + len(vocoder.finish()) == 60 * 960
+    assert vocoder.push(tokens[40:84]).size == 0  # the next boundary is 85: the third chunk is 2 x 25
+    at_85 = vocoder.push(tokens[84:85])
+    assert len(at_85) == 480 * 2 * (85 - 40)
+    assert len(out) + len(at_85) + len(vocoder.finish()) == 85 * 960
 
 
 def test_short_utterances_and_the_end_of_a_stream(tts):

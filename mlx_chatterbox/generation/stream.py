@@ -33,6 +33,7 @@ HIFT_HOLDBACK = 6  # mel frames
 CROSSFADE = 480  # samples (20 ms) where a chunk's re-vocoded head meets the previous chunk's held-back tail
 CFM_NOISE_BLOCK = 250  # mel frames per drawn block of the CFM noise table (5 s)
 SOURCE_NOISE_BLOCK = 24000  # samples per drawn block of the sine source's noise table (1 s)
+MAX_CHUNK = 200  # speech tokens (8 s): the chunks stop doubling here
 
 
 def check_chunks(first_chunk: int, chunk: int, lookahead: int = 3) -> None:
@@ -81,16 +82,20 @@ class _NoiseTable:
 class StreamVocoder:
     """Speech tokens pushed as T3 makes them -> the waveform in final pieces (chunked S3Gen re-decoding).
 
-    Chunk schedule: the first decode runs once ``first_chunk`` tokens have been pushed, then one every
-    ``chunk`` tokens more (at first_chunk + k·chunk tokens; a push that crosses several boundaries decodes
-    once, with all its tokens), and ``finish`` decodes the rest. A decode runs the flow encoder and the CFM
+    Chunk schedule: the first decode runs once ``first_chunk`` tokens have been pushed, the next ``chunk``
+    tokens later, and each chunk after that is twice the one before, up to ``MAX_CHUNK`` tokens (or
+    ``chunk`` if larger): with the defaults at 10, 35, 85, 185, 385, 585, ... tokens (a push that crosses
+    several boundaries decodes once, with all its tokens); ``finish`` decodes the rest. Every decode runs
+    over the whole utterance so far, so constant chunks would cost O(n²) over n tokens; doubling keeps the
+    total near that of a few one-shot decodes while each decode still finishes well before the audio before
+    it has played. A decode runs the flow encoder and the CFM
     over [voice prompt + all tokens so far] with the frames of the last 3 tokens dropped (upstream's
     ``finalize=False``: they wait for their lookahead), then HiFT over the new frames with ``HIFT_CONTEXT``
     frames of left context, holding back its last ``HIFT_HOLDBACK`` frames and ``CROSSFADE`` samples that the
     next decode crossfades with its own. At 2 mel frames (960 samples) a token, the decode at n tokens makes
     final the audio of the first 2·(n - 3) - 6 generated frames (one fewer after an odd prompt mel), less the
-    20 ms tail: with the defaults, 0.14 s after 10 tokens, then 1 s more every 25 tokens (0.4 s of audio
-    behind the tokens); ``finish`` gives the rest.
+    20 ms tail: with the defaults, 0.14 s after 10 tokens, 1 s more after 35 (0.4 s of audio behind the
+    tokens), then 2 s, 4 s, 8 s, ...; ``finish`` gives the rest.
 
     Randomness: one key (MLX's global generator when None) gives the CFM noise table, the sine source's
     start phases and its noise table, all fixed for the utterance and sliced per decode; ``draws(n)`` returns
@@ -129,6 +134,7 @@ class StreamVocoder:
         self._phases = mx.concatenate([mx.zeros((1, 1)), phases[:, 1:]], axis=1)
         self._tokens: list[int] = []
         self._next = first_chunk  # the token count that triggers the next decode
+        self._step = chunk  # the chunk after it
         self._final_frames = 0  # mel frames whose audio is out, but for the held-back tail
         self._tail = np.zeros(0, np.float32)  # the audio just before _final_frames·480, held back
         # HiFT's source over the HIFT_CONTEXT frames before _final_frames, reused by the next decode
@@ -158,7 +164,8 @@ class StreamVocoder:
         if len(self._tokens) < self._next:
             return np.zeros(0, np.float32)
         while self._next <= len(self._tokens):
-            self._next += self.chunk
+            self._next += self._step
+            self._step = max(self.chunk, min(2 * self._step, MAX_CHUNK))
         return self._decode(final=False)
 
     def finish(self) -> np.ndarray:
