@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests whose speech tokens are drawn together, at most (default: 32)",
     )
     p.add_argument(
+        "--vocode-batch",
+        type=_at_least_1,
+        default=8,
+        help="whole (not streamed) requests whose speech tokens are vocoded together when T3 finishes them "
+        "in the same step, at most (default: 8; S3Gen's memory grows with it)",
+    )
+    p.add_argument(
         "--max-queue",
         type=_at_least_1,
         default=128,
@@ -636,7 +643,9 @@ def _serve(args: argparse.Namespace) -> None:
         mx.set_cache_limit(limit)
     voices = VoiceStore(folder, _load_voice(tts, args.voice) or tts.builtin_voice)
     model_name = Path(args.model).name or str(args.model)
-    with Worker(tts, max_batch=args.max_batch, max_queue=args.max_queue) as worker:
+    with Worker(
+        tts, max_batch=args.max_batch, max_queue=args.max_queue, vocode_batch=args.vocode_batch
+    ) as worker:
         app = create_app(worker, voices, model_name=model_name, cfm_steps=args.cfm_steps)
         log_level = "info" if args.verbose else "warning"
         print(f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder})", file=sys.stderr)

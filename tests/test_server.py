@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -435,10 +436,31 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         "--port",
         "8123",
     ]
-    assert main([*args, "--voices", str(voices), "--max-queue", "3", "--max-batch", "2"]) == 0
-    assert seen["where"] == ("127.0.0.1", 8123) and voices.is_dir()
-    assert seen["health"]["model"] == "mlx" and seen["health"]["max_queue"] == 3
-    assert seen["health"]["max_batch"] == 2
+    more = [
+        "--max-queue",
+        "3",
+        "--max-batch",
+        "2",
+        "--vocode-batch",
+        "3",
+        "--cfm-steps",
+        "2",
+        "--host",
+        "0.0.0.0",
+    ]
+    limit, cache = mx.set_memory_limit(0), mx.set_cache_limit(0)  # the process's limits, restored below
+    mx.set_memory_limit(limit)
+    mx.set_cache_limit(cache)
+    try:
+        assert main([*args, "--voices", str(voices), *more, "--memory-limit", "0.5"]) == 0
+        assert mx.set_memory_limit(limit) == 2**29  # --memory-limit 0.5 (GB) was set
+    finally:
+        mx.set_memory_limit(limit)
+        mx.set_cache_limit(cache)
+    assert seen["where"] == ("0.0.0.0", 8123) and voices.is_dir()
+    health = seen["health"]
+    assert health["model"] == "mlx" and health["max_queue"] == 3 and health["max_batch"] == 2
+    assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2
     assert [v["id"] for v in seen["voices"]] == ["default"]
     assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
-    assert "serving mlx on http://127.0.0.1:8123" in capsys.readouterr().err
+    assert "serving mlx on http://0.0.0.0:8123" in capsys.readouterr().err

@@ -136,3 +136,36 @@ def test_a_model_loaded_on_one_thread_serves_on_another(folder, cfm_dtype):
     with Worker(fresh) as worker:
         (wav,) = list(worker.submit(job))
     assert wav.shape == (5 * 960,) and np.isfinite(wav).all()
+
+
+@pytest.mark.parametrize("vocode_batch", [3, 2])
+def test_pieces_finished_together_are_vocoded_together(tts, monkeypatch, vocode_batch):
+    """Whole jobs that T3 finishes in the same step share S3Gen calls (``S3Gen.batch``, up to vocode_batch
+    rows): each equals its job alone up to float error; one left alone goes through ``TTS.vocode``, exactly.
+    """
+    calls = []
+    batch = tts.s3gen.batch
+
+    def spy(tokens, voices, **kwargs):
+        calls.append(len(tokens))
+        return batch(tokens, voices, **kwargs)
+
+    monkeypatch.setattr(tts.s3gen, "batch", spy)
+    specs = [
+        SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=11), cfm_steps=2, seed=s,
+                  watermark=s != 5)
+        for s in (5, 6, 7)
+    ]  # fmt: skip
+    with Worker(tts, vocode_batch=vocode_batch) as worker:
+        hold = worker.run(time.sleep, 0.3)  # the worker sleeps while all three arrive: they start together
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        got = [list(t) for t in tickets]
+    assert calls == ([3] if vocode_batch == 3 else [2])
+    for k, (job, chunks) in enumerate(zip(specs, got)):
+        (wav,), (expected,) = chunks, alone(tts, job)
+        assert wav.shape == expected.shape
+        if k >= vocode_batch:  # alone in its group
+            assert np.array_equal(wav, expected)
+        else:  # measured 2.3e-7 to 3.8e-7 (fp32, tiny), watermark on or off
+            assert np.linalg.norm(wav - expected) / np.linalg.norm(expected) < 1e-5

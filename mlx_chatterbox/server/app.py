@@ -68,6 +68,8 @@ def create_app(
             "queue": worker.jobs,
             "max_queue": worker.max_queue,
             "max_batch": worker.max_batch,
+            "vocode_batch": worker.vocode_batch,
+            "cfm_steps": cfm_steps,
             "sample_rate": worker.sample_rate,
         }
 

@@ -4,8 +4,9 @@ Request handlers (any thread, or asyncio) ``submit`` a ``SpeechJob`` and read it
 get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time into one ``SpeechTokenBatch``,
 steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
 jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). A job's audio is what ``TTS.generate``
-gives for the same arguments and seed (``TTS.stream`` for streamed jobs): pieces, budgets, seeds per piece,
-crossfades and watermark as there. All MLX work happens on this one thread, so that no two threads ever build
+gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk for chunk): pieces, budgets,
+seeds per piece, crossfades and watermark as there; exactly, except that whole pieces T3 finishes in the same
+step are vocoded together (``S3Gen.batch``, up to ``vocode_batch``), equal up to float error. All MLX work happens on this one thread, so that no two threads ever build
 MLX graphs at once.
 """
 
@@ -128,13 +129,20 @@ class _Job:
 
 
 class Worker:
-    """Runs speech jobs on one background thread, T3 batched over up to ``max_batch`` jobs at once; at most
-    ``max_queue`` jobs wait or run (``submit`` raises ``QueueFull`` beyond)."""
+    """Runs speech jobs on one background thread, T3 batched over up to ``max_batch`` jobs at once and whole
+    pieces finished in the same step vocoded ``vocode_batch`` at a time; at most ``max_queue`` jobs wait or
+    run (``submit`` raises ``QueueFull`` beyond)."""
 
-    def __init__(self, tts: TTS, *, max_batch: int = 32, max_queue: int = 128):
-        if max_batch < 1 or max_queue < 1:
-            raise ValueError(f"max_batch={max_batch} and max_queue={max_queue} must both be at least 1")
+    def __init__(self, tts: TTS, *, max_batch: int = 32, max_queue: int = 128, vocode_batch: int = 8):
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_queue", max_queue),
+            ("vocode_batch", vocode_batch),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
+        self.vocode_batch = vocode_batch
         self.sample_rate = tts.sample_rate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
         self._jobs = 0  # submitted and not finished (under _lock)
@@ -251,6 +259,7 @@ class Worker:
                 running.clear()
                 batch = SpeechTokenBatch(self.tts.t3)
                 continue
+            ended = []  # jobs whose piece T3 finished in this step
             for uid, token, finished in steps:
                 j = running[uid]
                 j.raw.append(token)
@@ -260,8 +269,9 @@ class Worker:
                     del running[uid]
                     if not ok and not finished:
                         batch.cancel(uid)
-                    elif ok and j.piece < len(j.pieces):
-                        waiting.appendleft(j)  # its next piece goes in first
+                    elif ok:
+                        ended.append(j)
+            waiting.extendleft(reversed(self._end_pieces(ended)))  # their next pieces go in first
 
     def _call(self, fn: Callable, args: tuple, future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -296,35 +306,75 @@ class Worker:
             j.vocoder = StreamVocoder(self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key)
 
     def _took(self, j: _Job, token: int, finished: bool) -> None:
-        """A token of the job's piece; when the piece is finished, its audio (and the job's, after its last)."""
+        """A token of the job's piece (streamed: pushed to its vocoder); when the piece is finished, its checks
+        and its speech tokens (``j.raw`` keeps the ids to vocode) or, streamed, its last audio."""
         cfg = self.tts.t3.config
         if j.vocoder is not None and token < cfg.start_speech_token:  # only speech ids, as stream_piece
             self._emit(j, j.vocoder.push([token]))
         if not finished:
             return
-        if not drop_invalid_tokens(j.raw, cfg.start_speech_token, cfg.stop_speech_token):
-            raise ValueError("T3 stopped before producing any speech token; try another seed or text")
         if cfg.stop_speech_token not in j.raw:
             logger.warning(
                 "piece %d of %d stopped at its budget without the stop token", j.piece + 1, len(j.pieces)
             )
-        last = j.piece == len(j.pieces) - 1
+        j.raw = drop_invalid_tokens(j.raw, cfg.start_speech_token, cfg.stop_speech_token)
+        if not j.raw:
+            raise ValueError("T3 stopped before producing any speech token; try another seed or text")
         if j.vocoder is not None:
             self._emit(j, j.vocoder.finish(), end=True)
             j.vocoder = None
-        else:
-            tokens = np.array(drop_invalid_tokens(j.raw, cfg.start_speech_token, cfg.stop_speech_token))
-            j.wavs.append(
-                self.tts.vocode(
-                    tokens, j.job.voice, cfm_steps=j.job.cfm_steps, seed=j.seed(), watermark=False
-                )
-            )
-            if last:
+
+    def _end_pieces(self, ended: list[_Job]) -> list[_Job]:
+        """After a step: vocode the whole (not streamed) pieces T3 finished in it, up to ``vocode_batch`` of
+        them together, and move every such job on to its next piece, or hand over its audio. Returns the jobs
+        that have a next piece."""
+        failed: set[int] = set()
+        whole = [j for j in ended if not j.job.stream]
+        groups: dict[int | None, list[_Job]] = {}
+        for j in whole:
+            groups.setdefault(j.job.cfm_steps, []).append(j)
+        for steps, jobs in groups.items():
+            for k in range(0, len(jobs), self.vocode_batch):
+                group = jobs[k : k + self.vocode_batch]
+                try:
+                    wavs = self._vocode(group, steps)
+                except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
+                    logger.exception("vocoding failed")
+                    for j in group:
+                        self._done(j, error)
+                        failed.add(id(j))
+                    continue
+                for j, wav in zip(group, wavs):
+                    j.wavs.append(wav)
+        more = []
+        for j in ended:
+            if id(j) in failed:
+                continue
+            last = j.piece == len(j.pieces) - 1
+            if last and not j.job.stream:
                 wav = crossfade_join(j.wavs, CROSSFADE)
                 j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
-        j.piece += 1
-        if last:
-            self._done(j, None)
+            j.piece += 1
+            if last:
+                self._done(j, None)
+            else:
+                more.append(j)
+        return more
+
+    def _vocode(self, jobs: list[_Job], cfm_steps: int | None) -> list[np.ndarray]:
+        """The unmarked audio of each job's finished piece: ``TTS.vocode`` for one (exactly what
+        ``TTS.generate`` gives), ``S3Gen.batch`` for several (the same up to float error, in one flow-encoder
+        pass and one CFM solve)."""
+        tts = self.tts
+        if len(jobs) == 1 or tts.torch_s3gen is not None:  # hybrid mode: upstream's S3Gen, one at a time
+            return [
+                tts.vocode(np.array(j.raw), j.job.voice, cfm_steps=cfm_steps, seed=j.seed(), watermark=False)
+                for j in jobs
+            ]
+        keys = [None if j.seed() is None else seed_keys(j.seed())[1] for j in jobs]
+        tokens = [np.array(j.raw, dtype=np.int32) for j in jobs]
+        wavs = tts.s3gen.batch(tokens, [j.job.voice for j in jobs], cfm_steps=cfm_steps, keys=keys)
+        return [np.array(w[0], dtype=np.float32) for w in wavs]
 
     def _emit(self, j: _Job, samples: np.ndarray, end: bool = False) -> None:
         """Hand a streamed job's samples to its reader, the pieces joined and each chunk watermarked exactly as
