@@ -1,7 +1,8 @@
 """Serving: time to first audio of a streamed request, and many requests at once through the server's engine
 (server/worker.py), on the full-size English model with random weights.
 
-- ``stream``: one ``TTS.stream`` request alone: seconds to its first chunk, and to its end.
+- ``stream``: one ``TTS.stream`` request alone: seconds to its first chunk, and to its end; then the parts of
+  the first audio, each timed alone (T3 to the 10th token, the first S3Gen decode, the chunk's watermark).
 - ``worker``: N requests submitted at once to one ``Worker`` (T3 batched, S3Gen per request), streamed or
   not: time to each request's first audio (median and worst), the wall time until all are done, and the
   aggregate real-time factor (wall / seconds of audio made).
@@ -32,6 +33,8 @@ from common import machine_info, write_line
 from toy_tokenizer import build_toy_tokenizer
 
 from mlx_chatterbox import TTS
+from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
+from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.generation.vocode import S3Gen
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.cfm import Estimator
@@ -76,6 +79,26 @@ def bench_stream(tts: TTS, tokens: int) -> dict:
     return dict(first_audio_s=first, total_s=time.perf_counter() - start, audio_s=samples / SAMPLE_RATE)
 
 
+def first_audio_parts(tts: TTS, first_chunk: int = 10) -> dict:
+    """Where a stream's first audio goes, each part alone (medians of 3): T3 to the first_chunk-th token (prefill
+    included), the first S3Gen decode of that many tokens, and Perth's mark on the chunk it gives."""
+    ids, voice = tts.text_ids(TEXT), tts.builtin_voice
+    params = SamplingParams(max_new_tokens=first_chunk)
+    tokens = [t % 6561 for t in generate_speech_tokens(tts.t3, voice, ids, params, key=mx.random.key(0))]
+    parts: dict[str, list[float]] = {"t3_s": [], "s3gen_s": [], "watermark_s": []}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        list(generate_speech_tokens(tts.t3, voice, ids, params, key=mx.random.key(0)))
+        t1 = time.perf_counter()
+        chunk = StreamVocoder(tts.s3gen, voice, key=mx.random.key(1)).push(tokens)
+        t2 = time.perf_counter()
+        tts._mark_chunk(chunk)
+        t3 = time.perf_counter()
+        for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[name].append(dt)
+    return {name: statistics.median(v) for name, v in parts.items()}
+
+
 def bench_worker(tts: TTS, n: int, tokens: int, stream: bool) -> dict:
     params = SamplingParams(max_new_tokens=tokens)
     firsts, samples = [], []
@@ -115,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=250, help="speech tokens per request (25 per second)")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (worker)")
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    parser.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)"
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
@@ -125,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         dict(mode="stream", requests=1, **bench_stream(tts, args.tokens), peak_mem_bytes=mx.get_peak_memory())
     ]
+    parts = first_audio_parts(tts)
+    print(
+        "# first audio, part by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
+        file=sys.stderr,
+    )
+    write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
     for stream in (True, False):
         for n in (int(c) for c in args.concurrency.split(",")):
             bench_worker(tts, n, 30, stream)  # warm-up for this batch's shapes
