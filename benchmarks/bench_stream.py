@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         dict(mode="stream", requests=1, **bench_stream(tts, args.tokens), peak_mem_bytes=mx.get_peak_memory())
     ]
+    # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
+    write_line(
+        dict(bench="stream", tokens=args.tokens, **rows[0], machine=info, backend=_backend.STATUS), args.out
+    )
     parts = first_audio_parts(tts)
     print(
         "# first audio, part by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
@@ -163,10 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             row = bench_worker(tts, n, args.tokens, stream)
             rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
                              peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
-    for row in rows:
-        write_line(
-            dict(bench="stream", tokens=args.tokens, **row, machine=info, backend=_backend.STATUS), args.out
-        )
+            write_line(dict(bench="stream", tokens=args.tokens, **rows[-1], machine=info), args.out)
     print("\n| mode | requests | first audio (median / worst) s | wall s | audio s | RTF | peak GB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -212,7 +212,9 @@ class Worker:
             self._serve()
         finally:
             # MLX 0.32 needs each thread's streams released before the thread ends, or the process aborts
-            # at exit ("terminate called without an active exception", exit code 134).
+            # at exit ("terminate called without an active exception", exit code 134); the work still queued
+            # on them (the batch's step queued ahead) is waited for first.
+            mx.synchronize()
             mx.clear_streams()
 
     def _serve(self) -> None:
