@@ -46,7 +46,7 @@ def main() -> None:
     layer = model.tfmr.layers[0]
     attn = layer.self_attn
     h, hd, d = cfg.num_heads, cfg.head_dim, cfg.hidden_size
-    print(f"| rows | part | ms per call |\n|---|---|---|")
+    print("| rows | part | ms per call |\n|---|---|---|")
     for b in (int(r) for r in args.rows.split(",")):
         cap = args.capacity
         kv = [mx.random.normal((b, h, cap, hd)).astype(dtype) for _ in range(2 * cfg.num_layers)]

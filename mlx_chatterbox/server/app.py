@@ -146,9 +146,7 @@ def create_app(
             raise ApiError(413, f"the recording is over {max_upload} bytes; send 5-10 s of speech", "file")
         samples, rate = await run_in_threadpool(_decode_upload, data, file.filename or "file")
         try:
-            voice = await asyncio.wrap_future(
-                worker.run(_clone, worker.tts, samples, rate, voices, name, overwrite)
-            )
+            await asyncio.wrap_future(worker.run(_clone, worker.tts, samples, rate, voices, name, overwrite))
         except VoiceExists as e:
             raise ApiError(409, str(e), "name") from None
         except ValueError as e:
@@ -271,21 +269,27 @@ async def _once(wav: np.ndarray) -> AsyncIterator[np.ndarray]:
     yield wav
 
 
+async def _encoded(chunks: AsyncIterator[np.ndarray], fmt: str, sample_rate: int) -> AsyncIterator[bytes]:
+    """The chunks encoded in ``fmt`` as they come, then the encoder's last bytes: joined, one file."""
+    encoder = StreamEncoder(fmt, sample_rate)
+    async for chunk in chunks:
+        data = encoder.write(chunk)
+        if data:
+            yield data
+    data = encoder.close()
+    if data:
+        yield data
+
+
 async def _audio(
     chunks: AsyncIterator[np.ndarray], fmt: str, ticket: Ticket, watch: asyncio.Task
 ) -> AsyncIterator[bytes]:
     """The encoded bytes of a streamed response, as the chunks come."""
-    encoder = StreamEncoder(fmt, ticket.sample_rate)
     finished = False
     try:
-        async for chunk in chunks:
-            data = encoder.write(chunk)
-            if data:
-                yield data
-        data = encoder.close()
-        finished = True
-        if data:
+        async for data in _encoded(chunks, fmt, ticket.sample_rate):
             yield data
+        finished = True
     finally:  # an error raised here ends the body early (the status line has gone out); uvicorn logs it
         watch.cancel()
         if not finished:
@@ -301,19 +305,10 @@ async def _sse(
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    def delta(data: bytes) -> str:
-        return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-
-    encoder = StreamEncoder(fmt, ticket.sample_rate)
     finished = False
     try:
-        async for chunk in chunks:
-            data = encoder.write(chunk)
-            if data:
-                yield delta(data)
-        data = encoder.close()
-        if data:
-            yield delta(data)
+        async for data in _encoded(chunks, fmt, ticket.sample_rate):
+            yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
         finished = True
         usage = {
             "input_tokens": ticket.text_tokens,
