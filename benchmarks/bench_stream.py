@@ -99,7 +99,7 @@ def first_audio_parts(tts: TTS, first_chunk: int = 10) -> dict:
     return {name: statistics.median(v) for name, v in parts.items()}
 
 
-def bench_worker(tts: TTS, n: int, tokens: int, stream: bool) -> dict:
+def bench_worker(tts: TTS, n: int, tokens: int, stream: bool, vocode_batch: int = 8) -> dict:
     params = SamplingParams(max_new_tokens=tokens)
     firsts, samples = [], []
 
@@ -111,7 +111,7 @@ def bench_worker(tts: TTS, n: int, tokens: int, stream: bool) -> dict:
             count += len(chunk)
         samples.append(count)
 
-    with Worker(tts, max_batch=max(n, 1)) as worker:
+    with Worker(tts, max_batch=max(n, 1), vocode_batch=vocode_batch) as worker:
         start = time.perf_counter()
         readers = [
             threading.Thread(target=read, args=(worker.submit(SpeechJob(TEXT, tts.builtin_voice, params, seed=i,
@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (worker)")
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument(
+        "--vocode-batch", type=int, default=8, help="the Worker's vocode_batch (1: every piece vocoded alone)"
+    )
+    parser.add_argument(
         "--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)"
     )
     parser.add_argument("--out", help="append JSON lines here")
@@ -162,12 +165,13 @@ def main(argv: list[str] | None = None) -> None:
     write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
     for stream in (True, False):
         for n in (int(c) for c in args.concurrency.split(",")):
-            bench_worker(tts, n, 30, stream)  # warm-up for this batch's shapes
+            bench_worker(tts, n, 30, stream, args.vocode_batch)  # warm-up for this batch's shapes
             mx.reset_peak_memory()
-            row = bench_worker(tts, n, args.tokens, stream)
+            row = bench_worker(tts, n, args.tokens, stream, args.vocode_batch)
             rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
                              peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
-            write_line(dict(bench="stream", tokens=args.tokens, **rows[-1], machine=info), args.out)
+            row = dict(bench="stream", tokens=args.tokens, vocode_batch=args.vocode_batch, **rows[-1])
+            write_line(dict(**row, machine=info), args.out)
     print("\n| mode | requests | first audio (median / worst) s | wall s | audio s | RTF | peak GB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
