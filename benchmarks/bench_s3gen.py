@@ -142,6 +142,17 @@ def fixed_inputs(prompt_tokens: int, tokens: int) -> dict[str, np.ndarray]:
     )
 
 
+def fixed_voice(inputs: dict[str, np.ndarray]) -> Voice:
+    """The S3Gen prompt of ``fixed_inputs`` as a Voice (its T3 parts are unused by S3Gen)."""
+    return Voice(
+        speaker_emb=mx.zeros((1, 256)),
+        t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
+        s3gen_prompt_tokens=mx.array(inputs["prompt_token"].astype(np.int32)),
+        s3gen_prompt_mel=mx.array(inputs["prompt_feat"]),
+        xvector=mx.array(inputs["embedding"]),
+    )
+
+
 def medians(runs: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}
 
@@ -150,13 +161,7 @@ def bench_ours(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, variant: st
     layers.FAST_CPU_MATH, cfm_dtype = VARIANTS[variant]
     float32_weights = s3gen.estimator.parameters()
     s3gen.estimator.set_dtype(getattr(mx, cfm_dtype))
-    voice = Voice(
-        speaker_emb=mx.zeros((1, 256)),  # T3 parts: unused by S3Gen
-        t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
-        s3gen_prompt_tokens=mx.array(inputs["prompt_token"].astype(np.int32)),
-        s3gen_prompt_mel=mx.array(inputs["prompt_feat"]),
-        xvector=mx.array(inputs["embedding"]),
-    )
+    voice = fixed_voice(inputs)
     tokens = mx.array(inputs["token"].astype(np.int32))
     everything = mx.concatenate([voice.s3gen_prompt_tokens, tokens], axis=1)
     lengths = mx.array([everything.shape[1]], dtype=mx.int32)
@@ -229,13 +234,7 @@ def stage_peak(s3gen: S3Gen):
 
 def bench_batch(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, n: int) -> dict:
     """N requests (one voice, tokens/2 .. tokens new tokens, a key each) one by one and batched."""
-    voice = Voice(
-        speaker_emb=mx.zeros((1, 256)),
-        t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
-        s3gen_prompt_tokens=mx.array(inputs["prompt_token"].astype(np.int32)),
-        s3gen_prompt_mel=mx.array(inputs["prompt_feat"]),
-        xvector=mx.array(inputs["embedding"]),
-    )
+    voice = fixed_voice(inputs)
     full = inputs["token"].shape[1]
     counts = np.linspace(max(1, full // 2), full, n).round().astype(int)
     rng = np.random.default_rng(2)
@@ -380,13 +379,7 @@ def check(torch, s3gen: S3Gen, flow, hift, inputs: dict, steps: int, device) -> 
         def sample(self, sample_shape):
             return torch.from_numpy(np.array(draws.phases)[..., None]).reshape(sample_shape)
 
-    voice = Voice(
-        speaker_emb=mx.zeros((1, 256)),
-        t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
-        s3gen_prompt_tokens=mx.array(inputs["prompt_token"].astype(np.int32)),
-        s3gen_prompt_mel=mx.array(inputs["prompt_feat"]),
-        xvector=mx.array(inputs["embedding"]),
-    )
+    voice = fixed_voice(inputs)
     tokens = mx.array(inputs["token"].astype(np.int32))
     ours_mel = np.array(s3gen.mel(tokens, voice, cfm_steps=steps, cfm_noise=draws.cfm_noise))
     ours_wav = np.array(s3gen(tokens, voice, cfm_steps=steps, draws=draws))
