@@ -116,6 +116,7 @@ class _Job:
     job: SpeechJob
     ticket: Ticket
     pieces: list[str]
+    piece_ids: list[list[int]]  # each piece's text token ids, tokenized once at submit
     piece: int = 0
     uid: int | None = None  # its request in the batch
     raw: list[int] = dataclasses.field(default_factory=list)
@@ -185,14 +186,15 @@ class Worker:
         pieces = split_pieces(job.text, tts._fits)  # tokenizes: an empty text is refused here
         # Lazy arrays can only be evaluated on the thread that made them: the voice is materialised here.
         mx.eval(dataclasses.astuple(job.voice))
-        ticket = Ticket(self.sample_rate, sum(len(tts.text_ids(p)) for p in pieces))
+        piece_ids = [tts.text_ids(p) for p in pieces]
+        ticket = Ticket(self.sample_rate, sum(len(ids) for ids in piece_ids))
         with self._lock:
             if self._thread is None:
                 raise RuntimeError("the worker is not running; start() it first")
             if self._jobs >= self.max_queue:
                 raise QueueFull(f"{self._jobs} requests are already queued (the limit is {self.max_queue})")
             self._jobs += 1
-        self._inbox.put(_Job(job, ticket, pieces))
+        self._inbox.put(_Job(job, ticket, pieces, piece_ids))
         return ticket
 
     def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -302,7 +304,7 @@ class Worker:
         seed = j.seed()
         key = None if seed is None else seed_keys(seed)[0]
         j.raw = []
-        j.uid = batch.add(BatchRequest(self.tts.text_ids(piece), job.voice, params, key=key))
+        j.uid = batch.add(BatchRequest(j.piece_ids[j.piece], job.voice, params, key=key))
         if job.stream:
             s3gen_key = None if seed is None else seed_keys(seed)[1]
             j.vocoder = StreamVocoder(self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key)
