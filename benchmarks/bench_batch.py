@@ -63,8 +63,9 @@ def build(cfg: T3Config, dtype_name: str) -> tuple[T3, Voice, list[int], Samplin
 
 def run_batch(
     model: T3, voice: Voice, text: list[int], params: SamplingParams, n: int
-) -> tuple[float, float]:
-    """n requests at once: (seconds from the first step to the last token, median seconds per decode step)."""
+) -> tuple[float, float, float]:
+    """n requests at once: (seconds from the first step to the last token, median seconds per decode step,
+    seconds of the first step, which prefills the n requests together)."""
     batch = SpeechTokenBatch(model, stop_on_eos=False)
     for seed in range(n):
         batch.add(BatchRequest(text, voice, params, key=mx.random.key(seed)))
@@ -73,7 +74,7 @@ def run_batch(
         batch.step()
         stamps.append(time.perf_counter())
     steps = [b - a for a, b in zip(stamps[1:-1], stamps[2:])]  # the first step holds the n prefills
-    return stamps[-1] - stamps[0], statistics.median(steps)
+    return stamps[-1] - stamps[0], statistics.median(steps), stamps[1] - stamps[0]
 
 
 def run_single(model: T3, voice: Voice, text: list[int], params: SamplingParams) -> float:
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                 requests=n,
                 tok_s=n * args.tokens / total,
                 step_ms=1000 * step,
+                prefill_ms=1000 * statistics.median(r[2] for r in runs),
                 peak_mem_bytes=mx.get_peak_memory(),
                 **(profile(model, voice, text, params, n) if args.profile else {}),
             )
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
             args.out,
         )
-    parts = [k for k in rows[-1] if k.endswith(("_waited", "_queued"))]
+    parts = ["prefill_ms"] + [k for k in rows[-1] if k.endswith(("_waited", "_queued"))]
     print(f"\n| system | requests | aggregate tok/s | ms per step | {' | '.join(parts)} |")
     print("|---" * (4 + len(parts)) + "|")
     for row in rows:

@@ -126,6 +126,33 @@ def test_left_padded_decode_matches_each_row_alone(tiny_t3):
     assert err < 1e-5, err
 
 
+def test_left_padded_prefill_matches_each_request_alone(tiny_t3):
+    """Requests of different lengths prefilled together, left-padded to the longest (``SpeechTokenBatch``
+    admits its waiting requests so): each row's logits and keys/values against its request prefilled alone."""
+    model, embeds = tiny_t3, []
+    for seed, prompt_len, text, cfg_weight in [(1, 150, [5, 6, 7], 0.5), (2, 20, list(range(40)), 0.0)]:
+        voice = random_voice(seed, prompt_len=prompt_len)
+        embeds.append(
+            prefill_embeds(model, T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, 0.5), text, cfg_weight)
+        )
+    n = max(e.shape[1] for e in embeds)
+    pad = [n - e.shape[1] for e in embeds for _ in range(e.shape[0])]
+    assert pad == [37, 37, 0]
+    x = mx.concatenate([mx.pad(e, [(0, 0), (n - e.shape[1], 0), (0, 0)]) for e in embeds])
+    logits, cache = model.prefill(x, pad=mx.array(pad, dtype=mx.int32))
+    first = 0
+    for e in embeds:
+        rows, length = e.shape[0], e.shape[1]
+        alone_logits, alone_cache = model.prefill(e)
+        got = logits[first : first + rows]
+        assert float(mx.abs(got - alone_logits).max() / mx.abs(alone_logits).max()) < 1e-5
+        for a, b in zip(cache.kv, alone_cache.kv):
+            a, b = a[first : first + rows, :, n - length : n], b[:, :, :length]
+            assert float(mx.abs(a - b).max() / mx.abs(b).max()) < 1e-5
+        first += rows
+    assert all(bool(mx.isfinite(a).all()) for a in cache.kv)  # the padding's keys and values too
+
+
 def test_bad_requests_are_refused_when_added(tiny_t3):
     batch = SpeechTokenBatch(tiny_t3)
     voice = random_voice()

@@ -1,12 +1,13 @@
 """Many speech-token requests through one T3 at once (continuous batching).
 
 Each request has its own text, voice, knobs, draws and stop; all of them decode together, one token each per
-step, so that the per-step host cost (what bounds T3 on a GPU, ADR 9) is paid once for every request. A request
-joins between two steps (its prefill is the single-request prefill, then its keys and values are right-aligned
-with the others' in a ``BatchKVCache``) and leaves after its stop token or its ``max_new_tokens``.
+step, so that the per-step host cost (what bounds T3 on a GPU, ADR 9) is paid once for every request. Requests
+join between two steps (the ones waiting are prefilled together, left-padded to the longest, then their keys and
+values are right-aligned with the others' in a ``BatchKVCache``) and leave after their stop token or their
+``max_new_tokens``.
 
-Row for row this computes what ``generate_speech_tokens`` computes for the request alone: the same prefill, the
-same decode with per-row sequence positions and masks, the same logits chain with per-row knobs
+Row for row this computes what ``generate_speech_tokens`` computes for the request alone: the same prefill (up
+to float rounding: the rows' padding is masked), the same decode with per-row sequence positions and masks, the same logits chain with per-row knobs
 (``sampling.process_rows``) and the same draws (``sampling.draw_rows``), so a request's tokens do not depend on
 what else is in the batch (tests/test_batch.py).
 """
@@ -22,7 +23,7 @@ import mlx.core as mx
 from ..models.cache import BatchKVCache
 from ..models.t3 import T3
 from ..sampling import SamplingParams, draw_rows, process_rows, row_knobs
-from .speech_tokens import check_request, make_draws, start
+from .speech_tokens import check_request, first_token, make_draws, request_embeds
 from .voice import Voice
 
 
@@ -99,9 +100,8 @@ class SpeechTokenBatch:
         """Admit waiting requests, queue the next decode step, then read the tokens drawn by the last one (the
         device works on the next step while the host reads, as in ``generate_speech_tokens``)."""
         if self._pending:
-            for uid, request in self._pending:
-                self._join(uid, request)
-            self._pending.clear()
+            self._join(self._pending)
+            self._pending = []
             self._lay_out()
         if not self._active:
             return []
@@ -119,21 +119,36 @@ class SpeechTokenBatch:
             self._leave(keep)
         return out
 
-    def _join(self, uid: int, request: BatchRequest) -> None:
-        draws = make_draws(request.params, request.key, request.uniforms)
-        by_uniform = request.uniforms is not None
-        token, seen, cache = start(
-            self.model, request.voice, request.text_ids, request.params, draws, by_uniform
-        )
-        mx.async_eval(token)
-        rows = BatchKVCache.from_cache(cache, self.window_size)
+    def _join(self, pending: list[tuple[int, BatchRequest]]) -> None:
+        """Prefill the waiting requests together, their rows left-padded to the longest (one prefill call for
+        them all: T3 is host-bound per call, ADR 9), and append them to the batch."""
+        model, embeds = self.model, []
+        for _, request in pending:
+            embeds.append(request_embeds(model, request.voice, request.text_ids, request.params))
+        n = max(e.shape[1] for e in embeds)
+        pad = [n - e.shape[1] for e in embeds for _ in range(e.shape[0])]
+        x = mx.concatenate([mx.pad(e, [(0, 0), (n - e.shape[1], 0), (0, 0)]) for e in embeds])
+        logits, cache = model.prefill(x, pad=mx.array(pad, dtype=mx.int32) if any(pad) else None)
+        tokens, seen, first = [], [], 0
+        for (uid, request), e in zip(pending, embeds):
+            draws = make_draws(request.params, request.key, request.uniforms)
+            rows = e.shape[0]
+            token, s = first_token(
+                model, logits[first : first + rows], request.params, draws, request.uniforms is not None
+            )
+            tokens.append(token)
+            seen.append(s)
+            self._active.append(_Active(uid, request, draws, rows=rows))
+            first += rows
+        tokens = mx.concatenate(tokens if self._tokens is None else [self._tokens, *tokens])
+        mx.async_eval(tokens)
+        self._tokens = tokens
+        self._seen = mx.concatenate(seen if self._seen is None else [self._seen, *seen])
+        rows = BatchKVCache(cache.kv, cache.offset, pad, cache.step, self.window_size)
         if self._cache is None:
-            self._tokens, self._seen, self._cache = token, seen, rows
+            self._cache = rows
         else:
-            self._tokens = mx.concatenate([self._tokens, token])
-            self._seen = mx.concatenate([self._seen, seen])
             self._cache.extend(rows)
-        self._active.append(_Active(uid, request, draws, rows=cache.kv[0].shape[0]))
 
     def _leave(self, keep: list[int]) -> None:
         """Keep only the requests at ``keep`` (and their T3 rows)."""

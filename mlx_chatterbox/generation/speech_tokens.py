@@ -117,13 +117,26 @@ def start(
     uniform_draws: bool,
 ) -> tuple[mx.array, mx.array, KVCache]:
     """The prefill and the first token (1,), drawn with ``draws[0]``; the seen-mask (1, V) and the cache."""
-    cfg = model.config
+    logits, cache = model.prefill(request_embeds(model, voice, text_ids, params))
+    return (*first_token(model, logits, params, draws, uniform_draws), cache)
+
+
+def request_embeds(model: T3, voice: Voice, text_ids: Sequence[int], params: SamplingParams) -> mx.array:
+    """A request's prefill input (``prefill_embeds`` of its voice and knobs)."""
     cond = T3Cond(voice.speaker_emb, voice.t3_prompt_tokens, params.exaggeration)
-    logits, cache = model.prefill(prefill_embeds(model, cond, text_ids, params.cfg_weight))
+    return prefill_embeds(model, cond, text_ids, params.cfg_weight)
+
+
+def first_token(
+    model: T3, logits: mx.array, params: SamplingParams, draws: mx.array, uniform_draws: bool
+) -> tuple[mx.array, mx.array]:
+    """The first token (1,) from the prefill's logits (the request's rows), drawn with ``draws[0]``, and the
+    seen-mask (1, V)."""
+    cfg = model.config
     # The repetition penalty covers the start-of-speech id and every generated id.
     seen = (mx.arange(cfg.speech_vocab_size) == cfg.start_speech_token)[None]
     token = draw(process_logits(logits, seen, params), params, *_draw_args(params, uniform_draws, draws[0]))
-    return token, seen, cache
+    return token, seen
 
 
 def _draw_args(

@@ -103,22 +103,30 @@ class Attention(nn.Module):
     def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(B, N, D) -> q, k, v as (B, H, N, hd), q and k rotated for positions offset .. offset + N - 1."""
         b, n, _ = x.shape
-        qkv = self.qkv_proj(x).reshape(b, n, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
-        qk = self._rope(qkv[:2], offset)  # q and k in one call: one kernel per layer instead of two
-        return qk[0], qk[1], qkv[2]
+        qkv = self.qkv_proj(x).reshape(b, n, 3, self.num_heads, self.head_dim).transpose(0, 2, 3, 1, 4)
+        # q and k in one call: one kernel per layer instead of two; a (B,) offset is one per row (axis 0).
+        qk = self._rope(qkv[:, :2], offset)
+        return qk[:, 0], qk[:, 1], qkv[:, 2]
 
     def _out(self, out: mx.array) -> mx.array:
         b, _, n, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
-    def __call__(self, x: mx.array, kv: list[mx.array] | None = None) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        kv: list[mx.array] | None = None,
+        offset: int | mx.array = 0,
+        mask: str | mx.array | None = "causal",
+    ) -> mx.array:
         """Teacher-forced pass or prefill from position 0, causal over the whole input, conditioning included
-        (architecture §9.1). The rotated keys and the values are appended to ``kv`` when it is given."""
-        q, k, v = self._qkv(x, 0)
+        (architecture §9.1). The rotated keys and the values are appended to ``kv`` when it is given.
+        offset, mask: left-padded rows (``Llama.__call__``): (B,) offsets -pad and a (B, 1, N, N) mask."""
+        q, k, v = self._qkv(x, offset)
         if kv is not None:
             kv += [k, v]
         out = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.head_dim**-0.5, mask="causal" if x.shape[1] > 1 else None
+            q, k, v, scale=self.head_dim**-0.5, mask=mask if x.shape[1] > 1 else None
         )
         return self._out(out)
 
@@ -213,8 +221,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def __call__(self, x: mx.array, kv: list[mx.array] | None = None) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), kv)
+    def __call__(
+        self,
+        x: mx.array,
+        kv: list[mx.array] | None = None,
+        offset: int | mx.array = 0,
+        mask: str | mx.array | None = "causal",
+    ) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), kv, offset, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(
@@ -257,11 +271,23 @@ class Llama(nn.Module):
         self.layers = [DecoderLayer(cfg, rope_periods) for _ in range(cfg.num_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, kv: list[mx.array] | None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, kv: list[mx.array] | None = None, pad: mx.array | None = None
+    ) -> mx.array:
         """(B, N, D) from position 0 -> (B, N, D); every layer's keys and values are appended to ``kv`` when
-        it is given."""
+        it is given.
+        pad: (B,) int32 for rows left-padded to a common length N (generation/batch.py): row b's sequence
+        starts at index pad[b], so index i is its position i - pad[b], and no index sees one before pad[b]. A
+        padding index sees itself alone, which keeps its keys and values finite (decode masks them, but 0 times
+        NaN would still be NaN)."""
+        offset, mask = 0, "causal"
+        if pad is not None:
+            index = mx.arange(x.shape[1])
+            causal = index[None, :] <= index[:, None]  # (N, N): query, key
+            own = (index[None, None, :] >= pad[:, None, None]) | (index[None, :] == index[:, None])
+            offset, mask = -pad, (causal & own)[:, None]  # (B, 1, N, N)
         for layer in self.layers:
-            x = layer(x, kv)
+            x = layer(x, kv, offset, mask)
         return self.norm(x)
 
     def decode(
@@ -395,11 +421,13 @@ class T3(nn.Module):
 
     # --- network ---
 
-    def prefill(self, embeds: mx.array, cache_step: int = 256) -> tuple[mx.array, KVCache]:
+    def prefill(
+        self, embeds: mx.array, cache_step: int = 256, pad: mx.array | None = None
+    ) -> tuple[mx.array, KVCache]:
         """Run (B, N, D) input embeddings from position 0; the speech logits of the last position (B, V) and
-        the cache for ``decode``."""
+        the cache for ``decode``. pad: (B,) for left-padded rows (``Llama.__call__``)."""
         kv: list[mx.array] = []
-        h = self.tfmr(embeds, kv)
+        h = self.tfmr(embeds, kv, pad)
         return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
 
     def decode(
