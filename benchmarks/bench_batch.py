@@ -151,42 +151,36 @@ def main(argv: list[str] | None = None) -> None:
     model, voice, text, params = build(TINY if args.tiny else T3Config(), args.dtype)
     params = SamplingParams(**{**params.__dict__, "max_new_tokens": args.tokens})
     info = machine_info()
+
+    def record(row: dict) -> None:
+        # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
+        rows.append(row)
+        line = dict(bench="batch", tokens=args.tokens, dtype=args.dtype, tiny=args.tiny, **row)
+        write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
+
+    rows: list[dict] = []
     run_single(model, voice, text, params)  # warm-up
     single = statistics.median(run_single(model, voice, text, params) for _ in range(args.repeats))
-    rows = [
+    record(
         dict(
             system="single loop", requests=1, tok_s=args.tokens / single, step_ms=1000 * single / args.tokens
         )
-    ]
+    )
     for n in (int(c) for c in args.concurrency.split(",")):
         run_batch(model, voice, text, params, n)  # warm-up: traces the step for this batch's shapes
         mx.reset_peak_memory()
         runs = [run_batch(model, voice, text, params, n) for _ in range(args.repeats)]
         total = statistics.median(r[0] for r in runs)
-        step = statistics.median(r[1] for r in runs)
-        rows.append(
+        record(
             dict(
                 system="batch",
                 requests=n,
                 tok_s=n * args.tokens / total,
-                step_ms=1000 * step,
+                step_ms=1000 * statistics.median(r[1] for r in runs),
                 prefill_ms=1000 * statistics.median(r[2] for r in runs),
                 peak_mem_bytes=mx.get_peak_memory(),
                 **(profile(model, voice, text, params, n) if args.profile else {}),
             )
-        )
-    for row in rows:
-        write_line(
-            dict(
-                bench="batch",
-                tokens=args.tokens,
-                dtype=args.dtype,
-                tiny=args.tiny,
-                **row,
-                machine=info,
-                backend=_backend.STATUS,
-            ),
-            args.out,
         )
     parts = ["prefill_ms"] + [k for k in rows[-1] if k.endswith(("_waited", "_queued"))]
     print(f"\n| system | requests | aggregate tok/s | ms per step | {' | '.join(parts)} |")

@@ -31,7 +31,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
+from common import bare_upstream, machine_info, memory_budget, refuse_torch_cpu_beside_preload, write_line
 
 from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation.vocode import Draws, S3Gen, resolve_memory_budget
@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--memory-budget",
         default="auto",
+        type=memory_budget,
         help="ours: S3Gen.memory_budget: auto, none, or MiB above the memory in use at a call's start",
     )
     p.add_argument("--batch", type=int, help="also time N requests (ours) one by one and batched")
@@ -433,12 +434,6 @@ def main(argv: list[str] | None = None) -> None:
     if not set(variants) <= set(VARIANTS):
         p.error(f"unknown variant in {args.variants!r}; choose from {', '.join(VARIANTS)}")
 
-    if args.memory_budget in ("auto", "none"):
-        budget = None if args.memory_budget == "none" else "auto"
-    elif args.memory_budget.isdigit():
-        budget = int(args.memory_budget) * 2**20
-    else:
-        p.error(f"--memory-budget {args.memory_budget!r}: auto, none, or a whole number of MiB")
     if args.batch is not None and args.batch < 1:
         p.error(f"--batch {args.batch}: at least 1 request")
 
@@ -455,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     mx.set_default_device(mx.gpu if mlx_device == "gpu" else mx.cpu)
     flow, hift = build_upstream(torch, device)
     s3gen = ours_from(flow, hift)
-    s3gen.memory_budget = budget
+    s3gen.memory_budget = args.memory_budget
     inputs = fixed_inputs(args.prompt_tokens, args.tokens)
     audio_s = args.tokens * TOKEN_SECONDS
     info = machine_info()

@@ -29,7 +29,8 @@ import threading
 import time
 
 import mlx.core as mx
-from common import machine_info, write_line
+from common import machine_info, memory_budget, write_line
+from mlx.utils import tree_flatten
 from toy_tokenizer import build_toy_tokenizer
 
 from mlx_chatterbox import TTS
@@ -58,7 +59,8 @@ def build(tiny: bool = False) -> TTS:
         from conftest import TINY_MODEL as cfg
     t3 = T3(cfg.t3)
     s3gen = S3Gen(Flow(cfg.flow), Estimator(cfg.cfm), HiFT(cfg.hift))
-    mx.eval(t3.parameters(), s3gen.flow.parameters(), s3gen.estimator.parameters(), s3gen.hift.parameters())
+    # Every array they hold (rope periods too, as weights.py loads): the Worker's thread cannot evaluate them.
+    mx.eval([a for m in (t3, s3gen.flow, s3gen.estimator, s3gen.hift) for _, a in tree_flatten(m)])
     voice = Voice(
         speaker_emb=mx.random.normal((1, cfg.t3.speaker_embed_size)),
         t3_prompt_tokens=mx.random.randint(0, 6561, (1, 150)).astype(mx.int32),
@@ -142,27 +144,41 @@ def main(argv: list[str] | None = None) -> None:
         "--vocode-batch", type=int, default=8, help="the Worker's vocode_batch (1: every piece vocoded alone)"
     )
     parser.add_argument(
+        "--memory-budget",
+        default="auto",
+        type=memory_budget,
+        help="S3Gen.memory_budget: auto, none, or MiB above the memory in use at a call's start",
+    )
+    parser.add_argument("--worker-only", action="store_true", help="skip the rows of tts.stream alone")
+    parser.add_argument(
         "--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)"
     )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     tts = build(args.tiny)
+    tts.s3gen.memory_budget = args.memory_budget
     info = machine_info()
-    bench_stream(tts, 30)  # warm-up: traces and compiles
-    rows = [
-        dict(mode="stream", requests=1, **bench_stream(tts, args.tokens), peak_mem_bytes=mx.get_peak_memory())
-    ]
-    # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
-    write_line(
-        dict(bench="stream", tokens=args.tokens, **rows[0], machine=info, backend=_backend.STATUS), args.out
-    )
-    parts = first_audio_parts(tts)
-    print(
-        "# first audio, part by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
-        file=sys.stderr,
-    )
-    write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
+    rows = []
+    if not args.worker_only:
+        bench_stream(tts, 30)  # warm-up: traces and compiles
+        rows.append(
+            dict(
+                mode="stream",
+                requests=1,
+                **bench_stream(tts, args.tokens),
+                peak_mem_bytes=mx.get_peak_memory(),
+            )
+        )
+        # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
+        line = dict(bench="stream", tokens=args.tokens, memory_budget=args.memory_budget, **rows[0])
+        write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
+        parts = first_audio_parts(tts)
+        print(
+            "# first audio, part by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
+            file=sys.stderr,
+        )
+        write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
     for stream in (True, False):
         for n in (int(c) for c in args.concurrency.split(",")):
             bench_worker(tts, n, 30, stream, args.vocode_batch)  # warm-up for this batch's shapes
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             row = bench_worker(tts, n, args.tokens, stream, args.vocode_batch)
             rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
                              peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
-            row = dict(bench="stream", tokens=args.tokens, vocode_batch=args.vocode_batch, **rows[-1])
+            row = dict(bench="stream", tokens=args.tokens, vocode_batch=args.vocode_batch,
+                       memory_budget=args.memory_budget, **rows[-1])  # fmt: skip
             write_line(dict(**row, machine=info), args.out)
     print("\n| mode | requests | first audio (median / worst) s | wall s | audio s | RTF | peak GB |")
     print("|---|---|---|---|---|---|---|")

@@ -3,6 +3,7 @@ without its package ``__init__`` files, which pull the whole TTS (librosa, perth
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import importlib.util
@@ -56,6 +57,15 @@ def refuse_torch_cpu_beside_preload(torch_device: str) -> None:
             "upstream on the CPU must run without mlx_chatterbox's process-wide settings; time it in its own "
             "process: MLX_CHATTERBOX_BLAS=off MLX_CHATTERBOX_MALLOC=off python benchmarks/... --systems upstream"
         )
+
+
+def memory_budget(value: str) -> int | str | None:
+    """``--memory-budget`` (``S3Gen.memory_budget``): auto, none, or a whole number of MiB (argparse type)."""
+    if value in ("auto", "none"):
+        return None if value == "none" else "auto"
+    if value.isdigit():
+        return int(value) * 2**20
+    raise argparse.ArgumentTypeError(f"{value!r}: auto, none, or a whole number of MiB")
 
 
 def write_line(row: dict, out: str | None) -> None:
