@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import mlx.core as mx
@@ -123,6 +124,35 @@ def test_cancel_queue_limit_and_errors(tts):
             worker.run(divmod, 1, 0).result()
     with pytest.raises(RuntimeError, match="not running"):
         worker.submit(endless)
+
+
+def test_submit_makes_no_mlx_evaluation(tts, monkeypatch):
+    """The worker thread records CUDA graphs (MLX-CUDA), and an evaluation on another thread meanwhile breaks
+    the recording and aborts the process ("cudaStreamEndCapture failed": an H200 run of 8 concurrent requests,
+    when ``submit`` still evaluated the voice). So a voice crosses as host copies, rebuilt on the worker's
+    thread: a lazy one made on this thread still works, and gives what it gives alone."""
+    base = jobs(False)[0]
+    lazy = dataclasses.replace(base.voice, speaker_emb=base.voice.speaker_emb * 1.0)  # not evaluated
+    job = dataclasses.replace(base, voice=lazy)
+    here, calls = threading.current_thread(), []
+    for name in ("eval", "async_eval"):
+
+        def counted(*args, _real=getattr(mx, name)):
+            calls.append(threading.current_thread())
+            return _real(*args)
+
+        monkeypatch.setattr(mx, name, counted)
+    with Worker(tts) as worker:
+        ticket = worker.submit(job)
+        assert here not in calls
+        (wav,) = list(ticket)
+        bf16 = dataclasses.replace(
+            job, voice=dataclasses.replace(lazy, xvector=lazy.xvector.astype(mx.bfloat16))
+        )
+        with pytest.raises(ValueError, match="xvector .* is bfloat16"):
+            worker.submit(bf16)
+    monkeypatch.undo()
+    assert np.array_equal(wav, alone(tts, job)[0])
 
 
 @pytest.mark.parametrize("cfm_dtype", ["float32", "bfloat16"])

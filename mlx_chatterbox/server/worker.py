@@ -117,6 +117,9 @@ class _Job:
     ticket: Ticket
     pieces: list[str]
     piece_ids: list[list[int]]  # each piece's text token ids, tokenized once at submit
+    host_voice: tuple[
+        np.ndarray, ...
+    ]  # the voice's arrays as submitted (``_host_voice``), until the worker takes it
     piece: int = 0
     uid: int | None = None  # its request in the batch
     raw: list[int] = dataclasses.field(default_factory=list)
@@ -184,8 +187,7 @@ class Worker:
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
         pieces = split_pieces(job.text, tts._fits)  # tokenizes: an empty text is refused here
-        # Lazy arrays can only be evaluated on the thread that made them: the voice is materialised here.
-        mx.eval(dataclasses.astuple(job.voice))
+        voice = _host_voice(job.voice)
         piece_ids = [tts.text_ids(p) for p in pieces]
         ticket = Ticket(self.sample_rate, sum(len(ids) for ids in piece_ids))
         with self._lock:
@@ -194,7 +196,7 @@ class Worker:
             if self._jobs >= self.max_queue:
                 raise QueueFull(f"{self._jobs} requests are already queued (the limit is {self.max_queue})")
             self._jobs += 1
-        self._inbox.put(_Job(job, ticket, pieces, piece_ids))
+        self._inbox.put(_Job(dataclasses.replace(job, voice=None), ticket, pieces, piece_ids, voice))
         return ticket
 
     def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -235,6 +237,8 @@ class Worker:
                     self._stop(list(running.values()) + list(waiting))
                     return
                 if isinstance(item, _Job):
+                    voice = Voice(*(mx.array(a) for a in item.host_voice))  # arrays of this thread
+                    item.job, item.host_voice = dataclasses.replace(item.job, voice=voice), ()
                     waiting.append(item)
                 else:
                     self._call(*item)
@@ -397,3 +401,18 @@ class Worker:
     def _stop(self, jobs: list[_Job]) -> None:
         for j in jobs:
             self._done(j, RuntimeError("the server is shutting down"))
+
+
+def _host_voice(voice: Voice) -> tuple[np.ndarray, ...]:
+    """The voice's arrays as host copies, made without any MLX call on the device: the worker thread records
+    CUDA graphs (MLX-CUDA), and a CUDA call from another thread meanwhile breaks the recording and aborts the
+    process ("cudaStreamEndCapture failed"). Reading an evaluated array only copies its memory; a lazy one is
+    evaluated here, on the caller's thread, the only thread that can (every voice ``TTS`` makes is evaluated).
+    """
+    arrays = [getattr(voice, f.name) for f in dataclasses.fields(voice)]
+    bad = [
+        f"{f.name} ({a.dtype})" for f, a in zip(dataclasses.fields(voice), arrays) if a.dtype == mx.bfloat16
+    ]
+    if bad:
+        raise ValueError(f"the voice's {', '.join(bad)} is bfloat16; give it as float32 (astype(mx.float32))")
+    return tuple(np.array(a) for a in arrays)
