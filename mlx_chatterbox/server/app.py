@@ -156,7 +156,8 @@ def create_app(
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str) -> dict:
         try:
-            await run_in_threadpool(voices.delete, name)
+            # On the worker thread: dropping the cached voice frees MLX arrays (Worker.start says why there).
+            await asyncio.wrap_future(worker.run(voices.delete, name))
         except UnknownVoice as e:
             raise ApiError(404, str(e), "name") from None
         except ValueError as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -117,9 +118,6 @@ class _Job:
     ticket: Ticket
     pieces: list[str]
     piece_ids: list[list[int]]  # each piece's text token ids, tokenized once at submit
-    host_voice: tuple[
-        np.ndarray, ...
-    ]  # the voice's arrays as submitted (``_host_voice``), until the worker takes it
     piece: int = 0
     uid: int | None = None  # its request in the batch
     raw: list[int] = dataclasses.field(default_factory=list)
@@ -167,8 +165,15 @@ class Worker:
         return self._jobs
 
     def start(self) -> None:
+        """Start the worker thread. While it runs, Python's automatic garbage collection is off and the worker
+        thread collects instead (``_collect_garbage``): a collection frees the MLX arrays in the cycles it
+        breaks, and MLX-CUDA frees can make CUDA calls, which break a CUDA-graph capture running on the worker
+        thread meanwhile and abort the process ("cudaStreamEndCapture failed"; H200 runs of 1 to 8 requests,
+        whose readers' threads collected). For the same reason, do MLX work only through ``run`` while a
+        worker runs."""
         if self._thread is not None:
             raise RuntimeError("the worker has already been started")
+        _pause_automatic_gc()
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
         self._thread.start()
 
@@ -178,6 +183,7 @@ class Worker:
             self._inbox.put(None)
             self._thread.join()
             self._thread = None
+            _resume_automatic_gc()
 
     def submit(self, job: SpeechJob) -> Ticket:
         """Check ``job`` (ValueError naming the problem) and queue it; its audio comes through the ticket."""
@@ -187,7 +193,6 @@ class Worker:
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
         pieces = split_pieces(job.text, tts._fits)  # tokenizes: an empty text is refused here
-        voice = _host_voice(job.voice)
         piece_ids = [tts.text_ids(p) for p in pieces]
         ticket = Ticket(self.sample_rate, sum(len(ids) for ids in piece_ids))
         with self._lock:
@@ -196,7 +201,7 @@ class Worker:
             if self._jobs >= self.max_queue:
                 raise QueueFull(f"{self._jobs} requests are already queued (the limit is {self.max_queue})")
             self._jobs += 1
-        self._inbox.put(_Job(dataclasses.replace(job, voice=None), ticket, pieces, piece_ids, voice))
+        self._inbox.put(_Job(job, ticket, pieces, piece_ids))
         return ticket
 
     def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -226,10 +231,11 @@ class Worker:
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
         while True:
-            # Block for work only when there is nothing to step.
+            _collect_garbage()
+            # Block for work only when there is nothing to step (waking now and then to collect garbage).
             idle = not running and not waiting
             try:
-                item = self._inbox.get(block=idle)
+                item = self._inbox.get(block=idle, timeout=IDLE_COLLECT_S if idle else None)
             except queue.Empty:
                 item = False
             while item is not False:
@@ -237,9 +243,8 @@ class Worker:
                     self._stop(list(running.values()) + list(waiting))
                     return
                 if isinstance(item, _Job):
-                    voice = Voice(*(mx.array(a) for a in item.host_voice))  # arrays of this thread
-                    item.job, item.host_voice = dataclasses.replace(item.job, voice=voice), ()
-                    waiting.append(item)
+                    if self._guard(item, _check_voice, item.job.voice):
+                        waiting.append(item)
                 else:
                     self._call(*item)
                 try:
@@ -403,16 +408,47 @@ class Worker:
             self._done(j, RuntimeError("the server is shutting down"))
 
 
-def _host_voice(voice: Voice) -> tuple[np.ndarray, ...]:
-    """The voice's arrays as host copies, made without any MLX call on the device: the worker thread records
-    CUDA graphs (MLX-CUDA), and a CUDA call from another thread meanwhile breaks the recording and aborts the
-    process ("cudaStreamEndCapture failed"). Reading an evaluated array only copies its memory; a lazy one is
-    evaluated here, on the caller's thread, the only thread that can (every voice ``TTS`` makes is evaluated).
-    """
-    arrays = [getattr(voice, f.name) for f in dataclasses.fields(voice)]
-    bad = [
-        f"{f.name} ({a.dtype})" for f, a in zip(dataclasses.fields(voice), arrays) if a.dtype == mx.bfloat16
-    ]
-    if bad:
-        raise ValueError(f"the voice's {', '.join(bad)} is bfloat16; give it as float32 (astype(mx.float32))")
-    return tuple(np.array(a) for a in arrays)
+def _check_voice(voice: Voice) -> None:
+    """Evaluate the job's voice on the worker thread (a no-op for the evaluated voices ``TTS`` and the server
+    make). A lazy array made on another thread cannot be evaluated here, nor evaluated there meanwhile without
+    racing the worker's CUDA-graph capture (``Worker.start``): it is refused."""
+    try:
+        mx.eval([getattr(voice, f.name) for f in dataclasses.fields(voice)])
+    except RuntimeError as error:
+        if "Stream" not in str(error):
+            raise
+        raise ValueError(
+            "the voice's arrays are not evaluated: mx.eval them on the thread that made them before submitting"
+        ) from None
+
+
+# Python's automatic garbage collection, paused while workers run (``Worker.start``) and done on their
+# threads instead, at the interpreter's own thresholds.
+IDLE_COLLECT_S = 1.0  # an idle worker still collects the other threads' garbage this often
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]  # workers running, and whether automatic collection was on before the first
+
+
+def _pause_automatic_gc() -> None:
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+
+
+def _resume_automatic_gc() -> None:
+    with _gc_lock:
+        _gc_pauses[0] -= 1
+        if _gc_pauses[0] == 0 and _gc_pauses[1]:
+            gc.enable()
+
+
+def _collect_garbage() -> None:
+    """What automatic collection would do now: the youngest generation once its count passes the threshold,
+    an older one as theirs do. Nothing when automatic collection was off before the workers started."""
+    if not _gc_pauses[1]:
+        return
+    counts, thresholds = gc.get_count(), gc.get_threshold()
+    if counts[0] >= thresholds[0]:
+        gc.collect(2 if counts[2] >= thresholds[2] else 1 if counts[1] >= thresholds[1] else 0)
