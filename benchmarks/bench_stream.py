@@ -24,6 +24,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip  (before mlx.core: see _backend
 from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
+import dataclasses
 import statistics
 import threading
 import time
@@ -68,6 +69,7 @@ def build(tiny: bool = False) -> TTS:
         s3gen_prompt_mel=mx.random.normal((1, 500, 80)) - 5,
         xvector=mx.random.normal((1, 192)),
     )
+    mx.eval(dataclasses.astuple(voice))  # made here: the Worker's thread refuses lazy voices
     folder = ModelFolder(Path("."), {}, cfg, t3, s3gen, EnTokenizer(build_toy_tokenizer()), voice)
     return TTS(folder)
 
