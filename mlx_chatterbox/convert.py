@@ -192,6 +192,7 @@ LAYOUTS = {
     "conv1d": (0, 2, 1),  # (out, in, k) -> (out, k, in)
     "conv_transpose1d": (1, 2, 0),  # (in, out, k) -> (out, k, in)
     "conv2d": (0, 2, 3, 1),  # (out, in, kh, kw) -> (out, kh, kw, in)
+    "gpt2_conv1d": (1, 0),  # transformers' GPT-2 Conv1D stores a linear layer's weight as (in, out) -> (out, in)
 }
 # Several keys with one target and this layout are concatenated along dim 0 in table order (fused projections).
 STACK = "stack"
