@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 from toy_tokenizer import build_toy_tokenizer
 
 from mlx_chatterbox import TTS
-from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
+from mlx_chatterbox.generation.speech_tokens import EnglishSpeech, generate_speech_tokens
 from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.generation.vocode import S3Gen
 from mlx_chatterbox.generation.voice import Voice
@@ -70,7 +70,8 @@ def build(tiny: bool = False) -> TTS:
         xvector=mx.random.normal((1, 192)),
     )
     mx.eval(dataclasses.astuple(voice))  # made here: the Worker's thread refuses lazy voices
-    folder = ModelFolder(Path("."), {}, cfg, t3, s3gen, EnTokenizer(build_toy_tokenizer()), voice)
+    tokenizer = EnTokenizer(build_toy_tokenizer())
+    folder = ModelFolder(Path("."), {}, cfg, t3, s3gen, tokenizer, voice, EnglishSpeech(t3, tokenizer))
     return TTS(folder)
 
 

@@ -18,13 +18,11 @@ from .audio.io import load_audio
 from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
 from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
-from .generation.speech_tokens import check_params, drop_invalid_tokens, generate_speech_tokens
 from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams, seed_keys
-from .text import punc_norm
 from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
 
@@ -63,6 +61,7 @@ class TTS:
         self.torch_s3gen = torch_s3gen
         self.path = folder.path
         self.t3 = folder.t3
+        self.speech = folder.speech  # the variant's text -> speech tokens (generation/speech_tokens.py)
         self.s3gen = folder.s3gen
         self.tokenizer = folder.tokenizer
         self.builtin_voice = folder.voice
@@ -154,10 +153,10 @@ class TTS:
         return self._cloner(wav)
 
     def text_ids(self, text: str) -> list[int]:
-        """Normalise (upstream ``punc_norm``) and tokenize ``text``, without SOT/EOT."""
+        """Normalise (upstream ``punc_norm`` of the variant) and tokenize ``text``, without SOT/EOT."""
         if not text.strip():
             raise ValueError("the text is empty; give some words to speak")
-        return self.tokenizer.encode(punc_norm(text))
+        return self.speech.text_ids(text)
 
     def speech_tokens(
         self,
@@ -179,7 +178,8 @@ class TTS:
         seed: makes the draws reproducible; None draws a fresh seed.
         progress: called with a ``Progress`` after every token.
         """
-        params = _params(params, knobs)
+        params = self._params(params, knobs)
+        self.speech.check(params)
         tokens, stopped = self._speech_tokens(text, self._voice(voice), params, seed, progress, 1, 1)
         if not stopped:
             logger.warning(
@@ -202,14 +202,13 @@ class TTS:
         """``speech_tokens`` for piece ``piece`` of ``pieces``, and whether T3 gave its stop token."""
         ids = self.text_ids(text)
         key = None if seed is None else seed_keys(seed)[0]
-        cfg = self.t3.config
         raw = []
-        for token in generate_speech_tokens(self.t3, voice, ids, params, key=key):
+        for token in self.speech.tokens(voice, ids, params, key=key):
             raw.append(token)
             if progress is not None:
                 progress(Progress(piece, pieces, "tokens", len(raw), params.max_new_tokens))
-        tokens = drop_invalid_tokens(raw, cfg.start_speech_token, cfg.stop_speech_token)
-        return np.array(tokens, dtype=np.int32), cfg.stop_speech_token in raw
+        tokens = self.speech.finish(raw)
+        return np.array(tokens, dtype=np.int32), self.speech.stop_token in raw
 
     def vocode(
         self,
@@ -279,10 +278,8 @@ class TTS:
 
         progress: called with a ``Progress`` after every speech token and around every piece's vocoding.
         Every argument is checked before any work."""
-        params = _params(params, knobs)
-        check_params(
-            self.t3, params
-        )  # a cap above the model's limit is an error, even where budgets are lower
+        params = self._params(params, knobs)
+        self.speech.check(params)  # a cap above the model's limit is an error, even where budgets are lower
         check_cfm_steps(cfm_steps)
         pieces = split_pieces(text, self._fits)  # tokenizes: an empty text is refused here
         voice = self._voice(voice)
@@ -341,8 +338,8 @@ class TTS:
         watermark: Perth's watermark is applied to each chunk on its own as it is yielded (each chunk keeps
             its length), not once over the whole as ``generate`` does.
         Every argument is checked before any work; the work starts with the first ``next()``."""
-        params = _params(params, knobs)
-        check_params(self.t3, params)
+        params = self._params(params, knobs)
+        self.speech.check(params)
         check_cfm_steps(cfm_steps)
         check_chunks(first_chunk, chunk, self.s3gen.flow.config.pre_lookahead_len)
         if self.torch_s3gen is not None:
@@ -359,7 +356,7 @@ class TTS:
             pieces.append(Piece(self.text_ids(piece), piece_params, *keys))
         settings = {"cfm_steps": cfm_steps, "first_chunk": first_chunk, "chunk": chunk}
         streams = [
-            stream_piece(self.t3, self.s3gen, voice, p, **settings) for p in pieces
+            stream_piece(self.speech, self.s3gen, voice, p, **settings) for p in pieces
         ]  # lazy: no work yet
         chunks = join_pieces(streams, CROSSFADE)
         return (self._mark_chunk(c) for c in chunks) if watermark else chunks
@@ -370,9 +367,23 @@ class TTS:
         marked = self._mark(chunk)[: len(chunk)]
         return np.concatenate([marked, chunk[len(marked) :]])
 
+    def _params(self, params: SamplingParams | None, knobs: dict[str, float]):
+        """``params`` (default: the variant's upstream defaults) with single knobs overridden, each checked; a
+        knob the variant does not have (Turbo has no cfg_weight, English no top_k) is an error."""
+        kind = self.speech.params_type
+        if params is not None and not isinstance(params, kind):
+            raise TypeError(f"params must be a {kind.__name__} for the {self.speech.variant} model")
+        unknown = sorted(set(knobs) - set(kind.__dataclass_fields__))
+        if unknown:
+            raise TypeError(
+                f"unknown knob {unknown[0]!r} for the {self.speech.variant} model; its knobs are "
+                f"{', '.join(kind.__dataclass_fields__)}"
+            )
+        return dataclasses.replace(params or kind(), **knobs)
+
     def _fits(self, text: str) -> bool:
-        """Whether T3 takes ``text`` in one pass (SOT and EOT included)."""
-        return len(self.text_ids(text)) + 2 <= self.t3.config.text_positions
+        """Whether T3 takes ``text`` in one pass."""
+        return self.speech.fits(self.text_ids(text))
 
     def _voice(self, voice: Voice | str | os.PathLike | None) -> Voice:
         """A Voice as given, a saved voice (.safetensors), a recording to clone, or the built-in voice."""
@@ -383,13 +394,3 @@ class TTS:
         if self.builtin_voice is None:
             raise ValueError(f"{self.path} has no built-in voice (no conds.pt was converted); pass a voice")
         return self.builtin_voice
-
-
-def _params(params: SamplingParams | None, knobs: dict[str, float]) -> SamplingParams:
-    """``params`` (default: upstream's) with single knobs overridden, each checked."""
-    unknown = sorted(set(knobs) - set(SamplingParams.__dataclass_fields__))
-    if unknown:
-        raise TypeError(
-            f"unknown knob {unknown[0]!r}; the knobs are {', '.join(SamplingParams.__dataclass_fields__)}"
-        )
-    return dataclasses.replace(params or SamplingParams(), **knobs)

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .convert import DTYPES, FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
+from .generation.speech_tokens import EnglishSpeech
 from .generation.vocode import S3Gen
 from .generation.voice import Voice
 from .models.t3 import T3
@@ -31,6 +32,7 @@ class ModelFolder:
     s3gen: S3Gen
     tokenizer: EnTokenizer
     voice: Voice | None
+    speech: EnglishSpeech  # the variant's text -> speech tokens over t3 and tokenizer
 
     def load(self, name: str) -> nn.Module:
         """Build network ``name`` (a ``ModelConfig`` field, e.g. the voice-cloning ``s3tokenizer``) and load
@@ -83,14 +85,17 @@ def load_folder(path: str | Path) -> ModelFolder:
     def load(name: str) -> nn.Module:
         return _load_network(path, files, networks, name)
 
+    t3 = _load_network(path, files, networks, "t3", quantization)
+    tokenizer = EnTokenizer.from_file(path / files["tokenizer"])
     return ModelFolder(
         path,
         config,
         networks,
-        t3=_load_network(path, files, networks, "t3", quantization),
+        t3=t3,
         s3gen=S3Gen(load("flow"), load("cfm"), load("hift")),
-        tokenizer=EnTokenizer.from_file(path / files["tokenizer"]),
+        tokenizer=tokenizer,
         voice=Voice.load(path / files["voice"]) if "voice" in files else None,
+        speech=EnglishSpeech(t3, tokenizer),
     )
 
 

@@ -278,7 +278,7 @@ def test_tts_stream_checks_every_argument_before_any_work(tts, monkeypatch, kwar
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr(stream_module, "generate_speech_tokens", no_work)
+    monkeypatch.setattr(tts.speech, "tokens", no_work)
     monkeypatch.setattr(stream_module.StreamVocoder, "_decode", no_work)
     text = kwargs.pop("text", "Hello there.")
     with pytest.raises(error, match=message):

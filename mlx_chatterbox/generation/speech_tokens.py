@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..models.cache import KVCache
 from ..models.t3 import T3, T3Cond
 from ..sampling import SamplingParams, draw, process_logits
+from ..text import EnTokenizer, punc_norm
 from .voice import Voice
 
 
@@ -187,3 +188,38 @@ def drop_invalid_tokens(tokens: Sequence[int], start: int, stop: int) -> list[in
     begin = tokens.index(start) + 1 if start in tokens else 0
     end = tokens.index(stop) if stop in tokens else len(tokens)
     return [t for t in tokens[begin:end] if t < start]
+
+
+class EnglishSpeech:
+    """The English model's text -> speech tokens, as ``TTS`` drives every variant (``generation/turbo.py``
+    has Turbo's): upstream's ``punc_norm`` and tokenizer, T3 with CFG (``generate_speech_tokens``) and
+    upstream's post-processing (``drop_invalid_tokens``)."""
+
+    variant = "english"
+    params_type = SamplingParams
+    tail: tuple[int, ...] = ()  # speech tokens appended before S3Gen (Turbo appends silence)
+
+    def __init__(self, t3: T3, tokenizer: EnTokenizer):
+        self.t3, self.tokenizer = t3, tokenizer
+        self.start_token, self.stop_token = t3.config.start_speech_token, t3.config.stop_speech_token
+
+    def text_ids(self, text: str) -> list[int]:
+        """Normalised and tokenized ``text``, without SOT/EOT."""
+        return self.tokenizer.encode(punc_norm(text))
+
+    def fits(self, ids: Sequence[int]) -> bool:
+        """Whether T3 takes the ids in one pass (SOT and EOT included)."""
+        return len(ids) + 2 <= self.t3.config.text_positions
+
+    def check(self, params: SamplingParams) -> None:
+        check_params(self.t3, params)
+
+    def tokens(
+        self, voice: Voice, ids: Sequence[int], params: SamplingParams, key: mx.array | None = None
+    ) -> Iterator[int]:
+        """Raw speech ids, the stop token included when it comes (``generate_speech_tokens``)."""
+        return generate_speech_tokens(self.t3, voice, ids, params, key=key)
+
+    def finish(self, raw: Sequence[int]) -> list[int]:
+        """Raw ids -> the speech tokens S3Gen takes."""
+        return drop_invalid_tokens(raw, self.start_token, self.stop_token)

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..models.t3 import T3
 from ..sampling import SamplingParams
-from .speech_tokens import generate_speech_tokens
+from .speech_tokens import EnglishSpeech
 from .vocode import Draws, S3Gen, check_cfm_steps, crossfade_join, fade_in
 from .voice import Voice
 
@@ -252,7 +251,7 @@ class Piece:
 
 
 def stream_piece(
-    t3: T3,
+    speech: EnglishSpeech,
     s3gen: S3Gen,
     voice: Voice,
     piece: Piece,
@@ -261,22 +260,23 @@ def stream_piece(
     first_chunk: int = 10,
     chunk: int = 25,
 ) -> Iterator[np.ndarray]:
-    """T3's speech tokens for one piece, vocoded as they come (``StreamVocoder``): non-empty float32 chunks.
+    """The speech tokens of one piece (``speech``: a variant's text -> speech tokens, ``EnglishSpeech`` or
+    Turbo's), vocoded as they come (``StreamVocoder``): non-empty float32 chunks.
 
-    Tokens are filtered online: T3's stop id ends the piece and other non-speech ids (>= 6561) are dropped.
-    (Upstream's ``drop_invalid_tokens`` also drops what precedes a start-of-speech id inside the output; audio
-    already streamed cannot be taken back, so the stream keeps it.)
+    Tokens are filtered online: the stop id ends the piece and other non-speech ids (>= 6561) are dropped;
+    the variant's tail tokens (Turbo's silence) go in last. (Upstream's ``drop_invalid_tokens`` also drops what
+    precedes a start-of-speech id inside the output; audio already streamed cannot be taken back, so the stream
+    keeps it.)
     """
     vocoder = StreamVocoder(
         s3gen, voice, cfm_steps=cfm_steps, key=piece.s3gen_key, first_chunk=first_chunk, chunk=chunk
     )
-    cfg = t3.config
     stopped = False
-    for token in generate_speech_tokens(t3, voice, piece.text_ids, piece.params, key=piece.t3_key):
-        if token == cfg.stop_speech_token:
+    for token in speech.tokens(voice, piece.text_ids, piece.params, key=piece.t3_key):
+        if token == speech.stop_token:
             stopped = True
             break
-        if token >= cfg.start_speech_token:
+        if token >= speech.start_token:
             continue
         out = vocoder.push([token])
         if out.size:
@@ -289,6 +289,9 @@ def stream_piece(
         )
     if not vocoder.pushed:
         raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+    out = vocoder.push(list(speech.tail)) if speech.tail else np.zeros(0, np.float32)
+    if out.size:
+        yield out
     out = vocoder.finish()
     if out.size:
         yield out
