@@ -1,7 +1,9 @@
 """Speech tokens -> 24 kHz waveform: the flow encoder, the flow-matching decoder (CFM) and the HiFT vocoder.
 
 Upstream ``S3Token2Wav.inference`` with ``finalize=True`` (architecture §4.2-§4.6): the voice's prompt tokens go
-in front of the new tokens, the prompt mel conditions the CFM, and the output starts after the prompt.
+in front of the new tokens, the prompt mel conditions the CFM, and the output starts after the prompt. Turbo
+and Nano's ``S3Gen(meanflow=True)`` differ only in the CFM's solver (variants.md §3), which the estimator's
+config picks.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Callable, Literal, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from ..models.cfm import Estimator, solve
+from ..models.cfm import Estimator, solve, solve_meanflow
 from ..models.flow import Flow
 from ..models.hift import HiFT
 from .voice import Voice
@@ -30,6 +32,8 @@ class Draws:
     """Every random draw of one vocoding call, for tests that inject upstream's.
 
     cfm_noise: (1, T_prompt + T, 80) N(0, 1), the CFM's initial point, the prompt frames included.
+        (Upstream's meanflow draws it twice, variants.md §3.2: pass its ``randn_like`` with the new tokens'
+        frames replaced by flow_inference's draw.)
     phases: (1, 9) SineGen start phases in [-pi, pi), the first harmonic's 0.
     source_noise: (1, 480 T, 9) N(0, 1), SineGen's additive noise.
     """
@@ -105,7 +109,8 @@ class S3Gen:
         finalize: bool = True,
     ) -> mx.array:
         """(1, N) int32 speech tokens -> (1, 2N or 2N - 1, 80) log-mel at 50 frames/s (one frame fewer when
-        the voice's prompt mel has an odd length, as upstream). ``cfm_steps`` defaults to the config's 10.
+        the voice's prompt mel has an odd length, as upstream). ``cfm_steps`` defaults to the config's
+        (upstream's 10, or 2 for a meanflow decoder).
         ``finalize=False`` (streaming, upstream's flow ``finalize``): the frames of the last
         ``pre_lookahead_len`` tokens are dropped, they wait for tokens that have not come yet."""
         check_tokens(tokens, self.flow.config.vocab_size)
@@ -137,7 +142,7 @@ class S3Gen:
             raise ValueError(f"cfm_noise has shape {cfm_noise.shape}, expected {mu.shape}")
         spks = self.flow.embed_speaker(voice.xvector)
         # One utterance has no padded frame: no mask (the same numbers; fused attention on GPUs).
-        mel = solve(self.estimator, mu, None, spks, cond, cfm_noise, cfm_steps, cfm.cfg_rate)
+        mel = _solve(self.estimator, mu, None, spks, cond, cfm_noise, cfm_steps)
         return mel[:, prompt_frames:]
 
     @bounded_memory
@@ -182,7 +187,9 @@ class S3Gen:
     ) -> list[mx.array]:
         """Several requests through one flow encoder and one CFM solve: ``mel`` for each (tokens[i],
         voices[i], keys[i]), as a list of (1, T_i, 80) log-mels equal to the one-by-one results up to float
-        error. Tokens: (N_i,) or (1, N_i) integer ids; keys default to MLX's global generator."""
+        error. Tokens: (N_i,) or (1, N_i) integer ids; keys default to MLX's global generator. A meanflow
+        decoder batches too (upstream runs it at batch 1 only): padded rows are masked as in English's
+        solve."""
         return _batch_mel(self, tokens, voices, cfm_steps, keys)
 
     @bounded_memory
@@ -198,6 +205,21 @@ class S3Gen:
         list of (1, samples_i) float32 waveforms at 24 kHz, faded in, equal to the one-by-one results up to
         float error. Token counts and voices (prompt lengths) may differ between requests."""
         return _batch_wav(self, tokens, voices, cfm_steps, keys)
+
+
+def _solve(
+    estimator: Estimator,
+    mu: mx.array,
+    mask: mx.array | None,
+    spks: mx.array,
+    cond: mx.array,
+    noise: mx.array,
+    steps: int,
+) -> mx.array:
+    """The CFM solve of the estimator's kind: meanflow (Turbo/Nano) or Euler with the config's guidance."""
+    if estimator.config.meanflow:
+        return solve_meanflow(estimator, mu, mask, spks, cond, noise, steps)
+    return solve(estimator, mu, mask, spks, cond, noise, steps, estimator.config.cfg_rate)
 
 
 def check_cfm_steps(cfm_steps: int | None) -> None:
@@ -296,7 +318,7 @@ def _batch_mel(
         spans.append((prompt, own))
     spks = s3gen.flow.embed_speaker(mx.concatenate([voice.xvector for voice in voices], axis=0))
     cond, noise = mx.concatenate(conds, axis=0), mx.concatenate(noises, axis=0)
-    mel = solve(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps, cfm.cfg_rate)
+    mel = _solve(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps)
     return [mel[i : i + 1, start:stop] for i, (start, stop) in enumerate(spans)]
 
 

@@ -1,10 +1,11 @@
 """S3Gen's conditional flow-matching decoder: the estimator (a causal 1-D U-Net with transformer blocks) and
-the Euler solver with classifier-free guidance.
+its two solvers: English's Euler steps with classifier-free guidance, and Turbo/Nano's meanflow steps.
 
 Mirrors upstream ``chatterbox/models/s3gen`` (0.1.7): ``decoder.py: ConditionalDecoder`` (causal), the matcha
-blocks it builds on, diffusers' ``BasicTransformerBlock``, and ``flow_matching.py: CausalConditionalCFM``;
-architecture notes §4.4 and §4.5. Channels-last (B, T, C) throughout. Attribute paths follow the checkpoint
-keys under ``flow.decoder.estimator.``; ``None`` holds the place of parameter-free Sequential members.
+blocks it builds on, diffusers' ``BasicTransformerBlock``, and ``flow_matching.py: CausalConditionalCFM``
+(``solve_euler``; ``basic_euler`` for ``meanflow``); architecture notes §4.4 and §4.5, variants.md §3.
+Channels-last (B, T, C) throughout. Attribute paths follow the checkpoint keys under
+``flow.decoder.estimator.``; ``None`` holds the place of parameter-free Sequential members.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ MASK_BIAS = -1.0e10  # decoder.py: mask_to_bias
 @dataclass(frozen=True)
 class CFMConfig:
     """Sizes of the estimator and the solver's defaults; the defaults are upstream's (``S3Token2Mel`` builds
-    ``ConditionalDecoder`` with these; ``configs.py: CFM_PARAMS`` holds the guidance rate)."""
+    ``ConditionalDecoder`` with these; ``configs.py: CFM_PARAMS`` holds the guidance rate).
+
+    ``meanflow``: Turbo/Nano's distilled decoder (``S3Gen(meanflow=True)``, variants.md §3): the estimator
+    also takes the step's end time r through ``time_embed_mixer``, and ``solve_meanflow`` integrates it.
+    ``n_timesteps`` and ``cfg_rate`` left at None take upstream's values for the kind: 10 steps with guidance
+    0.7, or 2 steps without guidance for meanflow (``S3Token2Wav.flow_inference``; the distilled model has
+    guidance baked in). Build a meanflow config as ``CFMConfig(meanflow=True)``: ``dataclasses.replace`` of an
+    English config would carry its 10 steps and its guidance over (the guidance is then refused).
+    """
 
     in_channels: int = 320  # x, mu, spks and cond stacked: 4 x out_channels
     out_channels: int = 80  # mel bins
@@ -35,10 +44,22 @@ class CFMConfig:
     num_mid_blocks: int = 12
     num_heads: int = 8
     head_dim: int = 64
-    n_timesteps: int = 10  # Euler steps (flow.py inference)
-    cfg_rate: float = 0.7  # inference_cfg_rate
+    n_timesteps: int | None = None  # Euler steps (flow.py inference); None: 10, or 2 for meanflow
+    cfg_rate: float | None = None  # inference_cfg_rate; None: 0.7, or 0 for meanflow
+    meanflow: bool = False
 
     def __post_init__(self) -> None:
+        # The kind's defaults are filled in here (frozen: through object.__setattr__): after __init__ both are
+        # numbers, and asdict / config.json record the ones in use.
+        if self.n_timesteps is None:
+            object.__setattr__(self, "n_timesteps", 2 if self.meanflow else 10)
+        if self.cfg_rate is None:
+            object.__setattr__(self, "cfg_rate", 0.0 if self.meanflow else 0.7)
+        if self.meanflow and self.cfg_rate != 0:
+            raise ValueError(
+                f"cfg_rate={self.cfg_rate} with meanflow: the meanflow decoder runs without guidance "
+                "(upstream's basic_euler); leave cfg_rate at None (or 0), e.g. CFMConfig(meanflow=True)"
+            )
         if self.in_channels != 4 * self.out_channels:
             raise ValueError(
                 f"in_channels={self.in_channels} must be 4 x out_channels={self.out_channels} "
@@ -194,6 +215,9 @@ class Estimator(nn.Module):
         self.up_blocks = [[CausalResnetBlock1D(2 * c, c, temb), transformers(), CausalConv1d(c, c, 3)]]
         self.final_block = CausalBlock1D(c, c)
         self.final_proj = Conv1d(c, cfg.out_channels, 1)
+        if cfg.meanflow:
+            # Mixes [t_emb | r_emb] back to one time embedding (decoder.py; utils/intmeanflow.py, no bias).
+            self.time_embed_mixer = nn.Linear(2 * temb, temb, bias=False)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -201,16 +225,30 @@ class Estimator(nn.Module):
         return self.final_proj.weight.dtype
 
     def __call__(
-        self, x: mx.array, mask: mx.array | None, mu: mx.array, t: mx.array, spks: mx.array, cond: mx.array
+        self,
+        x: mx.array,
+        mask: mx.array | None,
+        mu: mx.array,
+        t: mx.array,
+        spks: mx.array,
+        cond: mx.array,
+        r: mx.array | None = None,
     ) -> mx.array:
-        """Velocity at time t.
+        """Velocity at time t (the average velocity over [t, r] for a meanflow estimator).
 
         x, mu, cond: (B, T, out_channels) current sample, encoder output and prompt condition (mel frames).
         mask: (B, T) bool or 0/1 float, True/1 on valid frames; None when every frame is valid.
         t: (B,) times in [0, 1].
         spks: (B, out_channels) projected speaker embedding, broadcast over time.
+        r: (B,) end times in [0, 1]; required by a meanflow estimator, refused by the others.
         Returns (B, T, out_channels), zero on padded frames.
         """
+        if self.config.meanflow != (r is not None):
+            raise ValueError(
+                "a meanflow estimator needs r (the step's end time)"
+                if self.config.meanflow
+                else "r (the step's end time) applies to meanflow estimators only"
+            )
         b, n, _ = x.shape
         if mask is None:
             # Every frame valid (one utterance): multiplying by ones and adding zero biases changes nothing, and
@@ -221,7 +259,13 @@ class Estimator(nn.Module):
             # Key-padding bias (decoder.py: add_optional_chunk_mask + mask_to_bias), the same for every query.
             # Upstream unmasks a row without any valid frame; its output is zeroed either way.
             bias = ((1.0 - (mask != 0).astype(x.dtype)) * MASK_BIAS)[:, None, None, :]  # (B, 1, 1, T)
-        t_emb = self.time_mlp(timestep_embedding(t, self.config.in_channels).astype(x.dtype))
+        if r is None:
+            t_emb = self.time_mlp(timestep_embedding(t, self.config.in_channels).astype(x.dtype))
+        else:
+            # t and r share the time MLP (one call on both), then the mixer makes one embedding (decoder.py).
+            both = mx.concatenate([mx.broadcast_to(t, (b,)), mx.broadcast_to(r, (b,))])
+            emb = self.time_mlp(timestep_embedding(both, self.config.in_channels).astype(x.dtype))
+            t_emb = self.time_embed_mixer(mx.concatenate([emb[:b], emb[b:]], axis=-1))
         h = mx.concatenate([x, mu, mx.broadcast_to(spks[:, None, :], (b, n, spks.shape[-1])), cond], axis=-1)
 
         def stage(h: mx.array, resnet: CausalResnetBlock1D, blocks: list[BasicTransformerBlock]) -> mx.array:
@@ -301,18 +345,37 @@ class Estimator(nn.Module):
         conv("up_blocks.0.2", c, c, 3)
         causal_block("final_block", c, c)
         conv("final_proj", c, cfg.out_channels, 1)
+        if cfg.meanflow:
+            shapes["time_embed_mixer.weight"] = (temb, 2 * temb)
         return {
             key: (key, shape, "conv1d") if len(shape) == 3 else (key, shape) for key, shape in shapes.items()
         }
 
 
-@functools.lru_cache(maxsize=64)
-def _cosine_times(n_timesteps: int) -> tuple[float, ...]:
+def _linspace(n_timesteps: int) -> mx.array:
+    """(n + 1,) float32 as upstream's fp32 ``torch.linspace(0, 1, n + 1)``."""
     steps = n_timesteps + 1
     k = mx.arange(steps, dtype=mx.float32)
     step = mx.array(1.0, mx.float32) / n_timesteps
     # torch.linspace fills the first half forwards from 0 and the second half backwards from 1.
-    lin = mx.where(k < steps // 2, step * k, 1.0 - step * (n_timesteps - k))
+    return mx.where(k < steps // 2, step * k, 1.0 - step * (n_timesteps - k))
+
+
+@functools.lru_cache(maxsize=64)
+def _linear_times(n_timesteps: int) -> tuple[float, ...]:
+    return tuple(_linspace(n_timesteps).tolist())
+
+
+def linear_schedule(n_timesteps: int) -> mx.array:
+    """(n + 1,) float32 times k/n as upstream's fp32 ``torch.linspace(0, 1, n + 1)``: meanflow's schedule
+    (flow_matching.py skips the cosine warp when ``meanflow``). Exact at 1 and 2 steps ([0, 1], [0, .5, 1]).
+    """
+    return mx.array(_linear_times(n_timesteps), dtype=mx.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _cosine_times(n_timesteps: int) -> tuple[float, ...]:
+    lin = _linspace(n_timesteps)
     angles = (lin * 0.5 * math.pi).tolist()
     # MLX's fp32 cos can be 1 ulp off where torch's is correctly rounded: take it in double, round once.
     cos = mx.array([math.cos(a) for a in angles], dtype=mx.float32)
@@ -348,6 +411,8 @@ def solve(
     """
     if n_timesteps < 1:
         raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
+    if estimator.config.meanflow:
+        raise ValueError("a meanflow estimator is integrated by solve_meanflow (no guidance, linear times)")
     b = mu.shape[0]
     t_span = cosine_schedule(n_timesteps).astype(noise.dtype)  # solve_euler casts it to the model dtype
     # With cfg_rate 0 the unconditional half's weight is exactly 0: skip it (same result, half the work).
@@ -367,6 +432,45 @@ def solve(
         v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond).astype(x.dtype)
         if guided:
             v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
+        x = x + (r - t) * v
+        mx.async_eval(x)
+    return x
+
+
+def solve_meanflow(
+    estimator: Estimator,
+    mu: mx.array,
+    mask: mx.array | None,
+    spks: mx.array,
+    cond: mx.array,
+    noise: mx.array,
+    n_timesteps: int = 2,
+) -> mx.array:
+    """Integrate a meanflow estimator from ``noise`` at t = 0 to a mel at t = 1 (upstream
+    ``CausalConditionalCFM.forward(meanflow=True)`` and ``basic_euler``, variants.md §3.2): for each pair
+    (t, r) of consecutive times on the linear schedule, x <- x + (r - t)·v(x, t, r); no guidance, one pass per
+    step.
+
+    Shapes as ``solve``. ``noise``: (B, T, 80) the whole initial sample. Upstream draws it twice:
+    ``randn_like`` over every frame, then its last 2N frames (the new tokens') replaced by
+    ``flow_inference``'s own draw; pass both joined along time. Upstream runs batch 1; rows here are
+    independent, as in ``solve``.
+    """
+    if n_timesteps < 1:
+        raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
+    if not estimator.config.meanflow:
+        raise ValueError("solve_meanflow needs a meanflow estimator (CFMConfig(meanflow=True)); use solve")
+    b = mu.shape[0]
+    t_span = linear_schedule(n_timesteps).astype(noise.dtype)
+    # As in solve: the estimator runs in its dtype, the sample and the Euler sums stay float32.
+    low = estimator.dtype
+    mu, spks, cond = mu.astype(low), spks.astype(low), cond.astype(low)
+    x = noise
+    for k in range(n_timesteps):
+        t, r = t_span[k], t_span[k + 1]
+        v = estimator(
+            x.astype(low), mask, mu, mx.broadcast_to(t, (b,)), spks, cond, r=mx.broadcast_to(r, (b,))
+        ).astype(x.dtype)
         x = x + (r - t) * v
         mx.async_eval(x)
     return x
