@@ -1,7 +1,8 @@
 """Punctuation clean-up applied to text before tokenisation.
 
-`punc_norm` reproduces upstream ``chatterbox.tts.punc_norm`` character for character, quirks included: the
-model was trained on text that went through it, so "fixing" it would change what the model hears.
+`punc_norm` reproduces upstream ``chatterbox.tts.punc_norm`` and `turbo_punc_norm` upstream
+``chatterbox.tts_turbo.punc_norm``, character for character, quirks included: each model was trained on text
+that went through its own, so "fixing" them would change what the model hears.
 """
 
 from __future__ import annotations
@@ -27,12 +28,35 @@ PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = (
     ("\u2019", "'"),  # right single quotation mark
 )
 
-# A text that ends in none of these gets a full stop.
+# Turbo's table (tts_turbo.py): English's without "...", " - " and ";" (Turbo keeps those as written).
+TURBO_PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = (
+    ("\u2026", ", "),  # horizontal ellipsis
+    (":", ","),
+    ("\u2014", "-"),  # em dash
+    ("\u2013", "-"),  # en dash
+    (" ,", ","),
+    ("\u201c", '"'),  # left double quotation mark
+    ("\u201d", '"'),  # right double quotation mark
+    ("\u2018", "'"),  # left single quotation mark
+    ("\u2019", "'"),  # right single quotation mark
+)
+
+# A text that ends in none of these gets a full stop (English and Turbo alike).
 SENTENCE_ENDERS: tuple[str, ...] = (".", "!", "?", "-", ",")
 
 
 def punc_norm(text: str) -> str:
     """Clean up punctuation the way upstream Chatterbox does before tokenising."""
+    return _clean(text, PUNCTUATION_REPLACEMENTS)
+
+
+def turbo_punc_norm(text: str) -> str:
+    """Clean up punctuation the way upstream Chatterbox-Turbo (and -Nano) does before tokenising: the same
+    steps as `punc_norm` with Turbo's shorter replacement table. The bracket tags ("[laugh]") pass through."""
+    return _clean(text, TURBO_PUNCTUATION_REPLACEMENTS)
+
+
+def _clean(text: str, replacements: tuple[tuple[str, str], ...]) -> str:
     if len(text) == 0:
         return EMPTY_TEXT
 
@@ -45,7 +69,7 @@ def punc_norm(text: str) -> str:
     # the replacements, so two spaces can come back: "a; b" becomes "a,  b", as upstream.
     text = " ".join(text.split())
 
-    for old, new in PUNCTUATION_REPLACEMENTS:
+    for old, new in replacements:
         text = text.replace(old, new)
 
     text = text.rstrip(" ")
