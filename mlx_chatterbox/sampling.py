@@ -1,5 +1,7 @@
 """Per-call generation knobs and T3's logits chain, in upstream order (``T3.inference``, architecture §3.6):
-CFG combine -> repetition penalty -> temperature -> min_p -> top_p -> draw.
+CFG combine -> repetition penalty -> temperature -> min_p -> top_p -> draw. Turbo and Nano have their own
+knobs and order (``TurboParams``, ``process_turbo_logits``; variants.md §2.8):
+temperature -> top_k -> top_p -> repetition penalty -> draw.
 
 Each step is a small pure function on device arrays; nothing here synchronises with the host.
 """
@@ -261,3 +263,172 @@ def draw_rows(
         by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
         drawn = mx.where(by_uniform, by_cdf.astype(mx.int32), drawn)
     return mx.where(greedy[:, 0], mx.argmax(logits, axis=-1), drawn).astype(mx.int32)
+
+
+# --- Turbo and Nano (upstream ``T3.inference_turbo``, variants.md §2.8) ---
+
+
+@dataclass(frozen=True)
+class TurboParams:
+    """Knobs of one Turbo/Nano generation call; defaults are upstream ``ChatterboxTurboTTS.generate``'s.
+
+    Integer temperature, top_p or repetition_penalty are taken as floats (upstream raises on an int
+    temperature or penalty; variants.md §6 row 2). Turbo has no CFG, min_p or exaggeration: there are no
+    such knobs here.
+    """
+
+    # Upstream divides only when T > 0 and T != 1: T = 0 means *no* scaling, and it still samples (at T = 1),
+    # it is not greedy decoding (§6 row 2). We keep that meaning.
+    temperature: float = 0.8  # >= 0
+    top_k: int = 1000  # keep the logits >= the k-th largest (ties survive), integer >= 0; 0 disables it
+    top_p: float = 0.95  # nucleus mass kept, in [0, 1]; 1 disables it
+    repetition_penalty: float = 1.2  # > 0, applied last; 1 disables it
+    max_new_tokens: int = (
+        1000  # decode steps after the first token (upstream max_gen_len): <= 1 + this many tokens
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+
+        def check(name: str, ok: bool, allowed: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not ok:
+                raise ValueError(f"{name}={value!r} is out of range: it must be {allowed}")
+
+        def real(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, float) and math.isfinite(v)
+
+        def integer(name: str) -> bool:
+            return isinstance(getattr(self, name), int)
+
+        check(
+            "temperature",
+            real("temperature") and self.temperature >= 0,
+            "a number >= 0 (0 and 1 leave the logits unscaled)",
+        )
+        check("top_k", integer("top_k") and self.top_k >= 0, "an integer >= 0 (0 disables it)")
+        check("top_p", real("top_p") and 0 <= self.top_p <= 1, "in [0, 1] (1 disables it)")
+        check(
+            "repetition_penalty",
+            real("repetition_penalty") and self.repetition_penalty > 0,
+            "a number > 0 (1 disables it)",
+        )
+        check("max_new_tokens", integer("max_new_tokens") and self.max_new_tokens >= 0, "an integer >= 0")
+
+
+def top_k_filter(logits: mx.array, top_k: int) -> mx.array:
+    """HF ``TopKLogitsWarper``: -inf for every logit strictly below the k-th largest (counted with repeats),
+    so ties with it survive; k is capped at the vocabulary size, and k <= 0 filters nothing."""
+    k = min(top_k, logits.shape[-1])
+    if k <= 0 or k == logits.shape[-1]:
+        return logits  # all V kept: nothing is below the smallest value
+    kth = mx.topk(logits, k, axis=-1).min(axis=-1, keepdims=True)
+    return mx.where(logits < kth, -mx.inf, logits)
+
+
+def process_turbo_logits(logits: mx.array, seen: mx.array, params: TurboParams) -> mx.array:
+    """Upstream Turbo's chain in its order: temperature -> top_k -> top_p -> repetition penalty, on (B, V)
+    speech logits; ``seen`` (B, V) bool marks the history ids (upstream: [start-of-speech] at the first token,
+    then the generated ids). The penalty comes last, after the division: a logit's sign, which decides
+    whether it is divided or multiplied, is that of the tempered logit, so the temperature here is a plain
+    division, without ``apply_temperature``'s max shift."""
+    x = logits.astype(mx.float32)
+    t = params.temperature
+    if t > 0 and t != 1.0:
+        x = x / t
+    x = top_k_filter(x, params.top_k)
+    x = top_p_filter(x, params.top_p)
+    # -inf entries stay -inf (-inf·r), as upstream's gather/scatter leaves them.
+    return repetition_penalty(x, seen, params.repetition_penalty)
+
+
+def draw_turbo(logits: mx.array, key: mx.array | None = None, uniform: mx.array | None = None) -> mx.array:
+    """Sample the next id, shape (1,), from processed (1, V) logits (upstream: softmax, then multinomial): a
+    categorical draw with ``key``, or with ``uniform`` (a scalar in [0, 1)) the inverse-CDF draw
+    ``min{i : cdf_i > u * cdf_last}`` (how tests inject upstream's draws). Exactly one of the two is given."""
+    if (key is None) == (uniform is None):
+        raise ValueError("give exactly one of key and uniform")
+    if uniform is not None:
+        cdf = mx.cumsum(softmax(logits), axis=-1)
+        idx = (cdf <= uniform * cdf[:, -1:]).sum(axis=-1)
+        return mx.minimum(idx, logits.shape[-1] - 1).astype(mx.int32)
+    return gumbel_max(logits[0], key)[None]
+
+
+# --- Turbo and Nano, many requests at once (generation/turbo_batch.py) ---
+
+
+def turbo_row_knobs(params: list[TurboParams]) -> dict[str, mx.array]:
+    """Each request's Turbo knobs as (R, 1) columns, in the form ``process_turbo_rows`` reads them. What
+    ``process_turbo_logits`` decides or computes in Python is decided or computed here, in Python, so that
+    every row gets the same float32 numbers: ``1 - top_p`` is rounded to float32 once, from the double (as
+    the scalar chain compares with it), not computed in float32."""
+
+    def column(values: list, dtype: mx.Dtype) -> mx.array:
+        return mx.array([[v] for v in values], dtype=dtype)
+
+    return {
+        # x / 1 is exact, so the rows the scalar chain does not scale divide by 1.
+        "temperature": column([p.temperature if p.temperature > 0 else 1.0 for p in params], mx.float32),
+        "top_k": column([min(p.top_k, 2**31 - 1) for p in params], mx.int32),
+        "top_p": column([p.top_p < 1.0 for p in params], mx.bool_),
+        "top_p_tail": column([1 - p.top_p for p in params], mx.float32),
+        "repetition_penalty": column([p.repetition_penalty for p in params], mx.float32),
+    }
+
+
+def process_turbo_rows(
+    logits: mx.array, seen: mx.array, knobs: dict[str, mx.array], *, top_k: bool = True, top_p: bool = True
+) -> mx.array:
+    """``process_turbo_logits`` for R requests at once, each with its own knobs (``turbo_row_knobs``), row for
+    row the same numbers: (R, V) speech logits and (R, V) ``seen`` -> (R, V).
+    top_k, top_p: False where no row uses that filter (top_k 0 or >= V, top_p 1), which skips its sort."""
+    x = logits.astype(mx.float32) / knobs["temperature"]
+    if top_k:
+        v = x.shape[-1]
+        k = mx.minimum(knobs["top_k"], v)
+        on = (k > 0) & (k < v)
+        # The k-th largest with repeats (what top_k_filter's topk min is), from an ascending sort.
+        kth = mx.take_along_axis(mx.sort(x, axis=-1), mx.where(on, v - k, 0), axis=-1)
+        x = mx.where(on & (x < kth), -mx.inf, x)
+    if top_p:
+        x = mx.where(knobs["top_p"], _turbo_top_p_rows(x, knobs["top_p_tail"]), x)
+    # A penalty of 1 multiplies or divides by 1, which is exact: no row needs to skip it.
+    p = knobs["repetition_penalty"]
+    return mx.where(seen, mx.where(x < 0, x * p, x / p), x)
+
+
+def _turbo_top_p_rows(logits: mx.array, tail: mx.array) -> mx.array:
+    """``top_p_filter`` with a (R, 1) float32 ``tail`` = 1 - top_p."""
+    order = mx.argsort(logits, axis=-1)
+    cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
+    keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
+    drop_sorted = (cumulative <= tail) & ~keep_last
+    drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
+    return mx.where(drop, -mx.inf, logits)
+
+
+def draw_turbo_rows(
+    logits: mx.array,
+    keys: mx.array,
+    uniforms: mx.array,
+    by_uniform: mx.array,
+    *,
+    kinds: tuple[bool, bool] = (True, True),
+) -> mx.array:
+    """``draw_turbo`` for R rows of processed logits (``process_turbo_rows``), each as its request would draw
+    alone: the inverse-CDF draw of ``uniforms`` (R,) where ``by_uniform`` (R,), else a categorical draw with
+    the row's own key, ``keys`` (R, 2). Returns (R,) int32.
+    kinds: whether any row draws by key, and whether any draws by uniform (a kind no row uses is skipped)."""
+    drawn = mx.zeros(logits.shape[:1], mx.int32)
+    if kinds[0]:
+        drawn = mx.vmap(gumbel_max)(logits, keys)  # each row with its own key, as alone
+    if kinds[1]:
+        cdf = mx.cumsum(softmax(logits), axis=-1)
+        by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
+        drawn = mx.where(by_uniform, by_cdf.astype(mx.int32), drawn)
+    return drawn.astype(mx.int32)
