@@ -114,6 +114,11 @@ class TTS:
             folder.s3gen.estimator.set_dtype(CFM_DTYPES[cfm_dtype])
             mx.eval(folder.s3gen.estimator.parameters())  # materialised here: see weights._load_network
         torch_s3gen = None
+        if s3gen == "torch" and folder.networks.variant != "english":
+            raise ValueError(
+                f"hybrid mode (s3gen='torch') runs upstream's English S3Gen; this is a {folder.networks.variant} "
+                "model: leave s3gen at 'mlx'"
+            )
         if s3gen == "torch":
             from .hybrid import TorchS3Gen  # imports torch: only in hybrid mode
 
@@ -144,12 +149,7 @@ class TTS:
                 wav = resample_soxr_hq(wav, sample_rate, S3GEN_SR)
         if self._cloner is None:
             load = self.folder.load
-            self._cloner = VoiceCloner(
-                load("voice_encoder"),
-                load("s3tokenizer"),
-                load("campplus"),
-                self.t3.config.speech_cond_prompt_len,
-            )
+            self._cloner = self.speech.cloner(load("voice_encoder"), load("s3tokenizer"), load("campplus"))
         return self._cloner(wav)
 
     def text_ids(self, text: str) -> list[int]:
@@ -225,7 +225,8 @@ class TTS:
         last partial 10 ms frame).
 
         voice: as for ``speech_tokens``; its S3Gen prompt (tokens, mel, x-vector) sets the timbre.
-        cfm_steps: Euler steps of the flow-matching decoder; None = upstream's 10. Fewer is faster and rougher.
+        cfm_steps: Euler steps of the flow-matching decoder; None = the model's (upstream's 10; Turbo/Nano's 2).
+            Fewer is faster and rougher.
         seed: makes the CFM noise and the vocoder's source noise reproducible; None draws fresh ones. (In hybrid
             mode upstream draws them from torch's generator, seeded with ``seed``.)
         """

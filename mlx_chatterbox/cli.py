@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -19,23 +20,27 @@ import soundfile as sf
 
 from . import __version__, _backend
 from .api import CFM_DTYPES, TOKENS_PER_SECOND, TTS, VOICE_SUFFIX, Progress, Voice
-from .convert import DEFAULT_REPO, DTYPES, convert
+from .convert import DEFAULT_REPO, DTYPES, convert, source_variant
 from .quantize import BITS, GROUP_SIZES
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TurboParams
+from .variants import CHECKPOINTS
 
 PROG = "mlx-chatterbox"
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG"}
-_DEFAULTS = SamplingParams()
 APLAY = "aplay -f S16_LE -r 24000 -c 1"  # a player for --stream's output
-KNOBS = {  # SamplingParams field -> help
-    "temperature": "sampling temperature, >= 0; 0 = greedy",
+KNOBS = {  # SamplingParams / TurboParams field -> help
+    "temperature": "sampling temperature, >= 0; 0 = greedy (Turbo: 0 = unscaled, as upstream)",
     "top_p": "nucleus probability mass kept, in (0, 1]",
+    "top_k": "keep the k most likely tokens, >= 0 (0 = all)",
     "min_p": "drop tokens below min_p x the top probability, in [0, 1]",
     "repetition_penalty": "penalty on tokens already generated, > 0",
     "cfg_weight": "classifier-free guidance weight, >= 0",
     "exaggeration": "emotion exaggeration, >= 0",
     "max_new_tokens": "most speech tokens per T3 pass (per piece of a long text), 25 per second of audio",
 }
+# Each knob's upstream default by model; a knob a model has no use for is refused when given for it.
+KNOB_DEFAULTS = {"English": SamplingParams(), "Turbo/Nano": TurboParams()}
+VARIANT_KNOBS = {"english": "English", "turbo": "Turbo/Nano", "nano": "Turbo/Nano"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         "src", help=f"upstream checkpoint folder, or a Hugging Face repo id such as {DEFAULT_REPO}"
     )
     p.add_argument("dst", type=Path, help="MLX model folder to create")
+    p.add_argument(
+        "--variant",
+        choices=list(CHECKPOINTS),
+        help="english (ResembleAI/chatterbox), turbo (ResembleAI/chatterbox-turbo) or nano "
+        "(ResembleAI/chatterbox-nano); default: found from the files",
+    )
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),
@@ -137,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cfm-steps",
         type=_at_least_1,
-        help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: 10)",
+        help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: the model's, 10; Turbo/Nano 2)",
     )
     _cfm_dtype_argument(p)
     _knob_arguments(p)
@@ -224,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cfm-steps",
         type=_at_least_1,
-        help="Euler steps of the flow-matching decoder for requests that give none (default: 10)",
+        help="Euler steps of the flow-matching decoder for requests that give none (default: the model's, 10; Turbo/Nano 2)",
     )
     _cfm_dtype_argument(p)
     p.add_argument(
@@ -265,16 +276,44 @@ def _cfm_dtype_argument(p: argparse.ArgumentParser) -> None:
 def _knob_arguments(p: argparse.ArgumentParser) -> None:
     knobs = p.add_argument_group("sampling (speech tokens)")
     for name, help_text in KNOBS.items():
-        default = getattr(_DEFAULTS, name)
+        defaults = {m: getattr(p, name) for m, p in KNOB_DEFAULTS.items() if hasattr(p, name)}
+        shown = ", ".join(f"{m} {d}" for m, d in defaults.items())
+        only = "" if len(defaults) == len(KNOB_DEFAULTS) else f"; {' and '.join(defaults)} models only"
         # None = not given, so that a knob given where it has no effect (say --tokens) can be refused.
         knobs.add_argument(
-            f"--{name.replace('_', '-')}", type=type(default), help=f"{help_text} (default: {default})"
+            f"--{name.replace('_', '-')}",
+            type=type(next(iter(defaults.values()))),
+            help=f"{help_text} (default: {shown}{only})",
         )
     p.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{n: getattr(args, n) for n in KNOBS if getattr(args, n) is not None})
+def _knobs(args: argparse.Namespace) -> dict:
+    """The knobs given, checked now, before the model loads: against the model's own knobs when its variant
+    can be told from --model (``source_variant``), else each value by every model kind that has the knob (the
+    model checks the rest once loaded)."""
+    knobs = {n: getattr(args, n) for n in KNOBS if getattr(args, n) is not None}
+    variant = source_variant(args.model)
+    if variant is not None:
+        kind = VARIANT_KNOBS[variant]
+        unknown = [n for n in knobs if not hasattr(KNOB_DEFAULTS[kind], n)]
+        if unknown:
+            raise ValueError(
+                f"--{unknown[0].replace('_', '-')} is not a knob of the {variant} model {args.model}"
+            )
+        dataclasses.replace(KNOB_DEFAULTS[kind], **knobs)
+        return knobs
+    for name, value in knobs.items():
+        errors = []
+        for params in KNOB_DEFAULTS.values():
+            if hasattr(params, name):
+                try:
+                    dataclasses.replace(params, **{name: value})
+                except ValueError as e:
+                    errors.append(e)
+        if len(errors) == sum(hasattr(p, name) for p in KNOB_DEFAULTS.values()):
+            raise errors[0]
+    return knobs
 
 
 class _ProgressLine:
@@ -364,15 +403,17 @@ def _convert(args: argparse.Namespace) -> None:
     dst = convert(
         args.src,
         args.dst,
+        variant=args.variant,
         dtype=args.dtype,
         quantize=args.quantize,
         q_group_size=args.q_group_size or 64,
         revision=args.revision,
         overwrite=args.overwrite,
     )
-    precision = json.loads((dst / "config.json").read_text())["t3_precision"]
-    q = precision["quantization"]
-    what = precision["dtype"] + ("" if q is None else f", {q['bits']}-bit groups of {q['group_size']}")
+    manifest = json.loads((dst / "config.json").read_text())
+    precision, q = manifest["t3_precision"], manifest["t3_precision"]["quantization"]
+    what = manifest["variant"] + ", " + precision["dtype"]
+    what += "" if q is None else f", {q['bits']}-bit groups of {q['group_size']}"
     print(f"converted {args.src} -> {dst} ({what}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
@@ -479,7 +520,7 @@ def _say(args: argparse.Namespace) -> None:
             )
         tokens = _read_tokens(args.tokens)
     else:
-        text, params = _text(args), _params(args)
+        text, knobs = _text(args), _knobs(args)
     start = time.perf_counter()
     tts = TTS.load(args.model, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
     loaded = time.perf_counter()
@@ -487,7 +528,7 @@ def _say(args: argparse.Namespace) -> None:
     watermark = not args.no_watermark
     if live:
         chunks = tts.stream(
-            text, voice, params, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark
+            text, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark, **knobs
         )
         if args.stream:
             seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
@@ -508,11 +549,11 @@ def _say(args: argparse.Namespace) -> None:
             wav = tts.generate(
                 text,
                 voice,
-                params,
                 cfm_steps=args.cfm_steps,
                 seed=args.seed,
                 watermark=watermark,
                 progress=progress,
+                **knobs,
             )
     done = time.perf_counter()
     audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
@@ -550,7 +591,6 @@ BENCH_TEXT = (
 
 def _bench(args: argparse.Namespace) -> None:
     _check_voice(args.voice)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
     voice = _load_voice(tts, args.voice)
     rows = []
@@ -558,7 +598,11 @@ def _bench(args: argparse.Namespace) -> None:
         steps = []  # T3 decode steps, the stop token and dropped ids included: what the time was spent on
         start = time.perf_counter()
         tokens = tts.speech_tokens(
-            BENCH_TEXT, voice, params, seed=run, progress=lambda p: steps.append(p.done)
+            BENCH_TEXT,
+            voice,
+            seed=run,
+            progress=lambda p: steps.append(p.done),
+            max_new_tokens=args.max_new_tokens,
         )
         middle = time.perf_counter()
         wav = tts.vocode(tokens, voice, seed=run)
@@ -579,13 +623,13 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.output is not None:
         _check_output(args.output)
     _check_voice(args.voice)
-    text, params = _text(args), _params(args)
+    text, knobs = _text(args), _knobs(args)
     start = time.perf_counter()
     tts = TTS.load(args.model)
     loaded = time.perf_counter()
     voice = _load_voice(tts, args.voice)
     with _progress() as progress:
-        tokens = tts.speech_tokens(text, voice, params, seed=args.seed, progress=progress)
+        tokens = tts.speech_tokens(text, voice, seed=args.seed, progress=progress, **knobs)
     done = time.perf_counter()
     line = " ".join(map(str, tokens.tolist())) + "\n"
     if args.output is None:

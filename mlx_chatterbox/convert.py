@@ -1,17 +1,20 @@
 """Upstream Chatterbox checkpoint (a folder or a Hugging Face repo) -> an MLX model folder.
 
-Output folder:
-  config.json        format, format version, dtype, T3's precision record, source, the network configs
-                     (``ModelConfig``)
-  t3.safetensors     T3 weights under our names (``T3.checkpoint_table``), in the chosen dtype; with
-                     ``quantize``, the backbone's linear layers as quantized weights, scales and biases
+The variant (English, Turbo, Nano: ``variants.CHECKPOINTS``) is found from the files. Output folder:
+  config.json        format, format version, variant, dtype, T3's precision record, source, the network
+                     configs (``ModelConfig``)
+  t3.safetensors     T3 weights under our names (``T3.checkpoint_table``, Turbo/Nano ``T3Turbo``'s), in the
+                     chosen dtype; with ``quantize``, the backbone's linear layers as quantized weights, scales
+                     and biases
   flow.safetensors, cfm.safetensors, hift.safetensors
-                     S3Gen (tokens -> mel -> wav) from ``s3gen.safetensors``, float32
+                     S3Gen (tokens -> mel -> wav) from ``s3gen.safetensors`` (Turbo/Nano:
+                     ``s3gen_meanflow.safetensors``), float32
   s3tokenizer.safetensors, campplus.safetensors
                      the voice-cloning networks that also live in ``s3gen.safetensors``, float32
   voice_encoder.safetensors
                      the voice encoder from ``ve.safetensors``, float32
-  tokenizer.json     the upstream text tokenizer, checked and copied
+  tokenizer.json     the upstream text tokenizer, checked and copied (Turbo/Nano: ``tokenizer/``, the five
+                     GPT-2 tokenizer files)
   voice.safetensors  the built-in voice from ``conds.pt`` (read without torch and without unpickling code)
 
 Conversion is strict: every expected key must be present with its exact shape, and an unknown key is an
@@ -36,26 +39,24 @@ from .generation.voice import Voice
 from .models.campplus import CAMPPlus
 from .models.cfm import Estimator
 from .models.flow import Flow
+from .models.gpt2 import T3Turbo
 from .models.hift import HiFT
 from .models.s3tokenizer import S3Tokenizer
 from .models.t3 import T3
 from .models.voice_encoder import VoiceEncoder
 from .quantize import quantization_record, quantize_t3
-from .text import EnTokenizer
+from .text import EnTokenizer, GPT2Tokenizer
 from .torchfile import TorchFileError, load_torch_file
-from .variants import ENGLISH, ModelConfig
+from .variants import CHECKPOINTS, PRESETS, REPOS, ModelConfig
 
 FORMAT = "mlx-chatterbox"
-FORMAT_VERSION = 4  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too;
-# 4: T3's q/k/v and gate/up projections fused
+FORMAT_VERSION = 5  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too;
+# 4: T3's q/k/v and gate/up projections fused; 5: the variant recorded (English, Turbo, Nano)
 DEFAULT_REPO = "ResembleAI/chatterbox"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
-T3_FILE = "t3_cfg.safetensors"
-S3GEN_FILE = "s3gen.safetensors"
-VE_FILE = "ve.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
-CONDS_FILE = "conds.pt"
+T3_FILE = CHECKPOINTS["english"].t3
+S3GEN_FILE = CHECKPOINTS["english"].s3gen
 # s3gen.safetensors holds five networks; each key goes to the first network whose prefix it starts with.
 S3GEN_PARTS = (
     ("flow.decoder.estimator.", "cfm", Estimator),
@@ -96,23 +97,28 @@ def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
+    variant: str | None = None,
     dtype: str | None = None,
     quantize: int | None = None,
     q_group_size: int = 64,
     revision: str | None = None,
     overwrite: bool = False,
-    config: ModelConfig = ENGLISH,
+    config: ModelConfig | None = None,
 ) -> Path:
     """Convert an upstream checkpoint to an MLX folder and return its path.
 
-    src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``).
+    src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``,
+        ``ResembleAI/chatterbox-turbo``).
     dst: the folder to create; it must not exist (or be empty) unless ``overwrite``.
+    variant: "english", "turbo" or "nano"; None finds it from the files (``variants.CHECKPOINTS``).
     dtype: T3's weight precision: float32 (upstream's), bfloat16 or float16; None means float32, or bfloat16
         when quantizing (the dtype of the scales and of the layers left unquantized). S3Gen stays float32.
     quantize: 4 or 8 to quantize T3's backbone linear layers to that many bits (``quantize.quantize_t3``),
-        in groups of ``q_group_size`` (32, 64 or 128) inputs; None keeps every weight in ``dtype``.
+        in groups of ``q_group_size`` (32, 64 or 128) inputs; None keeps every weight in ``dtype``. English
+        only for now.
     revision: a Hub branch, tag or commit (repo ids only).
-    config: the network sizes (the English Chatterbox model unless a test says otherwise).
+    config: the network sizes (the variant's upstream sizes unless a test says otherwise); its variant must
+        be the checkpoint's.
     """
     precision = t3_precision(dtype, quantize, q_group_size)
     dtype = precision["dtype"]
@@ -122,14 +128,25 @@ def convert(
             f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)"
         )
     src_dir, source = _resolve_source(src, revision)
+    variant = detect_variant(src_dir, variant, None if config is None else config.variant)
+    if config is None:
+        config = PRESETS[variant]
+    elif config.variant != variant:
+        raise ConversionError(
+            f"{src_dir} holds a {variant} checkpoint; the config given is for {config.variant}"
+        )
+    if quantize is not None and variant != "english":
+        raise ConversionError(f"quantization is implemented for the English T3 only, not for {variant}")
+    files_in = CHECKPOINTS[variant]
     cfg = config.t3
 
     tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        weights = _read_safetensors(src_dir / T3_FILE)
-        t3 = sanitize(weights, T3.checkpoint_table(cfg), T3_FILE)
+        weights = _read_safetensors(src_dir / files_in.t3)
+        network = T3 if variant == "english" else T3Turbo
+        t3 = sanitize(weights, network.checkpoint_table(cfg), files_in.t3)
         t3 = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in t3.items()}
         if quantize is not None:
             model = T3(cfg)
@@ -137,17 +154,19 @@ def convert(
             try:
                 quantize_t3(model, quantize, q_group_size)
             except ValueError as e:  # a group size that does not divide a layer's inputs
-                raise ConversionError(f"{T3_FILE}: {e}") from None
+                raise ConversionError(f"{files_in.t3}: {e}") from None
             t3 = dict(tree_flatten(model.parameters()))
             del model
         mx.save_safetensors(str(tmp / "t3.safetensors"), t3, metadata={"format": FORMAT})
         del weights, t3
         files = {"t3": "t3.safetensors"}
-        for name, network in convert_s3gen(_read_safetensors(src_dir / S3GEN_FILE), config).items():
+        s3gen = _read_safetensors(src_dir / files_in.s3gen)
+        for name, network in convert_s3gen(s3gen, config, files_in.s3gen).items():
             files[name] = f"{name}.safetensors"
             mx.save_safetensors(str(tmp / files[name]), network, metadata={"format": FORMAT})
+        ve_file = files_in.voice_encoder
         ve = sanitize(
-            _read_safetensors(src_dir / VE_FILE), VoiceEncoder.checkpoint_table(config.voice_encoder), VE_FILE
+            _read_safetensors(src_dir / ve_file), VoiceEncoder.checkpoint_table(config.voice_encoder), ve_file
         )
         files["voice_encoder"] = "voice_encoder.safetensors"
         mx.save_safetensors(
@@ -155,20 +174,15 @@ def convert(
             {k: v.astype(mx.float32) for k, v in ve.items()},
             metadata={"format": FORMAT},
         )
-
-        tokenizer_path = _require(src_dir / TOKENIZER_FILE)
-        tokenizer = EnTokenizer.from_file(tokenizer_path)
-        tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-
-        files["tokenizer"] = "tokenizer.json"
-        if (src_dir / CONDS_FILE).exists():
-            voice_from_conds(src_dir / CONDS_FILE).save(tmp / "voice.safetensors")
+        files["tokenizer"] = _copy_tokenizer(src_dir, tmp, variant, cfg)
+        if (src_dir / files_in.conds).exists():
+            voice_from_conds(src_dir / files_in.conds).save(tmp / "voice.safetensors")
             files["voice"] = "voice.safetensors"
 
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
+            "variant": variant,
             "dtype": dtype,
             "t3_precision": precision,
             "source": source,
@@ -184,6 +198,57 @@ def convert(
     return dst
 
 
+def detect_variant(src_dir: Path, variant: str | None = None, expected: str | None = None) -> str:
+    """The variant whose T3 file ``src_dir`` holds (``variant``, when given, is checked against the files);
+    with no T3 file at all, the ``expected`` variant's is reported missing."""
+    if variant is not None:
+        if variant not in CHECKPOINTS:
+            raise ConversionError(f"unknown variant {variant!r}; choose one of {', '.join(CHECKPOINTS)}")
+        _require(src_dir / CHECKPOINTS[variant].t3)
+        return variant
+    found = [v for v, c in CHECKPOINTS.items() if (src_dir / c.t3).is_file()]
+    if not found and expected is not None:
+        _require(src_dir / CHECKPOINTS[expected].t3)
+    if len(found) != 1:
+        names = ", ".join(f"{c.t3} ({v})" for v, c in CHECKPOINTS.items())
+        what = "none" if not found else " and ".join(CHECKPOINTS[v].t3 for v in found)
+        raise ConversionError(
+            f"{src_dir} holds {what} of the T3 files {names}; a Chatterbox checkpoint holds exactly one "
+            "(pass variant= / --variant to choose)"
+        )
+    return found[0]
+
+
+def source_variant(source: str | os.PathLike) -> str | None:
+    """The variant of a model source without loading it: a converted folder's, an upstream folder's (from its
+    files) or a known repo's (``variants.REPOS``); None when that cannot be told."""
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        variant = json.loads((path / "config.json").read_text()).get("variant")
+        return variant if variant in CHECKPOINTS else None
+    if path.is_dir():
+        found = [v for v, c in CHECKPOINTS.items() if (path / c.t3).is_file()]
+        return found[0] if len(found) == 1 else None
+    return next((v for v, repo in REPOS.items() if repo == str(source)), None)
+
+
+def _copy_tokenizer(src_dir: Path, tmp: Path, variant: str, cfg) -> str:
+    """Check the text tokenizer's files against T3 and copy them; returns their name in the folder."""
+    names = CHECKPOINTS[variant].tokenizer
+    for name in names:
+        _require(src_dir / name)
+    if variant == "english":
+        tokenizer = EnTokenizer.from_file(src_dir / names[0])
+        tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
+        shutil.copyfile(src_dir / names[0], tmp / "tokenizer.json")
+        return "tokenizer.json"
+    (tmp / "tokenizer").mkdir()
+    for name in names:
+        shutil.copyfile(src_dir / name, tmp / "tokenizer" / name)
+    GPT2Tokenizer.from_folder(tmp / "tokenizer").check_compatible(cfg.text_vocab_size)
+    return "tokenizer"
+
+
 # A key table maps each upstream key to (our key or None to drop, its upstream shape[, layout]). The layout
 # names how a PyTorch tensor moves to MLX's channels-last convolutions (architecture §9.7), or STACK; it is
 # applied once, here, after the shape check.
@@ -192,7 +257,10 @@ LAYOUTS = {
     "conv1d": (0, 2, 1),  # (out, in, k) -> (out, k, in)
     "conv_transpose1d": (1, 2, 0),  # (in, out, k) -> (out, k, in)
     "conv2d": (0, 2, 3, 1),  # (out, in, kh, kw) -> (out, kh, kw, in)
-    "gpt2_conv1d": (1, 0),  # transformers' GPT-2 Conv1D stores a linear layer's weight as (in, out) -> (out, in)
+    "gpt2_conv1d": (
+        1,
+        0,
+    ),  # transformers' GPT-2 Conv1D stores a linear layer's weight as (in, out) -> (out, in)
 }
 # Several keys with one target and this layout are concatenated along dim 0 in table order (fused projections).
 STACK = "stack"
@@ -275,8 +343,8 @@ def prepare(
 
     The cache is ``cache_dir``, else $MLX_CHATTERBOX_CACHE, else ~/.cache/mlx-chatterbox; one folder per repo
     revision, or per local folder and the sizes and times of its files, and per T3 precision. ``config``: the
-    network sizes to convert with (the English model by default); ``dtype``, ``quantize``, ``q_group_size``: T3's
-    precision, as for ``convert``.
+    network sizes to convert with (the checkpoint variant's by default); ``dtype``, ``quantize``,
+    ``q_group_size``: T3's precision, as for ``convert``.
     """
     path = Path(source).expanduser()
     if (path / "config.json").is_file():
@@ -312,18 +380,21 @@ def prepare(
         quantize=quantize,
         q_group_size=q_group_size,
         overwrite=True,
-        config=config or ENGLISH,
+        config=config,
     )
 
 
-def convert_s3gen(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, dict[str, mx.array]]:
-    """Split upstream ``s3gen.safetensors`` into its networks and sanitize each with its table (error
-    messages keep the full upstream key; our keys drop the prefix, since each network is its own file)."""
-    parts = split_s3gen(weights)
-    return {name: sanitize_s3gen_part(parts[name], name, config) for _, name, _ in S3GEN_PARTS}
+def convert_s3gen(
+    weights: dict[str, mx.array], config: ModelConfig, filename: str = S3GEN_FILE
+) -> dict[str, dict[str, mx.array]]:
+    """Split upstream ``s3gen.safetensors`` (Turbo: ``s3gen_meanflow.safetensors``) into its networks and
+    sanitize each with its table (error messages keep the full upstream key; our keys drop the prefix, since
+    each network is its own file)."""
+    parts = split_s3gen(weights, filename)
+    return {name: sanitize_s3gen_part(parts[name], name, config, filename) for _, name, _ in S3GEN_PARTS}
 
 
-def split_s3gen(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
+def split_s3gen(weights: dict[str, mx.array], filename: str = S3GEN_FILE) -> dict[str, dict[str, mx.array]]:
     """Upstream S3Gen keys grouped by network (``S3GEN_PARTS``), full names kept; an unknown prefix is an error."""
     parts: dict[str, dict[str, mx.array]] = {name: {} for _, name, _ in S3GEN_PARTS}
     for key, value in weights.items():
@@ -332,17 +403,19 @@ def split_s3gen(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
         name = next((n for p, n, _ in S3GEN_PARTS if key.startswith(p)), None)
         if name is None:
             raise ConversionError(
-                f"{S3GEN_FILE}: unexpected key {key!r}; is this a Chatterbox checkpoint of the right variant?"
+                f"{filename}: unexpected key {key!r}; is this a Chatterbox checkpoint of the right variant?"
             )
         parts[name][key] = value
     return parts
 
 
-def sanitize_s3gen_part(weights: dict[str, mx.array], name: str, config: ModelConfig) -> dict[str, mx.array]:
+def sanitize_s3gen_part(
+    weights: dict[str, mx.array], name: str, config: ModelConfig, filename: str = S3GEN_FILE
+) -> dict[str, mx.array]:
     """One network's keys (from ``split_s3gen``) -> our float32 weights for that network."""
     prefix, network = next((p, net) for p, n, net in S3GEN_PARTS if n == name)
     table = {prefix + k: rule for k, rule in network.checkpoint_table(getattr(config, name)).items()}
-    return {k: v.astype(mx.float32) for k, v in sanitize(weights, table, S3GEN_FILE).items()}
+    return {k: v.astype(mx.float32) for k, v in sanitize(weights, table, filename).items()}
 
 
 def voice_from_conds(path: Path) -> Voice:
@@ -408,7 +481,7 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
     if path.exists():
         if not path.is_dir():
             raise ConversionError(
-                f"{path} is a file; pass the folder that holds {T3_FILE}, {TOKENIZER_FILE}, ..."
+                f"{path} is a file; pass the folder that holds {T3_FILE}, ve.safetensors, ..."
             )
         if revision is not None:
             raise ConversionError("revision applies to Hugging Face repo ids, not to local folders")
@@ -422,14 +495,15 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
         local = snapshot_download(
             text,
             revision=revision,
-            allow_patterns=[T3_FILE, S3GEN_FILE, VE_FILE, TOKENIZER_FILE, CONDS_FILE],
+            # Exact names (every variant's): a repo also holds files no variant reads (Turbo's s3gen.safetensors).
+            allow_patterns=sorted({f for c in CHECKPOINTS.values() for f in c.files}),
         )
     except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
         reason = " ".join(str(e).split())  # hub messages span lines; ours is one
         raise ConversionError(
             f"{text} is not a local folder, and downloading it from the Hugging Face Hub failed "
-            f"({type(e).__name__}: {reason}). Check the network, or download the files ({T3_FILE}, "
-            f"{S3GEN_FILE}, {VE_FILE}, {TOKENIZER_FILE}, {CONDS_FILE}) elsewhere and pass their folder."
+            f"({type(e).__name__}: {reason}). Check the network, or download the checkpoint's files "
+            f"({', '.join(CHECKPOINTS['english'].files)} for English) elsewhere and pass their folder."
         ) from None
     local = Path(local)
     return local, {"repo": text, "revision": local.name}

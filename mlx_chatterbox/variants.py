@@ -1,7 +1,12 @@
-"""Model variants as data: the sizes of every network of one Chatterbox model.
+"""Model variants as data: which upstream checkpoint files make each Chatterbox model, and the sizes of its
+networks.
 
-Only the original English model exists so far; multilingual, Turbo and Nano will be more instances of
-``ModelConfig``. Tests build tiny ones.
+- english: ``ResembleAI/chatterbox`` (Llama-520M T3 with CFG, S3Gen with a 10-step CFM decoder).
+- turbo: ``ResembleAI/chatterbox-turbo`` (GPT-2 medium T3 without CFG, a 2-step meanflow decoder;
+  variants.md §2-3).
+- nano: ``ResembleAI/chatterbox-nano``, Turbo with a GPT-2 small T3 (variants.md §4).
+
+Tests build tiny ones.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass, field
 from .models.campplus import CAMPPlusConfig
 from .models.cfm import CFMConfig
 from .models.flow import FlowConfig
+from .models.gpt2 import NANO as NANO_T3
+from .models.gpt2 import T3TurboConfig
 from .models.hift import HiFTConfig
 from .models.s3tokenizer import S3TokenizerConfig
 from .models.t3 import T3Config
@@ -20,17 +27,60 @@ from .models.voice_encoder import VoiceEncoderConfig
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """One config per network; the field names are the network names used in ``config.json`` and as the
-    converted file names (``<name>.safetensors``)."""
+class Checkpoint:
+    """The files of an upstream checkpoint folder (or Hub repo) that conversion reads."""
 
-    t3: T3Config = field(default_factory=T3Config)
+    t3: str
+    s3gen: str
+    tokenizer: tuple[str, ...]  # the text tokenizer's files, all required and copied as they are
+    voice_encoder: str = "ve.safetensors"
+    conds: str = "conds.pt"  # the built-in voice, optional
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.t3, self.s3gen, self.voice_encoder, *self.tokenizer, self.conds)
+
+
+# Turbo's tokenizer is transformers' GPT-2 tokenizer on these files (tts_turbo.py: AutoTokenizer).
+GPT2_TOKENIZER_FILES = (
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "tokenizer_config.json",
+)
+CHECKPOINTS = {
+    "english": Checkpoint("t3_cfg.safetensors", "s3gen.safetensors", ("tokenizer.json",)),
+    "turbo": Checkpoint("t3_turbo_v1.safetensors", "s3gen_meanflow.safetensors", GPT2_TOKENIZER_FILES),
+    "nano": Checkpoint("t3_nano_v1.safetensors", "s3gen_meanflow.safetensors", GPT2_TOKENIZER_FILES),
+}
+REPOS = {
+    "english": "ResembleAI/chatterbox",
+    "turbo": "ResembleAI/chatterbox-turbo",
+    "nano": "ResembleAI/chatterbox-nano",
+}
+T3_CONFIGS = {"english": T3Config, "turbo": T3TurboConfig, "nano": T3TurboConfig}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The variant and one config per network; the network field names are the network names used in
+    ``config.json`` and as the converted file names (``<name>.safetensors``)."""
+
+    variant: str = "english"
+    t3: T3Config | T3TurboConfig = field(default_factory=T3Config)
     flow: FlowConfig = field(default_factory=FlowConfig)
     cfm: CFMConfig = field(default_factory=CFMConfig)
     hift: HiFTConfig = field(default_factory=HiFTConfig)
     s3tokenizer: S3TokenizerConfig = field(default_factory=S3TokenizerConfig)
     campplus: CAMPPlusConfig = field(default_factory=CAMPPlusConfig)
     voice_encoder: VoiceEncoderConfig = field(default_factory=VoiceEncoderConfig)
+
+    def __post_init__(self) -> None:
+        if self.variant not in CHECKPOINTS:
+            raise ValueError(f"unknown variant {self.variant!r}; the variants are {', '.join(CHECKPOINTS)}")
+        if not isinstance(self.t3, T3_CONFIGS[self.variant]):
+            raise ValueError(f"the {self.variant} variant's T3 takes a {T3_CONFIGS[self.variant].__name__}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -42,10 +92,17 @@ class ModelConfig:
         hints = typing.get_type_hints(cls)
         if set(d) != set(hints):
             raise ValueError(f"model config networks {sorted(d)} differ from {sorted(hints)}")
-        return cls(**{name: config_from_dict(hints[name], value) for name, value in d.items()})
+        variant = d["variant"]
+        if variant not in T3_CONFIGS:
+            raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(T3_CONFIGS)}")
+        types = {**hints, "t3": T3_CONFIGS[variant]}
+        return cls(variant, **{k: config_from_dict(types[k], v) for k, v in d.items() if k != "variant"})
 
 
 ENGLISH = ModelConfig()
+TURBO = ModelConfig("turbo", T3TurboConfig(), cfm=CFMConfig(meanflow=True))
+NANO = ModelConfig("nano", NANO_T3, cfm=CFMConfig(meanflow=True))
+PRESETS = {"english": ENGLISH, "turbo": TURBO, "nano": NANO}
 
 
 def config_from_dict(cls: type, d: dict) -> object:

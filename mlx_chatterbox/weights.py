@@ -10,17 +10,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .convert import DTYPES, FORMAT, FORMAT_VERSION, S3GEN_PARTS, T3_FILE
+from .convert import DTYPES, FORMAT, FORMAT_VERSION, S3GEN_PARTS
 from .generation.speech_tokens import EnglishSpeech
+from .generation.turbo import TurboSpeech
 from .generation.vocode import S3Gen
 from .generation.voice import Voice
+from .models.gpt2 import T3Turbo
 from .models.t3 import T3
 from .models.voice_encoder import VoiceEncoder
 from .quantize import quantize_t3, read_quantization_record
-from .text import EnTokenizer
-from .variants import ModelConfig
+from .text import EnTokenizer, GPT2Tokenizer
+from .variants import CHECKPOINTS, ModelConfig
 
-NETWORKS = {"t3": T3, "voice_encoder": VoiceEncoder, **{name: network for _, name, network in S3GEN_PARTS}}
+NETWORKS = {"voice_encoder": VoiceEncoder, **{name: network for _, name, network in S3GEN_PARTS}}
+T3_NETWORKS = {"english": T3, "turbo": T3Turbo, "nano": T3Turbo}
 
 
 @dataclass
@@ -28,11 +31,11 @@ class ModelFolder:
     path: Path
     config: dict
     networks: ModelConfig
-    t3: T3
+    t3: T3 | T3Turbo
     s3gen: S3Gen
-    tokenizer: EnTokenizer
+    tokenizer: EnTokenizer | GPT2Tokenizer
     voice: Voice | None
-    speech: EnglishSpeech  # the variant's text -> speech tokens over t3 and tokenizer
+    speech: EnglishSpeech | TurboSpeech  # the variant's text -> speech tokens over t3 and tokenizer
 
     def load(self, name: str) -> nn.Module:
         """Build network ``name`` (a ``ModelConfig`` field, e.g. the voice-cloning ``s3tokenizer``) and load
@@ -46,7 +49,7 @@ def _load_network(
     path = folder / files[name]
     if not path.is_file():
         raise FileNotFoundError(f"{path.name} not found in {folder}; convert the checkpoint again")
-    model = NETWORKS[name](getattr(networks, name))
+    model = (T3_NETWORKS[networks.variant] if name == "t3" else NETWORKS[name])(getattr(networks, name))
     if quantization is not None:
         # The quantized layers' parameters (weight, scales, biases) must exist before the strict load.
         quantize_t3(model, *quantization)
@@ -63,7 +66,7 @@ def load_folder(path: str | Path) -> ModelFolder:
         raise FileNotFoundError(f"model folder {path} not found")
     config_path = path / "config.json"
     if not config_path.is_file():
-        if (path / T3_FILE).is_file():
+        if any((path / c.t3).is_file() for c in CHECKPOINTS.values()):
             raise ValueError(
                 f"{path} holds an upstream checkpoint; convert it first: mlx-chatterbox convert {path} DST"
             )
@@ -86,7 +89,12 @@ def load_folder(path: str | Path) -> ModelFolder:
         return _load_network(path, files, networks, name)
 
     t3 = _load_network(path, files, networks, "t3", quantization)
-    tokenizer = EnTokenizer.from_file(path / files["tokenizer"])
+    if networks.variant == "english":
+        tokenizer = EnTokenizer.from_file(path / files["tokenizer"])
+        speech = EnglishSpeech(t3, tokenizer)
+    else:
+        tokenizer = GPT2Tokenizer.from_folder(path / files["tokenizer"])
+        speech = TurboSpeech(t3, tokenizer, networks.variant)
     return ModelFolder(
         path,
         config,
@@ -95,7 +103,7 @@ def load_folder(path: str | Path) -> ModelFolder:
         s3gen=S3Gen(load("flow"), load("cfm"), load("hift")),
         tokenizer=tokenizer,
         voice=Voice.load(path / files["voice"]) if "voice" in files else None,
-        speech=EnglishSpeech(t3, tokenizer),
+        speech=speech,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlx_chatterbox  # noqa: F401  isort: skip  (first: it configures MLX before mlx.core loads)
@@ -14,11 +15,14 @@ from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.campplus import CAMPPlusConfig
 from mlx_chatterbox.models.cfm import CFMConfig
 from mlx_chatterbox.models.flow import FlowConfig
+from mlx_chatterbox.models.gpt2 import T3Turbo, T3TurboConfig
 from mlx_chatterbox.models.hift import HiFTConfig
 from mlx_chatterbox.models.s3tokenizer import S3TokenizerConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
 from mlx_chatterbox.models.voice_encoder import VoiceEncoder, VoiceEncoderConfig
-from mlx_chatterbox.variants import ModelConfig
+from mlx_chatterbox.variants import CHECKPOINTS, ModelConfig
+from tests.toy_gpt2_tokenizer import VOCAB_SIZE as TOY_GPT2_VOCAB_SIZE
+from tests.toy_gpt2_tokenizer import write_toy_gpt2_tokenizer
 from tests.toy_tokenizer import write_toy_tokenizer
 
 TINY = T3Config(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128)
@@ -31,6 +35,15 @@ TINY_MODEL = ModelConfig(
     s3tokenizer=S3TokenizerConfig(n_state=64, n_heads=2, n_layers=1),
     campplus=CAMPPlusConfig(growth_rate=8, bn_size=2, init_channels=32),
     voice_encoder=VoiceEncoderConfig(hidden_size=32),
+)
+
+
+# Turbo at tiny sizes: a GPT-2 T3 over the toy GPT-2 tokenizer, the meanflow decoder (variants.md §2-3).
+TINY_TURBO = dataclasses.replace(
+    TINY_MODEL,
+    variant="turbo",
+    t3=T3TurboConfig(hidden_size=64, num_layers=2, num_heads=4, text_vocab_size=TOY_GPT2_VOCAB_SIZE),
+    cfm=dataclasses.replace(TINY_MODEL.cfm, meanflow=True, cfg_rate=None),
 )
 
 
@@ -84,21 +97,29 @@ def random_weights(table: dict, rng: np.random.Generator, prefix: str = "") -> d
 
 
 def write_upstream_checkpoint(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> Path:
-    """An upstream-layout folder (t3_cfg.safetensors, s3gen.safetensors, ve.safetensors, tokenizer.json; no
-    conds.pt) written without torch."""
+    """An upstream-layout folder of ``cfg``'s variant (English: t3_cfg.safetensors, s3gen.safetensors,
+    ve.safetensors, tokenizer.json; Turbo/Nano: t3_turbo_v1 / t3_nano_v1.safetensors,
+    s3gen_meanflow.safetensors, ve.safetensors and the five GPT-2 tokenizer files; no conds.pt) written
+    without torch."""
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: mx.array(v) for k, v in upstream_t3_weights(cfg.t3, seed).items()}
-    mx.save_safetensors(str(folder / "t3_cfg.safetensors"), weights)
+    names = CHECKPOINTS[cfg.variant]
+    if cfg.variant == "english":
+        weights = upstream_t3_weights(cfg.t3, seed)
+        write_toy_tokenizer(folder / "tokenizer.json")
+    else:
+        weights = random_weights(T3Turbo.checkpoint_table(cfg.t3), np.random.default_rng(seed))
+        write_toy_gpt2_tokenizer(folder)
+    mx.save_safetensors(str(folder / names.t3), {k: mx.array(v) for k, v in weights.items()})
     write_s3gen_and_ve(folder, cfg, seed)
-    write_toy_tokenizer(folder / "tokenizer.json")
     return folder
 
 
 def write_s3gen_and_ve(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> None:
-    """The checkpoint's files besides T3's, in upstream layout, with random weights."""
+    """The checkpoint's files besides T3's and the tokenizer's, in upstream layout, with random weights."""
     folder.mkdir(parents=True, exist_ok=True)
     s3gen = upstream_s3gen_weights(cfg, seed)
-    mx.save_safetensors(str(folder / "s3gen.safetensors"), {k: mx.array(v) for k, v in s3gen.items()})
+    path = folder / CHECKPOINTS[cfg.variant].s3gen
+    mx.save_safetensors(str(path), {k: mx.array(v) for k, v in s3gen.items()})
     ve = random_weights(VoiceEncoder.checkpoint_table(cfg.voice_encoder), np.random.default_rng(seed))
     mx.save_safetensors(str(folder / "ve.safetensors"), {k: mx.array(v) for k, v in ve.items()})
 

@@ -35,7 +35,8 @@ def test_converts_and_loads(tmp_path):
     config = json.loads((dst / "config.json").read_text())
     assert (
         config["format"] == "mlx-chatterbox"
-        and config["format_version"] == 4
+        and config["format_version"] == 5
+        and config["variant"] == "english"
         and config["dtype"] == "float32"
         and config["t3_precision"] == {"dtype": "float32", "quantization": None}
     )

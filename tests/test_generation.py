@@ -137,6 +137,8 @@ def test_api_rejects_unknown_knobs(tmp_path):
     from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
     tts = TTS.load(convert(write_upstream_checkpoint(tmp_path / "up"), tmp_path / "mlx", config=TINY_MODEL))
-    with pytest.raises(TypeError, match="unknown knob 'temprature' for the english model; its knobs are temperature, top_p"):
+    with pytest.raises(
+        TypeError, match="unknown knob 'temprature' for the english model; its knobs are temperature, top_p"
+    ):
         tts.speech_tokens("Hello.", random_voice(), temprature=0.5)
     assert len(tts.speech_tokens("Hello.", random_voice(), temperature=0, max_new_tokens=3)) <= 3

@@ -21,7 +21,7 @@ ALLOWED = {
     "convert": {"models", "generation", "text", "torchfile", "variants", "quantize"},
     "weights": {"models", "generation", "text", "convert", "variants", "quantize"},
     "api": {"models", "audio", "generation", "text", "sampling", "weights", "convert", "variants", "hybrid"},
-    "cli": {"api", "convert", "sampling", "_backend", "quantize", "server", "__version__"},
+    "cli": {"api", "convert", "sampling", "_backend", "quantize", "server", "variants", "__version__"},
     "server": {"api", "generation", "sampling", "audio", "_backend", "server", "__version__"},
     "hybrid": {"generation"},
     "__init__": {"_backend", "api", "convert", "sampling"},

@@ -13,10 +13,13 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..models.cache import KVCache
+from ..models.campplus import CAMPPlus
+from ..models.s3tokenizer import S3Tokenizer
 from ..models.t3 import T3, T3Cond
+from ..models.voice_encoder import VoiceEncoder
 from ..sampling import SamplingParams, draw, process_logits
 from ..text import EnTokenizer, punc_norm
-from .voice import Voice
+from .voice import Voice, VoiceCloner
 
 
 def check_request(model: T3, text_ids: Sequence[int], params: SamplingParams) -> None:
@@ -223,3 +226,9 @@ class EnglishSpeech:
     def finish(self, raw: Sequence[int]) -> list[int]:
         """Raw ids -> the speech tokens S3Gen takes."""
         return drop_invalid_tokens(raw, self.start_token, self.stop_token)
+
+    def cloner(
+        self, voice_encoder: VoiceEncoder, s3tokenizer: S3Tokenizer, campplus: CAMPPlus
+    ) -> VoiceCloner:
+        """Voice cloning as upstream ``ChatterboxTTS.prepare_conditionals``."""
+        return VoiceCloner(voice_encoder, s3tokenizer, campplus, self.t3.config.speech_cond_prompt_len)

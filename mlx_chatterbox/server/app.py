@@ -53,7 +53,7 @@ def create_app(
 
     model_name: the id ``/v1/models`` lists; a speech request's ``model`` must be it, "chatterbox", or one of
         OpenAI's tts-1, tts-1-hd, gpt-4o-mini-tts (so that clients written for OpenAI work unchanged).
-    cfm_steps: the flow-matching steps of requests that give none (None: upstream's 10).
+    cfm_steps: the flow-matching steps of requests that give none (None: the model's, upstream's 10 or Turbo's 2).
     max_upload: the largest voice recording accepted, in bytes.
     """
     app = FastAPI(title="mlx-chatterbox", version=__version__)
@@ -189,7 +189,8 @@ async def _job(
     except ValueError as e:
         raise ApiError(400, str(e), "response_format") from None
     try:
-        params = body.sampling_params()
+        speech = worker.tts.speech
+        params = body.sampling_params(speech.params_type, speech.variant)
     except ValueError as e:
         raise ApiError(400, str(e), _param_of(str(e))) from None
     try:  # a voice file is read on the worker thread: its arrays are MLX work

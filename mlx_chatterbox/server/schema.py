@@ -10,12 +10,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TurboParams
 from .encode import FORMATS
 
 MAX_INPUT = 4096  # characters, OpenAI's limit
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as names of the loaded model
-KNOBS = ("temperature", "top_p", "min_p", "repetition_penalty", "cfg_weight", "exaggeration")
+KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "cfg_weight", "exaggeration")
 
 
 class VoiceId(BaseModel):
@@ -38,10 +38,12 @@ class SpeechRequest(BaseModel):
     # Ours. None: stream when the request allows it (speed 1); False: the whole audio in one pass, exactly what
     # TTS.generate gives; True: stream (refused with speed != 1: a time-stretch needs the whole audio).
     stream: bool | None = None
-    # Chatterbox's knobs: None = the default (sampling.SamplingParams, which checks the ranges). Strict types
-    # (an int is a float too): "0.5" or true is a mistake to report, not to convert.
+    # Chatterbox's knobs: None = the model's default (sampling.SamplingParams, or TurboParams for Turbo/Nano,
+    # which check the ranges; a knob the model lacks is refused). Strict types (an int is a float too): "0.5"
+    # or true is a mistake to report, not to convert.
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
     min_p: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None
     cfg_weight: StrictFloat | None = None
@@ -54,10 +56,16 @@ class SpeechRequest(BaseModel):
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, VoiceId) else self.voice
 
-    def sampling_params(self) -> SamplingParams:
-        """The knobs given, over the defaults; ValueError (naming the knob) for one out of range."""
+    def sampling_params(
+        self, kind: type[SamplingParams | TurboParams] = SamplingParams, variant: str = "english"
+    ) -> SamplingParams | TurboParams:
+        """The knobs given, over the model's defaults (``kind``); ValueError naming the knob for one out of
+        range, or one the ``variant`` model does not have."""
         given = {k: getattr(self, k) for k in (*KNOBS, "max_new_tokens") if getattr(self, k) is not None}
-        return SamplingParams(**given)
+        unknown = sorted(set(given) - set(kind.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{unknown[0]} is not a knob of the {variant} model served here; leave it out")
+        return kind(**given)
 
 
 def error_body(

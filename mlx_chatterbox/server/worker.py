@@ -29,11 +29,11 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import split_pieces, token_budget
-from ..generation.speech_tokens import check_params, drop_invalid_tokens
 from ..generation.stream import PieceJoiner, StreamVocoder
+from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps, crossfade_join
 from ..generation.voice import Voice
-from ..sampling import SamplingParams, seed_keys
+from ..sampling import SamplingParams, TurboParams, seed_keys
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,7 +46,7 @@ class SpeechJob:
 
     text: str
     voice: Voice
-    params: SamplingParams = SamplingParams()
+    params: SamplingParams | TurboParams = SamplingParams()  # the model's kind (TTS.speech.params_type)
     cfm_steps: int | None = None
     seed: int | None = None
     watermark: bool = True
@@ -188,7 +188,11 @@ class Worker:
     def submit(self, job: SpeechJob) -> Ticket:
         """Check ``job`` (ValueError naming the problem) and queue it; its audio comes through the ticket."""
         tts = self.tts
-        check_params(tts.t3, job.params)
+        if not isinstance(job.params, tts.speech.params_type):
+            raise ValueError(
+                f"params must be a {tts.speech.params_type.__name__} for the {tts.speech.variant} model"
+            )
+        tts.speech.check(job.params)
         check_cfm_steps(job.cfm_steps)
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
@@ -227,7 +231,7 @@ class Worker:
             mx.clear_streams()
 
     def _serve(self) -> None:
-        batch = SpeechTokenBatch(self.tts.t3)
+        batch = self._new_batch()
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
         while True:
@@ -270,13 +274,14 @@ class Worker:
                 for j in running.values():
                     self._done(j, error)
                 running.clear()
-                batch = SpeechTokenBatch(self.tts.t3)
+                batch = self._new_batch()
                 continue
             ended = []  # jobs whose piece T3 finished in this step
             for uid, token, finished in steps:
                 j = running[uid]
-                j.raw.append(token)
-                j.ticket.speech_tokens += 1
+                if token != NO_TOKEN:  # Turbo's batch ends a request whose logits are all -inf with no token
+                    j.raw.append(token)
+                    j.ticket.speech_tokens += 1
                 ok = self._guard(j, self._took, j, token, finished)
                 if finished or not ok:
                     del running[uid]
@@ -304,7 +309,11 @@ class Worker:
             self._done(j, error)
             return False
 
-    def _admit(self, j: _Job, batch: SpeechTokenBatch) -> None:
+    def _new_batch(self) -> SpeechTokenBatch | TurboTokenBatch:
+        """T3's batch for the variant: CFG pairs (English) or single rows (Turbo/Nano)."""
+        return (SpeechTokenBatch if self.tts.speech.variant == "english" else TurboTokenBatch)(self.tts.t3)
+
+    def _admit(self, j: _Job, batch: SpeechTokenBatch | TurboTokenBatch) -> None:
         """Put the job's next piece into T3's batch."""
         job, piece = j.job, j.pieces[j.piece]
         params = dataclasses.replace(
@@ -321,19 +330,21 @@ class Worker:
     def _took(self, j: _Job, token: int, finished: bool) -> None:
         """A token of the job's piece (streamed: pushed to its vocoder); when the piece is finished, its checks
         and its speech tokens (``j.raw`` keeps the ids to vocode) or, streamed, its last audio."""
-        cfg = self.tts.t3.config
-        if j.vocoder is not None and token < cfg.start_speech_token:  # only speech ids, as stream_piece
+        speech = self.tts.speech
+        if j.vocoder is not None and 0 <= token < speech.start_token:  # only speech ids, as stream_piece
             self._emit(j, j.vocoder.push([token]))
         if not finished:
             return
-        if cfg.stop_speech_token not in j.raw:
+        if speech.stop_token not in j.raw:
             logger.warning(
                 "piece %d of %d stopped at its budget without the stop token", j.piece + 1, len(j.pieces)
             )
-        j.raw = drop_invalid_tokens(j.raw, cfg.start_speech_token, cfg.stop_speech_token)
-        if not j.raw:
+        j.raw = speech.finish(j.raw)  # the variant's tail (Turbo's silence) included
+        if len(j.raw) == len(speech.tail):
             raise ValueError("T3 stopped before producing any speech token; try another seed or text")
         if j.vocoder is not None:
+            if speech.tail:
+                self._emit(j, j.vocoder.push(list(speech.tail)))
             self._emit(j, j.vocoder.finish(), end=True)
             j.vocoder = None
 
