@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
+from .layers import left_pad_mask, window_attention
 
 
 @dataclass(frozen=True)
@@ -112,37 +113,13 @@ class Attention(nn.Module):
         window_values: mx.array,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
-        ``BatchKVCache``), as models/t3.py ``Attention.decode_window``: one token (B, 1, D) at buffer index
-        ``at[0]``, ``at[1]`` the window's first buffer index (base). keys, values: (B, H, capacity, hd) with
-        the positions before base, read only; window_keys, window_values: (B, H, W, hd) with base ..
-        at[0] - 1, returned with this token written at index at[0] - base. Every row's pad is below base, so
-        only the big buffers need the pad mask. Nothing depends on the values of at or pad: one trace per
-        shape."""
+        ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
+        returned as ``layers.window_attention`` takes and gives them."""
         b, d = x.shape[0], x.shape[2]
-        h, hd = self.num_heads, self.head_dim
-        position, base = at[0], at[1]
-        qkv = self.c_attn(x).reshape(b, 3, h, 1, hd)
-        slot = (position - base)[None]
-        window_keys = mx.slice_update(window_keys, qkv[:, 1], slot, axes=(2,))
-        window_values = mx.slice_update(window_values, qkv[:, 2], slot, axes=(2,))
-        # sdpa cannot join two key sets under one softmax: scores of both parts (B, H, 1, capacity + W), one
-        # softmax over them, then each part's values; q scaled first, as sdpa does.
-        q = qkv[:, 0] * hd**-0.5
-        index = mx.arange(keys.shape[2])
-        old = ((index < base) & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
-        new = mx.arange(window_keys.shape[2]) <= position - base  # (W,): the window past this token is stale
-        # Scores and softmax in fp32 whatever the cache's dtype, as sdpa accumulates. No row is all -inf:
-        # each sees at least its own new token.
-        scores = mx.concatenate(
-            [
-                mx.where(old, (q @ keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
-                mx.where(new, (q @ window_keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
-            ],
-            axis=-1,
+        qkv = self.c_attn(x).reshape(b, 3, self.num_heads, 1, self.head_dim)
+        out, window_keys, window_values = window_attention(
+            qkv[:, 0], qkv[:, 1], qkv[:, 2], at, pad, keys, values, window_keys, window_values
         )
-        p = mx.softmax(scores, axis=-1).astype(values.dtype)
-        capacity = keys.shape[2]
-        out = p[..., :capacity] @ values + p[..., capacity:] @ window_values  # (B, H, 1, hd)
         return self.c_proj(out.reshape(b, 1, d)), window_keys, window_values
 
 
@@ -221,9 +198,7 @@ class GPT2(nn.Module):
         else:
             index = mx.arange(x.shape[1])
             x = x + self.wpe.weight[mx.maximum(index - pad[:, None], 0)]  # (B, N, D)
-            causal = index[None, :] <= index[:, None]  # (N, N): query, key
-            own = (index[None, None, :] >= pad[:, None, None]) | (index[None, :] == index[:, None])
-            mask = (causal & own)[:, None]  # (B, 1, N, N)
+            mask = left_pad_mask(x.shape[1], pad)
         for block in self.h:
             x = block(x, kv, mask)
         return self.ln_f(x)

@@ -257,3 +257,55 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         weighted = _shifted_exp_cpu(scores) @ v_ones
         out.append(weighted[..., :-1] / weighted[..., -1:])
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def left_pad_mask(n: int, pad: mx.array) -> mx.array:
+    """The (B, 1, N, N) attention mask of rows left-padded to a common length N: causal, and no index sees one
+    before its row's ``pad[b]``. A padding index sees itself alone, which keeps its keys and values finite
+    (later masks give them probability 0, but 0 times NaN would still be NaN). T3 and Turbo's T3 batches."""
+    index = mx.arange(n)
+    causal = index[None, :] <= index[:, None]  # (N, N): query, key
+    own = (index[None, None, :] >= pad[:, None, None]) | (index[None, :] == index[:, None])
+    return (causal & own)[:, None]
+
+
+def window_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    at: mx.array,
+    pad: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    window_keys: mx.array,
+    window_values: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One decode token's attention over a batch cache whose newest positions sit in a small window (models/
+    cache.py ``BatchKVCache``): q, k, v (B, H, 1, hd) of the token at buffer index ``at[0]``; ``at[1]`` is the
+    window's first buffer index (base). keys, values: (B, H, capacity, hd) holding the positions before base,
+    read only; window_keys, window_values: (B, H, W, hd) holding base .. at[0] - 1, returned with this token
+    written at index at[0] - base. Every row's pad is below base, so only the big buffers need the pad mask.
+    Returns (B, H, 1, hd). Nothing depends on the values of at or pad: one trace per shape."""
+    position, base = at[0], at[1]
+    slot = (position - base)[None]
+    window_keys = mx.slice_update(window_keys, k, slot, axes=(2,))
+    window_values = mx.slice_update(window_values, v, slot, axes=(2,))
+    # sdpa cannot join two key sets under one softmax, so attention is written out: scores of both parts
+    # (B, H, 1, capacity + W), one softmax over them, then each part's values. Scaling q first, as sdpa.
+    q = q * q.shape[-1] ** -0.5
+    index = mx.arange(keys.shape[2])
+    old = ((index < base) & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
+    new = mx.arange(window_keys.shape[2]) <= position - base  # (W,): the window past this token is stale
+    # Scores and softmax in fp32 whatever the cache's dtype (as sdpa accumulates). -inf never meets an all
+    # -inf row: every row sees at least its own new token.
+    scores = mx.concatenate(
+        [
+            mx.where(old, (q @ keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
+            mx.where(new, (q @ window_keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
+        ],
+        axis=-1,
+    )
+    p = mx.softmax(scores, axis=-1).astype(values.dtype)
+    capacity = keys.shape[2]
+    out = p[..., :capacity] @ values + p[..., capacity:] @ window_values
+    return out, window_keys, window_values

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
+from .layers import left_pad_mask, window_attention
 
 
 @dataclass(frozen=True)
@@ -168,36 +169,14 @@ class Attention(nn.Module):
         window_values: mx.array,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
-        ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; ``at[1]`` is the window's first
-        buffer index (base). keys, values: (B, H, capacity, hd) holding the positions before base, read only;
-        window_keys, window_values: (B, H, W, hd) holding base .. at[0] - 1, returned with this token written
-        at index at[0] - base. Every row's pad is below base, so only the big buffers need the pad mask.
-        Nothing depends on the values of at or pad: one trace per shape."""
+        ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
+        returned as ``layers.window_attention`` takes and gives them."""
         b, h, hd = x.shape[0], self.num_heads, self.head_dim
-        position, base = at[0], at[1]
         qkv = self.qkv_proj(x).reshape(b, 3, h, 1, hd)
-        qk = self._rope(qkv[:, :2], position - pad)
-        slot = (position - base)[None]
-        window_keys = mx.slice_update(window_keys, qk[:, 1], slot, axes=(2,))
-        window_values = mx.slice_update(window_values, qkv[:, 2], slot, axes=(2,))
-        # sdpa cannot join two key sets under one softmax, so attention is written out: scores of both parts
-        # (B, H, 1, capacity + W), one softmax over them, then each part's values. Scaling q first, as sdpa.
-        q = qk[:, 0] * hd**-0.5
-        index = mx.arange(keys.shape[2])
-        old = ((index < base) & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
-        new = mx.arange(window_keys.shape[2]) <= position - base  # (W,): the window past this token is stale
-        # Scores and softmax in fp32 whatever the cache's dtype (as sdpa accumulates). -inf never meets an all
-        # -inf row: every row sees at least its own new token.
-        scores = mx.concatenate(
-            [
-                mx.where(old, (q @ keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
-                mx.where(new, (q @ window_keys.swapaxes(2, 3)).astype(mx.float32), -mx.inf),
-            ],
-            axis=-1,
+        qk = self._rope(qkv[:, :2], at[0] - pad)
+        out, window_keys, window_values = window_attention(
+            qk[:, 0], qk[:, 1], qkv[:, 2], at, pad, keys, values, window_keys, window_values
         )
-        p = mx.softmax(scores, axis=-1).astype(values.dtype)
-        capacity = keys.shape[2]
-        out = p[..., :capacity] @ values + p[..., capacity:] @ window_values  # (B, H, 1, hd)
         return self.o_proj(out.reshape(b, 1, h * hd)), window_keys, window_values
 
 
@@ -277,15 +256,10 @@ class Llama(nn.Module):
         """(B, N, D) from position 0 -> (B, N, D); every layer's keys and values are appended to ``kv`` when
         it is given.
         pad: (B,) int32 for rows left-padded to a common length N (generation/batch.py): row b's sequence
-        starts at index pad[b], so index i is its position i - pad[b], and no index sees one before pad[b]. A
-        padding index sees itself alone, which keeps its keys and values finite (decode masks them, but 0 times
-        NaN would still be NaN)."""
+        starts at index pad[b], so index i is its position i - pad[b] (``layers.left_pad_mask``)."""
         offset, mask = 0, "causal"
         if pad is not None:
-            index = mx.arange(x.shape[1])
-            causal = index[None, :] <= index[:, None]  # (N, N): query, key
-            own = (index[None, None, :] >= pad[:, None, None]) | (index[None, :] == index[:, None])
-            offset, mask = -pad, (causal & own)[:, None]  # (B, 1, N, N)
+            offset, mask = -pad, left_pad_mask(x.shape[1], pad)
         for layer in self.layers:
             x = layer(x, kv, offset, mask)
         return self.norm(x)
