@@ -49,23 +49,24 @@ class _Active:
     rows: int = 2  # T3 rows: the CFG pair, or one without CFG
 
 
-class SpeechTokenBatch:
-    """Continuous batching over T3. ``add`` requests at any time; each ``step`` advances every request by one
-    token and returns ``(uid, token, finished)`` for each: raw ids, the stop token included when it comes (as
-    ``generate_speech_tokens`` yields them). A finished request has left the batch.
+class ContinuousBatch:
+    """What every T3's continuous batch shares (``SpeechTokenBatch`` here, Turbo's ``TurboTokenBatch``): the
+    waiting and active requests, ``add``/``cancel``/``step``. A subclass checks requests (``_check``), says when
+    a drawn token ends its request (``_ends``), and owns the device state (``_join``, ``_leave``, ``_lay_out``,
+    ``_queue_next``).
 
-    stop_on_eos: False decodes every request to its max_new_tokens (benchmarks).
+    stop_on_eos: False decodes every request to its budget (benchmarks).
     window_size: positions written per step into the cache's small window before it is flushed into the big
     buffers (models/cache.py ``BatchKVCache``).
     """
 
-    def __init__(self, model: T3, stop_on_eos: bool = True, window_size: int = 32):
+    def __init__(self, model, stop_on_eos: bool = True, window_size: int = 32):
         if window_size < 1:
             raise ValueError(f"window_size must be at least 1 position, got {window_size}; the default is 32")
         self.model, self.stop_on_eos, self.window_size = model, stop_on_eos, window_size
         self._uids = itertools.count()
         self._pending: list[tuple[int, BatchRequest]] = []
-        self._active: list[_Active] = []
+        self._active: list = []
         # Device state of the active requests, in their order: the last drawn (not yet read) token of each, the
         # seen-masks, how many tokens each has drawn, the cache of their T3 rows, and ``_lay_out``'s layout.
         self._tokens = self._seen = self._drawn = None
@@ -74,8 +75,7 @@ class SpeechTokenBatch:
 
     def add(self, request: BatchRequest) -> int:
         """Queue a request (checked now, prefilled at the next step); returns its id."""
-        check_request(self.model, request.text_ids, request.params)
-        make_draws(request.params, request.key, request.uniforms)  # checks the draws
+        self._check(request)
         uid = next(self._uids)
         self._pending.append((uid, request))
         return uid
@@ -108,8 +108,7 @@ class SpeechTokenBatch:
         queued = self._queue_next()
         out, keep = [], []
         for i, (a, token) in enumerate(zip(self._active, self._tokens.tolist())):
-            stop = self.stop_on_eos and token == self.model.config.stop_speech_token
-            finished = stop or a.drawn == a.request.params.max_new_tokens
+            finished = self._ends(a, token)
             out.append((a.uid, token, finished))
             if not finished:
                 keep.append(i)
@@ -118,6 +117,23 @@ class SpeechTokenBatch:
         if len(keep) < len(self._active):
             self._leave(keep)
         return out
+
+
+class SpeechTokenBatch(ContinuousBatch):
+    """Continuous batching over T3. ``add`` requests at any time; each ``step`` advances every request by one
+    token and returns ``(uid, token, finished)`` for each: raw ids, the stop token included when it comes (as
+    ``generate_speech_tokens`` yields them). A finished request has left the batch (``ContinuousBatch``)."""
+
+    def __init__(self, model: T3, stop_on_eos: bool = True, window_size: int = 32):
+        super().__init__(model, stop_on_eos, window_size)
+
+    def _check(self, request: BatchRequest) -> None:
+        check_request(self.model, request.text_ids, request.params)
+        make_draws(request.params, request.key, request.uniforms)  # checks the draws
+
+    def _ends(self, a: _Active, token: int) -> bool:
+        stop = self.stop_on_eos and token == self.model.config.stop_speech_token
+        return stop or a.drawn == a.request.params.max_new_tokens
 
     def _join(self, pending: list[tuple[int, BatchRequest]]) -> None:
         """Prefill the waiting requests together, their rows left-padded to the longest (one prefill call for

@@ -15,7 +15,6 @@ tokens do not depend on what else is in the batch (tests/test_turbo_batch.py).
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import mlx.core as mx
 from ..models.cache import BatchKVCache
 from ..models.gpt2 import T3Turbo
 from ..sampling import TurboParams, draw_turbo_rows, process_turbo_rows, turbo_row_knobs
-from .batch import BatchRequest, _fill
+from .batch import BatchRequest, ContinuousBatch, _fill
 from .turbo import _NO_TOKEN, check_request, make_draws
 
 logger = logging.getLogger(__name__)
@@ -44,34 +43,18 @@ class _Active:
     drawn: int = 1  # the prefill draws token 0
 
 
-class TurboTokenBatch:
+class TurboTokenBatch(ContinuousBatch):
     """Continuous batching over Turbo's or Nano's T3 (``SpeechTokenBatch``'s interface). ``add`` requests
     (``BatchRequest`` with ``TurboParams``) at any time; each ``step`` advances every request by one token and
     returns ``(uid, token, finished)`` for each: raw ids as ``generate_turbo_tokens`` yields them, the stop
     token included when it comes, and ``NO_TOKEN`` (finished) where a request's logits were all -inf. A
-    finished request has left the batch.
-
-    stop_on_eos: False decodes every request to its 1 + max_new_tokens tokens (benchmarks).
-    window_size: positions written per step into the cache's small window before it is flushed into the big
-    buffers (models/cache.py ``BatchKVCache``).
-    """
+    finished request has left the batch (``ContinuousBatch``)."""
 
     def __init__(self, model: T3Turbo, stop_on_eos: bool = True, window_size: int = 32):
-        if window_size < 1:
-            raise ValueError(f"window_size must be at least 1 position, got {window_size}; the default is 32")
-        self.model, self.stop_on_eos, self.window_size = model, stop_on_eos, window_size
-        self._uids = itertools.count()
-        self._pending: list[tuple[int, BatchRequest]] = []
-        self._active: list[_Active] = []
-        # Device state of the active requests, in their order: the last drawn (not yet read) token of each, the
-        # seen-masks, how many tokens each has drawn, the cache of their rows, and ``_lay_out``'s layout.
-        self._tokens = self._seen = self._drawn = None
-        self._cache: BatchKVCache | None = None
-        self._layout: dict[str, mx.array] = {}
+        super().__init__(model, stop_on_eos, window_size)
         self._uses = (False, False, False, False)  # ``_uses`` of the active requests
 
-    def add(self, request: BatchRequest) -> int:
-        """Queue a request (checked now, prefilled at the next step); returns its id."""
+    def _check(self, request: BatchRequest) -> None:
         if not isinstance(request.params, TurboParams):
             raise TypeError(
                 f"a Turbo request takes TurboParams, got {type(request.params).__name__}: "
@@ -79,59 +62,22 @@ class TurboTokenBatch:
             )
         check_request(self.model, request.voice, request.text_ids, request.params)
         make_draws(1 + request.params.max_new_tokens, request.key, request.uniforms)  # checks the draws
-        uid = next(self._uids)
-        self._pending.append((uid, request))
-        return uid
 
-    def cancel(self, uid: int) -> None:
-        """Drop a request that has not finished, waiting or decoding (its row leaves the batch now)."""
-        for j, (u, _) in enumerate(self._pending):
-            if u == uid:
-                del self._pending[j]
-                return
-        for i, a in enumerate(self._active):
-            if a.uid == uid:
-                self._leave([k for k in range(len(self._active)) if k != i])
-                return
-        raise KeyError(f"request {uid} is not in the batch (finished, cancelled or never added)")
-
-    def __len__(self) -> int:
-        """Requests not finished yet, waiting or decoding."""
-        return len(self._pending) + len(self._active)
-
-    def step(self) -> list[tuple[int, int, bool]]:
-        """Admit waiting requests, queue the next decode step, then read the tokens drawn by the last one (the
-        device works on the next step while the host reads, as in ``generate_turbo_tokens``)."""
-        if self._pending:
-            self._join(self._pending)
-            self._pending = []
-            self._lay_out()
-        if not self._active:
-            return []
-        queued = self._queue_next()
-        stop_id = self.model.config.stop_speech_token
-        out, keep = [], []
-        for i, (a, token) in enumerate(zip(self._active, self._tokens.tolist())):
-            first = a.drawn == 1
-            if token == NO_TOKEN:
-                if first:
-                    # generate_turbo_tokens raises here; in a batch the request ends and the others go on.
-                    logger.error("request %d: every logit of its first speech token is -inf", a.uid)
-                else:
-                    logger.warning(
-                        "request %d: every speech logit is -inf at token %d; it ends", a.uid, a.drawn - 1
-                    )
-            # The first token is never a stop (upstream checks from the second on).
-            stop = token == NO_TOKEN or (self.stop_on_eos and not first and token == stop_id)
-            finished = stop or a.drawn == 1 + a.request.params.max_new_tokens
-            out.append((a.uid, token, finished))
-            if not finished:
-                keep.append(i)
-                a.drawn += 1
-        self._tokens, self._seen = queued
-        if len(keep) < len(self._active):
-            self._leave(keep)
-        return out
+    def _ends(self, a: _Active, token: int) -> bool:
+        first = a.drawn == 1
+        if token == NO_TOKEN:
+            if first:
+                # generate_turbo_tokens raises here; in a batch the request ends and the others go on.
+                logger.error("request %d: every logit of its first speech token is -inf", a.uid)
+            else:
+                logger.warning(
+                    "request %d: every speech logit is -inf at token %d; it ends", a.uid, a.drawn - 1
+                )
+        # The first token is never a stop (upstream checks from the second on).
+        stop = token == NO_TOKEN or (
+            self.stop_on_eos and not first and token == self.model.config.stop_speech_token
+        )
+        return stop or a.drawn == 1 + a.request.params.max_new_tokens
 
     def _join(self, pending: list[tuple[int, BatchRequest]]) -> None:
         """Prefill the waiting requests together, left-padded to the longest (one prefill call for them all),
