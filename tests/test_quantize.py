@@ -265,7 +265,7 @@ def test_convert_command(tmp_path, capsys, monkeypatch):
     src = write_upstream_checkpoint(tmp_path / "up")
     args = ["convert", str(src), str(tmp_path / "q4"), "--quantize", "4", "--q-group-size", "32"]
     assert cli.main(args) == 0
-    assert "(bfloat16, 4-bit groups of 32)" in capsys.readouterr().err
+    assert "(english, bfloat16, 4-bit groups of 32)" in capsys.readouterr().err
     record = json.loads((tmp_path / "q4" / "config.json").read_text())["t3_precision"]
     assert record == {"dtype": "bfloat16", "quantization": quantization_record(4, 32)}
     assert cli.main(["convert", str(src), str(tmp_path / "x"), "--q-group-size", "32"]) == 1
