@@ -192,6 +192,9 @@ def row_knobs(params: list[SamplingParams]) -> dict[str, mx.array]:
     """Each request's knobs as a (R, 1) float32 column, and ``greedy`` as a (R, 1) bool column."""
     knobs = {k: mx.array([[getattr(p, k)] for p in params], dtype=mx.float32) for k in ROW_KNOBS}
     knobs["greedy"] = mx.array([[p.greedy] for p in params])
+    # 1 - top_p in double precision, then rounded, as ``top_p_filter`` compares with it: 1 - float32(0.95) is
+    # 0.0500000119, float32(1 - 0.95) 0.0500000007, and a row must drop what it drops alone.
+    knobs["top_p_tail"] = mx.array([[1.0 - p.top_p] for p in params], dtype=mx.float32)
     return knobs
 
 
@@ -223,7 +226,7 @@ def process_rows(
     if min_p:
         sampled = _min_p_rows(sampled, knobs["min_p"])
     if top_p:
-        sampled = mx.where(knobs["top_p"] >= 1.0, sampled, _top_p_rows(sampled, knobs["top_p"]))
+        sampled = mx.where(knobs["top_p"] >= 1.0, sampled, _top_p_rows(sampled, knobs["top_p_tail"]))
     return mx.where(greedy, x, sampled)
 
 
@@ -232,12 +235,12 @@ def _min_p_rows(logits: mx.array, min_p: mx.array) -> mx.array:
     return mx.where(probs < min_p * probs.max(axis=-1, keepdims=True), -mx.inf, logits)
 
 
-def _top_p_rows(logits: mx.array, top_p: mx.array) -> mx.array:
-    """``top_p_filter`` with a (R, 1) threshold."""
+def _top_p_rows(logits: mx.array, tail: mx.array) -> mx.array:
+    """``top_p_filter`` with a (R, 1) threshold ``tail`` = 1 - top_p (``row_knobs``)."""
     order = mx.argsort(logits, axis=-1)
     cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
     keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
-    drop_sorted = (cumulative <= 1 - top_p) & ~keep_last
+    drop_sorted = (cumulative <= tail) & ~keep_last
     drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
     return mx.where(drop, -mx.inf, logits)
 
@@ -396,20 +399,10 @@ def process_turbo_rows(
         kth = mx.take_along_axis(mx.sort(x, axis=-1), mx.where(on, v - k, 0), axis=-1)
         x = mx.where(on & (x < kth), -mx.inf, x)
     if top_p:
-        x = mx.where(knobs["top_p"], _turbo_top_p_rows(x, knobs["top_p_tail"]), x)
+        x = mx.where(knobs["top_p"], _top_p_rows(x, knobs["top_p_tail"]), x)
     # A penalty of 1 multiplies or divides by 1, which is exact: no row needs to skip it.
     p = knobs["repetition_penalty"]
     return mx.where(seen, mx.where(x < 0, x * p, x / p), x)
-
-
-def _turbo_top_p_rows(logits: mx.array, tail: mx.array) -> mx.array:
-    """``top_p_filter`` with a (R, 1) float32 ``tail`` = 1 - top_p."""
-    order = mx.argsort(logits, axis=-1)
-    cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
-    keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
-    drop_sorted = (cumulative <= tail) & ~keep_last
-    drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
-    return mx.where(drop, -mx.inf, logits)
 
 
 def draw_turbo_rows(

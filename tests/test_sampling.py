@@ -162,3 +162,15 @@ def test_rows_with_their_own_knobs_match_each_request_alone():
         np.testing.assert_array_equal(np.array(processed[i : i + 1]), np.array(expected), err_msg=f"row {i}")
         draw_args = (None, None) if p.greedy else ((None, u[i]) if i % 2 == 0 else (keys[i], None))
         assert drawn[i] == draw(expected, p, *draw_args).item(), f"row {i}"
+
+
+def test_row_thresholds_round_as_the_single_request_chain():
+    """A batched row must drop exactly what ``top_p_filter`` drops alone: it compares the cumulative
+    probabilities with 1 - top_p taken in double precision, then rounded (float32(1 - 0.95) = 0.0500000007,
+    while 1 - float32(0.95) = 0.0500000119: a cumulative mass between the two was kept alone, dropped batched)."""
+    from mlx_chatterbox.sampling import SamplingParams, TurboParams, row_knobs, turbo_row_knobs
+
+    tail = mx.array(1 - 0.95, dtype=mx.float32)
+    assert not mx.array_equal(tail, 1 - mx.array(0.95, dtype=mx.float32))
+    assert mx.array_equal(row_knobs([SamplingParams(top_p=0.95)])["top_p_tail"][0, 0], tail)
+    assert mx.array_equal(turbo_row_knobs([TurboParams(top_p=0.95)])["top_p_tail"][0, 0], tail)
