@@ -118,6 +118,22 @@ class ContinuousBatch:
             self._leave(keep)
         return out
 
+    def _rows(self, keep: list[int]) -> list[int]:
+        """The cache rows of the requests at ``keep`` (one row each unless a subclass says otherwise)."""
+        return keep
+
+    def _leave(self, keep: list[int]) -> None:
+        """Keep only the requests at ``keep`` (and their rows of the cache)."""
+        rows = self._rows(keep)
+        self._active = [self._active[i] for i in keep]
+        if not keep:
+            self._tokens = self._seen = self._drawn = self._cache = None
+            return
+        index = mx.array(keep, dtype=mx.int32)
+        self._tokens, self._seen = self._tokens[index], self._seen[index]
+        self._cache.keep(rows)
+        self._lay_out()
+
 
 class SpeechTokenBatch(ContinuousBatch):
     """Continuous batching over T3. ``add`` requests at any time; each ``step`` advances every request by one
@@ -166,18 +182,10 @@ class SpeechTokenBatch(ContinuousBatch):
         else:
             self._cache.extend(rows)
 
-    def _leave(self, keep: list[int]) -> None:
-        """Keep only the requests at ``keep`` (and their T3 rows)."""
+    def _rows(self, keep: list[int]) -> list[int]:
+        """The T3 rows of the requests at ``keep``: their CFG pairs (or single rows without CFG)."""
         first = list(itertools.accumulate((a.rows for a in self._active), initial=0))
-        rows = [r for i in keep for r in range(first[i], first[i] + self._active[i].rows)]
-        self._active = [self._active[i] for i in keep]
-        if not keep:
-            self._tokens = self._seen = self._drawn = self._cache = None
-            return
-        index = mx.array(keep, dtype=mx.int32)
-        self._tokens, self._seen = self._tokens[index], self._seen[index]
-        self._cache.keep(rows)
-        self._lay_out()
+        return [r for i in keep for r in range(first[i], first[i] + self._active[i].rows)]
 
     def _lay_out(self) -> None:
         """What changes only when requests join or leave, kept on the device so that a step costs the host a

@@ -123,17 +123,6 @@ class TurboTokenBatch(ContinuousBatch):
         else:
             self._cache.extend(rows)
 
-    def _leave(self, keep: list[int]) -> None:
-        """Keep only the requests at ``keep`` (one row each)."""
-        self._active = [self._active[i] for i in keep]
-        if not keep:
-            self._tokens = self._seen = self._drawn = self._cache = None
-            return
-        index = mx.array(keep, dtype=mx.int32)
-        self._tokens, self._seen = self._tokens[index], self._seen[index]
-        self._cache.keep(keep)
-        self._lay_out()
-
     def _lay_out(self) -> None:
         """What changes only when requests join or leave, kept on the device so that a step costs the host a
         few calls whatever the number of requests: knobs, draw kind and draws (padded to a table), each
