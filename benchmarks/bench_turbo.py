@@ -377,33 +377,40 @@ def bench_s3gen_upstream(
     cuda = dev.type == "cuda"
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     flow, hift = upstream_networks(torch, dev, src)
-    # The whole S3Gen for its own inference(); it imports torchaudio, librosa and s3tokenizer. Its tokenizer and
-    # speaker encoder are not run (the voice is a ref_dict); its flow and vocoder become the randomised ones.
-    from chatterbox.models.s3gen.s3gen import S3Token2Wav
-
-    # Its per-step progress bar silenced, as bench_t3 silences T3's.
+    # S3Token2Wav(meanflow=True).inference's steps, written out: s3gen.py itself imports librosa, torchaudio and
+    # s3tokenizer, absent on the device machine, and its tokenizer and speaker encoder are not run here.
     importlib.import_module("chatterbox.models.s3gen.flow_matching").tqdm = lambda iterable, **_: iterable
-    upstream = S3Token2Wav(meanflow=True)
-    upstream.flow, upstream.mel2wav = flow, hift
-    upstream = upstream.to(dev).eval()
+    n_trim = bench_s3gen.SAMPLE_RATE // 50
+    trim_fade = torch.zeros(2 * n_trim, device=dev)
+    trim_fade[n_trim:] = (torch.cos(torch.linspace(torch.pi, 0, n_trim, device=dev)) + 1) / 2
     inputs = {
         k: torch.from_numpy(np.asarray(v)).to(dev)
         for k, v in bench_s3gen.fixed_inputs(prompt_tokens, tokens).items()
     }
 
+    @torch.inference_mode()
     def once() -> float:
-        ref = dict(
-            prompt_token=inputs["prompt_token"],
-            prompt_token_len=torch.tensor([prompt_tokens], device=dev),
-            prompt_feat=inputs["prompt_feat"],
-            prompt_feat_len=None,
-            embedding=inputs["embedding"],
-        )
         torch.manual_seed(0)
         sync()
         t0 = time.perf_counter()
+        token = inputs["token"]
+        noise = torch.randn(1, 80, token.size(-1) * 2, device=dev)  # flow_inference's draw for meanflow
         with contextlib.redirect_stdout(sys.stderr):  # its "S3 Token -> Mel Inference..." print
-            wav, _ = upstream.inference(speech_tokens=inputs["token"], ref_dict=ref, n_cfm_timesteps=steps)
+            mels, _ = flow.inference(
+                token=token,
+                token_len=torch.tensor([token.size(-1)], device=dev),
+                prompt_token=inputs["prompt_token"],
+                prompt_token_len=torch.tensor([prompt_tokens], device=dev),
+                prompt_feat=inputs["prompt_feat"],
+                prompt_feat_len=None,
+                embedding=inputs["embedding"],
+                finalize=True,
+                noised_mels=noise,
+                n_timesteps=steps,
+                meanflow=True,
+            )
+        wav, _ = hift.inference(speech_feat=mels, cache_source=torch.zeros(1, 1, 0, device=dev))
+        wav[:, : len(trim_fade)] *= trim_fade
         sync()
         elapsed = time.perf_counter() - t0
         assert wav.shape[1] == tokens * 2 * 480, wav.shape
@@ -417,7 +424,7 @@ def bench_s3gen_upstream(
         torch_device=str(dev),
         peak_mem_bytes=torch.cuda.max_memory_allocated(dev) if cuda else None,
         peak_mem_kind="torch.cuda.max_memory_allocated (weights included)" if cuda else "not measured on CPU",
-        timing="S3Gen(meanflow=True).inference(tokens, ref_dict, n_cfm_timesteps), synchronised around it",
+        timing="S3Token2Wav(meanflow=True).inference's steps: noise draw, flow.inference, HiFT, fade-in; synchronised around them",
         tf32=bool(torch.backends.cuda.matmul.allow_tf32) if cuda else None,
         torch_threads=torch.get_num_threads(),
     )
