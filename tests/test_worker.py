@@ -170,6 +170,23 @@ def test_no_mlx_work_on_other_threads_while_a_worker_runs(tts, monkeypatch):
     assert np.array_equal(wav, alone(tts, base)[0])
 
 
+def test_start_finishes_the_callers_queued_work_first(tts, monkeypatch):
+    """A worker started while MLX work is still queued on the caller's stream aborted on the H200 (its stream
+    waited on the caller's during a CUDA-graph capture): ``start`` synchronises the caller's thread before the
+    worker thread exists."""
+    seen = []
+    real = mx.synchronize
+    monkeypatch.setattr(
+        mx,
+        "synchronize",
+        lambda *a: seen.append((threading.current_thread(), threading.active_count())) or real(*a),
+    )
+    before = threading.active_count()
+    with Worker(tts):
+        pass
+    assert seen[0] == (threading.current_thread(), before)
+
+
 @pytest.mark.parametrize("cfm_dtype", ["float32", "bfloat16"])
 def test_a_model_loaded_on_one_thread_serves_on_another(folder, cfm_dtype):
     """MLX evaluates a lazy array only on the thread that made it, and the worker has a thread of its own:

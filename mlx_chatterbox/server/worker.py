@@ -170,9 +170,16 @@ class Worker:
         breaks, and MLX-CUDA frees can make CUDA calls, which break a CUDA-graph capture running on the worker
         thread meanwhile and abort the process ("cudaStreamEndCapture failed"; H200 runs of 1 to 8 requests,
         whose readers' threads collected). For the same reason, do MLX work only through ``run`` while a
-        worker runs."""
+        worker runs.
+
+        The caller's queued MLX work is finished first: the worker reads arrays made on the caller's stream
+        (weights, voices, caches), and a read of one whose work is still queued there makes the worker's stream
+        wait on the caller's. On the H200 a worker started right after ``tts.stream`` on the caller's thread
+        aborted the same way (1 run of 1, 2026-12-02), and none of 3 runs did once the caller synchronised;
+        workers started with no MLX work queued on the caller's thread ran 3 runs of 3 either way."""
         if self._thread is not None:
             raise RuntimeError("the worker has already been started")
+        mx.synchronize()
         _pause_automatic_gc()
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
         self._thread.start()
