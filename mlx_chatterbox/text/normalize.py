@@ -2,7 +2,8 @@
 
 `punc_norm` reproduces upstream ``chatterbox.tts.punc_norm`` and `turbo_punc_norm` upstream
 ``chatterbox.tts_turbo.punc_norm``, character for character, quirks included: each model was trained on text
-that went through its own, so "fixing" them would change what the model hears.
+that went through its own, so "fixing" them would change what the model hears. The multilingual one
+(``chatterbox.mtl_tts.punc_norm``) is `punc_norm` with `MTL_SENTENCE_ENDERS`.
 """
 
 from __future__ import annotations
@@ -43,20 +44,30 @@ TURBO_PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = (
 
 # A text that ends in none of these gets a full stop (English and Turbo alike).
 SENTENCE_ENDERS: tuple[str, ...] = (".", "!", "?", "-", ",")
+# Multilingual (mtl_tts.py): English's plus the CJK enumeration comma, full-width comma, full stop, ? and !.
+MTL_SENTENCE_ENDERS: tuple[str, ...] = (
+    *SENTENCE_ENDERS,
+    "\u3001",  # ideographic comma
+    "\uff0c",  # full-width comma
+    "\u3002",  # ideographic full stop
+    "\uff1f",  # full-width question mark
+    "\uff01",  # full-width exclamation mark
+)
 
 
-def punc_norm(text: str) -> str:
-    """Clean up punctuation the way upstream Chatterbox does before tokenising."""
-    return _clean(text, PUNCTUATION_REPLACEMENTS)
+def punc_norm(text: str, enders: tuple[str, ...] = SENTENCE_ENDERS) -> str:
+    """Clean up punctuation the way upstream Chatterbox does before tokenising. ``enders``: the endings that
+    need no added full stop (`MTL_SENTENCE_ENDERS` gives the multilingual model's function)."""
+    return _clean(text, PUNCTUATION_REPLACEMENTS, enders)
 
 
 def turbo_punc_norm(text: str) -> str:
     """Clean up punctuation the way upstream Chatterbox-Turbo (and -Nano) does before tokenising: the same
     steps as `punc_norm` with Turbo's shorter replacement table. The bracket tags ("[laugh]") pass through."""
-    return _clean(text, TURBO_PUNCTUATION_REPLACEMENTS)
+    return _clean(text, TURBO_PUNCTUATION_REPLACEMENTS, SENTENCE_ENDERS)
 
 
-def _clean(text: str, replacements: tuple[tuple[str, str], ...]) -> str:
+def _clean(text: str, replacements: tuple[tuple[str, str], ...], enders: tuple[str, ...]) -> str:
     if len(text) == 0:
         return EMPTY_TEXT
 
@@ -73,6 +84,6 @@ def _clean(text: str, replacements: tuple[tuple[str, str], ...]) -> str:
         text = text.replace(old, new)
 
     text = text.rstrip(" ")
-    if not text.endswith(SENTENCE_ENDERS):
+    if not text.endswith(enders):
         text += "."
     return text
