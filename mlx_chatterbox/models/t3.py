@@ -7,7 +7,9 @@ follow the checkpoint keys so that ``sanitize`` is a visible table of renames an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -86,6 +88,55 @@ def llama3_inv_freq(cfg: T3Config) -> mx.array:
     return mx.where(medium, smoothed, scaled)
 
 
+class AttentionTaps:
+    """Post-softmax attention probabilities of batch row 0 for some (layer, head) pairs, filled in by a pass
+    (``T3.prefill`` or ``T3.decode`` given ``taps``) for the multilingual v2 alignment analyzer
+    (generation/alignment.py). The fused attention kernel does not expose its probabilities, so only these
+    heads' q·k softmax is computed again beside it, as transformers' eager attention does (fp32 softmax).
+
+    pairs: (layer, head) pairs. first_row: a prefill keeps the query rows from this one on; a decode step has
+    its one row (first_row 0). After the pass, ``maps`` holds one (rows, keys) array per pair in the order
+    of ``pairs``; a decode step's keys are the whole cache buffer (capacity), probability 0 past the token.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[int, int]], first_row: int = 0):
+        self.pairs, self.first_row = tuple(pairs), first_row
+        self._found: dict[tuple[int, int], mx.array] = {}
+
+    @property
+    def maps(self) -> list[mx.array]:
+        return [self._found[pair] for pair in self.pairs]
+
+    def at(self, layer: int) -> Callable | None:
+        """What layer ``layer``'s attention calls with its (B, H, Nq, hd) queries, (B, H, Nk, hd) keys, its
+        mask and scale; None where no pair is in that layer, which leaves the layer's pass as it is."""
+        heads = [h for l, h in self.pairs if l == layer]
+        return partial(self._record, layer, heads) if heads else None
+
+    def _record(
+        self,
+        layer: int,
+        heads: list[int],
+        q: mx.array,
+        k: mx.array,
+        mask: str | mx.array | None,
+        scale: float,
+    ) -> None:
+        index = mx.array(heads)
+        scores = (q[0, index, self.first_row :] @ k[0, index].swapaxes(1, 2)) * scale  # (h, R, Nk)
+        scores = scores.astype(mx.float32)
+        if isinstance(mask, str):  # "causal" over a prefill from position 0
+            n = k.shape[2]
+            mask = mx.arange(n)[None] <= mx.arange(self.first_row, n)[:, None]
+        elif mask is not None and mask.ndim == 4:  # one mask per batch row, (B, 1, Nq, Nk)
+            mask = mask[0, :, self.first_row :]
+        if mask is not None:
+            scores = mx.where(mask, scores, -mx.inf)
+        probs = mx.softmax(scores, axis=-1)
+        for head, p in zip(heads, probs):
+            self._found[(layer, head)] = p
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: T3Config, rope_periods: mx.array):
         super().__init__()
@@ -119,13 +170,17 @@ class Attention(nn.Module):
         kv: list[mx.array] | None = None,
         offset: int | mx.array = 0,
         mask: str | mx.array | None = "causal",
+        tap: Callable | None = None,
     ) -> mx.array:
         """Teacher-forced pass or prefill from position 0, causal over the whole input, conditioning included
         (architecture §9.1). The rotated keys and the values are appended to ``kv`` when it is given.
-        offset, mask: left-padded rows (``Llama.__call__``): (B,) offsets -pad and a (B, 1, N, N) mask."""
+        offset, mask: left-padded rows (``Llama.__call__``): (B,) offsets -pad and a (B, 1, N, N) mask.
+        tap: ``AttentionTaps.at``'s recorder for this layer."""
         q, k, v = self._qkv(x, offset)
         if kv is not None:
             kv += [k, v]
+        if tap is not None:
+            tap(q, k, mask, self.head_dim**-0.5)
         out = mx.fast.scaled_dot_product_attention(
             q, k, v, scale=self.head_dim**-0.5, mask=mask if x.shape[1] > 1 else None
         )
@@ -138,12 +193,14 @@ class Attention(nn.Module):
         keys: mx.array,
         values: mx.array,
         pad: mx.array | None = None,
+        tap: Callable | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """One token (B, 1, D) at buffer index ``position`` (an int32 scalar array) against fixed-size key and
         value buffers (B, H, capacity, hd); returns the output and the buffers with this token written in.
         pad: (B,) int32, for rows of a batch left-padded to a common length: row b's sequence starts at buffer
         index pad[b], so its token sits at sequence position ``position - pad[b]`` and sees nothing before.
-        Nothing here depends on the values of position or pad, so a compiled step is traced once per shape."""
+        Nothing here depends on the values of position or pad, so a compiled step is traced once per shape.
+        tap: ``AttentionTaps.at``'s recorder for this layer."""
         b, h, hd = x.shape[0], self.num_heads, self.head_dim
         # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes (fewer
         # primitives per step, which is what a decode step's time goes to; ADR 9).
@@ -155,6 +212,8 @@ class Attention(nn.Module):
         visible = index <= position  # the buffer's tail beyond this token is unwritten
         if pad is not None:
             visible = (visible & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
+        if tap is not None:
+            tap(qk[:, 0], keys, visible, hd**-0.5)
         out = mx.fast.scaled_dot_product_attention(qk[:, 0], keys, values, scale=hd**-0.5, mask=visible)
         return self.o_proj(out.reshape(b, 1, h * hd)), keys, values
 
@@ -206,8 +265,9 @@ class DecoderLayer(nn.Module):
         kv: list[mx.array] | None = None,
         offset: int | mx.array = 0,
         mask: str | mx.array | None = "causal",
+        tap: Callable | None = None,
     ) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), kv, offset, mask)
+        x = x + self.self_attn(self.input_layernorm(x), kv, offset, mask, tap)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(
@@ -217,8 +277,9 @@ class DecoderLayer(nn.Module):
         keys: mx.array,
         values: mx.array,
         pad: mx.array | None = None,
+        tap: Callable | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values, pad)
+        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values, pad, tap)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
@@ -251,26 +312,37 @@ class Llama(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(
-        self, x: mx.array, kv: list[mx.array] | None = None, pad: mx.array | None = None
+        self,
+        x: mx.array,
+        kv: list[mx.array] | None = None,
+        pad: mx.array | None = None,
+        taps: AttentionTaps | None = None,
     ) -> mx.array:
         """(B, N, D) from position 0 -> (B, N, D); every layer's keys and values are appended to ``kv`` when
         it is given.
         pad: (B,) int32 for rows left-padded to a common length N (generation/batch.py): row b's sequence
-        starts at index pad[b], so index i is its position i - pad[b] (``layers.left_pad_mask``)."""
+        starts at index pad[b], so index i is its position i - pad[b] (``layers.left_pad_mask``).
+        taps: attention maps to fill in on the way (``AttentionTaps``)."""
         offset, mask = 0, "causal"
         if pad is not None:
             offset, mask = -pad, left_pad_mask(x.shape[1], pad)
-        for layer in self.layers:
-            x = layer(x, kv, offset, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv, offset, mask, None if taps is None else taps.at(i))
         return self.norm(x)
 
     def decode(
-        self, x: mx.array, position: mx.array, kv: list[mx.array], pad: mx.array | None = None
+        self,
+        x: mx.array,
+        position: mx.array,
+        kv: list[mx.array],
+        pad: mx.array | None = None,
+        taps: AttentionTaps | None = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """One token through every layer; ``kv`` holds each layer's key and value buffers, in layer order."""
         out = []
         for i, layer in enumerate(self.layers):
-            x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1], pad)
+            tap = None if taps is None else taps.at(i)
+            x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1], pad, tap)
             out += [keys, values]
         return self.norm(x), out
 
@@ -396,12 +468,17 @@ class T3(nn.Module):
     # --- network ---
 
     def prefill(
-        self, embeds: mx.array, cache_step: int = 256, pad: mx.array | None = None
+        self,
+        embeds: mx.array,
+        cache_step: int = 256,
+        pad: mx.array | None = None,
+        taps: AttentionTaps | None = None,
     ) -> tuple[mx.array, KVCache]:
         """Run (B, N, D) input embeddings from position 0; the speech logits of the last position (B, V) and
-        the cache for ``decode``. pad: (B,) for left-padded rows (``Llama.__call__``)."""
+        the cache for ``decode``. pad: (B,) for left-padded rows (``Llama.__call__``). taps: attention maps
+        to fill in as well (``AttentionTaps``)."""
         kv: list[mx.array] = []
-        h = self.tfmr(embeds, kv, pad)
+        h = self.tfmr(embeds, kv, pad, taps)
         return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
 
     def decode(
@@ -411,14 +488,18 @@ class T3(nn.Module):
         position: mx.array,
         kv: list[mx.array],
         pad: mx.array | None = None,
+        taps: AttentionTaps | None = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """One speech token (B,) at ``speech_position`` of the speech position table (an int32 scalar, or (B,)
         for rows at different points of their speech) and at buffer index ``position`` (an int32 scalar) -> its
         logits (B, V) and the key/value buffers with it written in. ``pad``: rows left-padded to a common length
-        (``Attention.decode``; generation/batch.py). Pure in its arrays, so that it can be compiled
-        (generation/speech_tokens.py)."""
+        (``Attention.decode``; generation/batch.py). ``taps``: attention maps to fill in as well
+        (``AttentionTaps``, first_row 0). Pure in its arrays, so that it can be compiled
+        (generation/speech_tokens.py, generation/aligned.py)."""
+        if taps is not None and taps.first_row:
+            raise ValueError(f"a decode step has one query row; got taps with first_row={taps.first_row}")
         x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
-        h, kv = self.tfmr.decode(x, position, kv, pad)
+        h, kv = self.tfmr.decode(x, position, kv, pad, taps)
         return self.speech_head(h[:, 0]), kv
 
     def decode_window(
