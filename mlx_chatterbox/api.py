@@ -17,18 +17,33 @@ import numpy as np
 from .audio.io import load_audio
 from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
+from .generation.multilingual import MultilingualParams
 from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
 from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
 from .generation.voice import S3GEN_SR, Voice, VoiceCloner
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams, seed_keys
+from .text import LANGUAGES, check_language
 from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
 
 if TYPE_CHECKING:
     from .hybrid import TorchS3Gen
 
+# The public surface; the multilingual names are re-exported for the CLI and for users (``language=``).
+__all__ = [
+    "TTS",
+    "Progress",
+    "Voice",
+    "SamplingParams",
+    "MultilingualParams",
+    "LANGUAGES",
+    "check_language",
+    "CFM_DTYPES",
+    "TOKENS_PER_SECOND",
+    "VOICE_SUFFIX",
+]
 VOICE_SUFFIX = ".safetensors"
 CFM_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}  # float16 overflowed (ADR 6)
 CROSSFADE = 960  # samples (40 ms) shared by consecutive pieces of a long text
@@ -75,6 +90,7 @@ class TTS:
         *,
         revision: str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        variant: str | None = None,
         config: ModelConfig | None = None,
         dtype: str | None = None,
         quantize: int | None = None,
@@ -84,8 +100,10 @@ class TTS:
     ) -> "TTS":
         """Load a model: a folder written by ``convert``, or an upstream checkpoint (a local folder, or a Hugging
         Face repo id, ``ResembleAI/chatterbox`` by default) that is converted on first use and cached
-        (``convert.prepare``: ``revision`` pins a Hub branch, tag or commit; ``cache_dir``, ``config`` and T3's
-        precision, ``dtype``/``quantize``/``q_group_size``, as there; a converted folder keeps its own).
+        (``convert.prepare``: ``revision`` pins a Hub branch, tag or commit; ``variant`` picks the model of a
+        source holding several, e.g. ``"multilingual-v3"`` of ``ResembleAI/chatterbox``; ``cache_dir``,
+        ``config`` and T3's precision, ``dtype``/``quantize``/``q_group_size``, as there; a converted folder
+        keeps its own).
 
         s3gen: "mlx" (ours), or "torch" for hybrid mode: upstream's PyTorch S3Gen vocodes our MLX speech tokens
         (``pip install mlx-chatterbox[hybrid]``; see ``hybrid.py``).
@@ -104,6 +122,7 @@ class TTS:
                 source,
                 revision=revision,
                 cache_dir=cache_dir,
+                variant=variant,
                 config=config,
                 dtype=dtype,
                 quantize=quantize,
@@ -152,11 +171,12 @@ class TTS:
             self._cloner = self.speech.cloner(load("voice_encoder"), load("s3tokenizer"), load("campplus"))
         return self._cloner(wav)
 
-    def text_ids(self, text: str) -> list[int]:
-        """Normalise (upstream ``punc_norm`` of the variant) and tokenize ``text``, without SOT/EOT."""
+    def text_ids(self, text: str, language: str | None = None) -> list[int]:
+        """Normalise (upstream ``punc_norm`` of the variant) and tokenize ``text``, without SOT/EOT.
+        language: for the multilingual models (required there), one of ``mlx_chatterbox.text.LANGUAGES``."""
         if not text.strip():
             raise ValueError("the text is empty; give some words to speak")
-        return self.speech.text_ids(text)
+        return self.speech.text_ids(text, language)
 
     def speech_tokens(
         self,
@@ -164,6 +184,7 @@ class TTS:
         voice: Voice | str | os.PathLike | None = None,
         params: SamplingParams | None = None,
         *,
+        language: str | None = None,
         seed: int | None = None,
         progress: Callable[[Progress], None] | None = None,
         **knobs: float,
@@ -175,12 +196,14 @@ class TTS:
         voice: a Voice, a saved voice file (.safetensors), a recording to clone (any other file), or None for
             the model's built-in voice.
         params: sampling knobs; keyword knobs (``temperature=0.5``, ...) override single fields.
+        language: the text's language, for the multilingual models (required there; see ``text_ids``).
         seed: makes the draws reproducible; None draws a fresh seed.
         progress: called with a ``Progress`` after every token.
         """
         params = self._params(params, knobs)
         self.speech.check(params)
-        tokens, stopped = self._speech_tokens(text, self._voice(voice), params, seed, progress, 1, 1)
+        ids = self.text_ids(text, language)
+        tokens, stopped = self._speech_tokens(ids, self._voice(voice), params, seed, progress, 1, 1)
         if not stopped:
             logger.warning(
                 "T3 stopped at max_new_tokens=%d (%.1f s) without its stop token: the speech may be cut off",
@@ -191,7 +214,7 @@ class TTS:
 
     def _speech_tokens(
         self,
-        text: str,
+        ids: list[int],
         voice: Voice,
         params: SamplingParams,
         seed: int | None,
@@ -199,8 +222,8 @@ class TTS:
         piece: int,
         pieces: int,
     ) -> tuple[np.ndarray, bool]:
-        """``speech_tokens`` for piece ``piece`` of ``pieces``, and whether T3 gave its stop token."""
-        ids = self.text_ids(text)
+        """``speech_tokens`` for piece ``piece`` of ``pieces`` (its text ids), and whether T3 gave its stop
+        token."""
         key = None if seed is None else seed_keys(seed)[0]
         raw = []
         for token in self.speech.tokens(voice, ids, params, key=key):
@@ -260,6 +283,7 @@ class TTS:
         voice: Voice | str | os.PathLike | None = None,
         params: SamplingParams | None = None,
         *,
+        language: str | None = None,
         cfm_steps: int | None = None,
         seed: int | None = None,
         watermark: bool = True,
@@ -277,12 +301,14 @@ class TTS:
         text, ``generate(text, seed=s)`` equals ``vocode(speech_tokens(text, seed=s, max_new_tokens=b), seed=s)``
         with b its budget.
 
+        language: the text's language, for the multilingual models (required there; see ``text_ids``). Multilingual
+            v3 cuts each piece's last token's 960 samples after vocoding, as upstream HEAD.
         progress: called with a ``Progress`` after every speech token and around every piece's vocoding.
         Every argument is checked before any work."""
         params = self._params(params, knobs)
         self.speech.check(params)  # a cap above the model's limit is an error, even where budgets are lower
         check_cfm_steps(cfm_steps)
-        pieces = split_pieces(text, self._fits)  # tokenizes: an empty text is refused here
+        pieces = split_pieces(text, lambda t: self._fits(t, language))  # an empty text is refused here
         voice = self._voice(voice)
         if len(pieces) > 1:
             logger.info("speaking the text in %d pieces", len(pieces))
@@ -292,7 +318,7 @@ class TTS:
             budget = min(params.max_new_tokens, token_budget(piece))
             piece_params = dataclasses.replace(params, max_new_tokens=budget)
             tokens, stopped = self._speech_tokens(
-                piece, voice, piece_params, piece_seed, progress, i, len(pieces)
+                self.text_ids(piece, language), voice, piece_params, piece_seed, progress, i, len(pieces)
             )
             if not stopped:
                 fix = "raise max_new_tokens" if budget == params.max_new_tokens else "try another seed"
@@ -309,7 +335,8 @@ class TTS:
                 raise ValueError("T3 stopped before producing any speech token; try another seed or text")
             if progress is not None:
                 progress(Progress(i, len(pieces), "vocode", 0, 1))
-            wavs.append(self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False))
+            wav = self.vocode(tokens, voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False)
+            wavs.append(wav[: len(wav) - self.speech.cut_samples(tokens.size)])
             if progress is not None:
                 progress(Progress(i, len(pieces), "vocode", 1, 1))
         wav = crossfade_join(wavs, CROSSFADE)
@@ -321,6 +348,7 @@ class TTS:
         voice: Voice | str | os.PathLike | None = None,
         params: SamplingParams | None = None,
         *,
+        language: str | None = None,
         cfm_steps: int | None = None,
         seed: int | None = None,
         watermark: bool = True,
@@ -345,7 +373,7 @@ class TTS:
         check_chunks(first_chunk, chunk, self.s3gen.flow.config.pre_lookahead_len)
         if self.torch_s3gen is not None:
             raise ValueError("streaming runs our MLX S3Gen; load the model with s3gen='mlx' to stream")
-        texts = split_pieces(text, self._fits)  # tokenizes: an empty text is refused here
+        texts = split_pieces(text, lambda t: self._fits(t, language))  # an empty text is refused here
         voice = self._voice(voice)
         if watermark:
             self.watermarker()  # loaded now, so that a missing asset fails before any work
@@ -354,7 +382,7 @@ class TTS:
             keys = (None, None) if seed is None else seed_keys(seed + i)
             budget = min(params.max_new_tokens, token_budget(piece))
             piece_params = dataclasses.replace(params, max_new_tokens=budget)
-            pieces.append(Piece(self.text_ids(piece), piece_params, *keys))
+            pieces.append(Piece(self.text_ids(piece, language), piece_params, *keys))
         settings = {"cfm_steps": cfm_steps, "first_chunk": first_chunk, "chunk": chunk}
         streams = [
             stream_piece(self.speech, self.s3gen, voice, p, **settings) for p in pieces
@@ -382,9 +410,9 @@ class TTS:
             )
         return dataclasses.replace(params or kind(), **knobs)
 
-    def _fits(self, text: str) -> bool:
+    def _fits(self, text: str, language: str | None = None) -> bool:
         """Whether T3 takes ``text`` in one pass."""
-        return self.speech.fits(self.text_ids(text))
+        return self.speech.fits(self.text_ids(text, language))
 
     def _voice(self, voice: Voice | str | os.PathLike | None) -> Voice:
         """A Voice as given, a saved voice (.safetensors), a recording to clone, or the built-in voice."""

@@ -19,11 +19,21 @@ import numpy as np
 import soundfile as sf
 
 from . import __version__, _backend
-from .api import CFM_DTYPES, TOKENS_PER_SECOND, TTS, VOICE_SUFFIX, Progress, Voice
+from .api import (
+    CFM_DTYPES,
+    LANGUAGES,
+    TOKENS_PER_SECOND,
+    TTS,
+    VOICE_SUFFIX,
+    MultilingualParams,
+    Progress,
+    Voice,
+    check_language,
+)
 from .convert import DEFAULT_REPO, DTYPES, convert, source_variant
 from .quantize import BITS, GROUP_SIZES
 from .sampling import SamplingParams, TurboParams
-from .variants import CHECKPOINTS
+from .variants import CHECKPOINTS, MULTILINGUAL
 
 PROG = "mlx-chatterbox"
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG"}
@@ -39,8 +49,18 @@ KNOBS = {  # SamplingParams / TurboParams field -> help
     "max_new_tokens": "most speech tokens per T3 pass (per piece of a long text), 25 per second of audio",
 }
 # Each knob's upstream default by model; a knob a model has no use for is refused when given for it.
-KNOB_DEFAULTS = {"English": SamplingParams(), "Turbo/Nano": TurboParams()}
-VARIANT_KNOBS = {"english": "English", "turbo": "Turbo/Nano", "nano": "Turbo/Nano"}
+KNOB_DEFAULTS = {
+    "English, Multilingual v3": SamplingParams(),
+    "Multilingual v2": MultilingualParams(),
+    "Turbo/Nano": TurboParams(),
+}
+VARIANT_KNOBS = {
+    "english": "English, Multilingual v3",
+    "multilingual-v3": "English, Multilingual v3",
+    "multilingual": "Multilingual v2",
+    "turbo": "Turbo/Nano",
+    "nano": "Turbo/Nano",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -151,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: the model's, 10; Turbo/Nano 2)",
     )
     _cfm_dtype_argument(p)
+    _language_argument(p)
     _knob_arguments(p)
 
     p = sub.add_parser(
@@ -193,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("text", help="text to speak; '-' reads standard input")
     _model_arguments(p)
+    _language_argument(p)
     p.add_argument("-o", "--output", type=Path, help="write the tokens to this file instead of stdout")
     _knob_arguments(p)
 
@@ -255,12 +277,41 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         f"cached); default: {DEFAULT_REPO}",
     )
     p.add_argument(
+        "--variant",
+        choices=tuple(CHECKPOINTS),
+        help="which model of a source that holds several (ResembleAI/chatterbox: english, multilingual, "
+        "multilingual-v3); default: the one the files hold, english for ResembleAI/chatterbox",
+    )
+    p.add_argument(
         "--voice",
         type=Path,
         help="a voice file (.safetensors, from 'mlx-chatterbox voice') or a recording to clone; "
         "default: the built-in voice",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
+
+
+def _language_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--language",
+        help="the text's language, for the multilingual models (required there): one of "
+        + ", ".join(LANGUAGES),
+    )
+
+
+def _language(args: argparse.Namespace) -> str | None:
+    """--language, checked before the model loads: a known code, and given exactly when the model (when
+    --variant or --model tells it) is multilingual."""
+    if args.language is not None:
+        check_language(args.language)
+    variant = args.variant or source_variant(args.model)
+    if variant is not None and (args.language is not None) != (variant in MULTILINGUAL):
+        if args.language is None:
+            raise ValueError(f"the {variant} model needs --language: one of {', '.join(LANGUAGES)}")
+        raise ValueError(
+            f"--language is for the multilingual models; the {variant} model speaks English only"
+        )
+    return args.language
 
 
 def _cfm_dtype_argument(p: argparse.ArgumentParser) -> None:
@@ -277,13 +328,17 @@ def _knob_arguments(p: argparse.ArgumentParser) -> None:
     knobs = p.add_argument_group("sampling (speech tokens)")
     for name, help_text in KNOBS.items():
         defaults = {m: getattr(p, name) for m, p in KNOB_DEFAULTS.items() if hasattr(p, name)}
-        shown = ", ".join(f"{m} {d}" for m, d in defaults.items())
-        only = "" if len(defaults) == len(KNOB_DEFAULTS) else f"; {' and '.join(defaults)} models only"
+        values = list(defaults.values())
+        common = max(values, key=values.count)
+        shown = "".join(f", {m} {d}" for m, d in defaults.items() if d != common)
+        lacking = [m for m in KNOB_DEFAULTS if m not in defaults]
+        only = f"; not a knob of {' or '.join(lacking)}" if lacking else ""
+        only = f"; {' and '.join(defaults)} only" if len(defaults) == 1 else only
         # None = not given, so that a knob given where it has no effect (say --tokens) can be refused.
         knobs.add_argument(
             f"--{name.replace('_', '-')}",
-            type=type(next(iter(defaults.values()))),
-            help=f"{help_text} (default: {shown}{only})",
+            type=type(common),
+            help=f"{help_text} (default: {common}{shown}{only})",
         )
     p.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
 
@@ -293,7 +348,7 @@ def _knobs(args: argparse.Namespace) -> dict:
     can be told from --model (``source_variant``), else each value by every model kind that has the knob (the
     model checks the rest once loaded)."""
     knobs = {n: getattr(args, n) for n in KNOBS if getattr(args, n) is not None}
-    variant = source_variant(args.model)
+    variant = args.variant or source_variant(args.model)
     if variant is not None:
         kind = VARIANT_KNOBS[variant]
         unknown = [n for n in knobs if not hasattr(KNOB_DEFAULTS[kind], n)]
@@ -513,22 +568,28 @@ def _say(args: argparse.Namespace) -> None:
         _check_output(args.output, tuple(AUDIO_FORMATS))
     _check_voice(args.voice)
     if args.tokens is not None:
-        given = [n for n in KNOBS if getattr(args, n) is not None]
+        given = [n for n in (*KNOBS, "language") if getattr(args, n) is not None]
         if given:
             raise ValueError(
                 f"--{given[0].replace('_', '-')} shapes speech tokens; it has no effect with --tokens"
             )
         tokens = _read_tokens(args.tokens)
     else:
-        text, knobs = _text(args), _knobs(args)
+        text, knobs, language = _text(args), _knobs(args), _language(args)
     start = time.perf_counter()
-    tts = TTS.load(args.model, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
+    tts = TTS.load(args.model, variant=args.variant, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
     loaded = time.perf_counter()
     voice = _load_voice(tts, args.voice)
     watermark = not args.no_watermark
     if live:
         chunks = tts.stream(
-            text, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark, **knobs
+            text,
+            voice,
+            language=language,
+            cfm_steps=args.cfm_steps,
+            seed=args.seed,
+            watermark=watermark,
+            **knobs,
         )
         if args.stream:
             seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
@@ -549,6 +610,7 @@ def _say(args: argparse.Namespace) -> None:
             wav = tts.generate(
                 text,
                 voice,
+                language=language,
                 cfm_steps=args.cfm_steps,
                 seed=args.seed,
                 watermark=watermark,
@@ -572,7 +634,7 @@ def _voice(args: argparse.Namespace) -> None:
     if not args.reference.is_file():
         raise ValueError(f"{args.reference}: no such file")
     start = time.perf_counter()
-    tts = TTS.load(args.model)
+    tts = TTS.load(args.model, variant=args.variant)
     loaded = time.perf_counter()
     voice = tts.voice(args.reference)
     done = time.perf_counter()
@@ -591,7 +653,7 @@ BENCH_TEXT = (
 
 def _bench(args: argparse.Namespace) -> None:
     _check_voice(args.voice)
-    tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
+    tts = TTS.load(args.model, variant=args.variant, cfm_dtype=args.cfm_dtype)
     voice = _load_voice(tts, args.voice)
     rows = []
     for run in range(args.repeats + 1):  # run 0 warms up
@@ -600,6 +662,7 @@ def _bench(args: argparse.Namespace) -> None:
         tokens = tts.speech_tokens(
             BENCH_TEXT,
             voice,
+            language="en" if tts.speech.variant in MULTILINGUAL else None,  # BENCH_TEXT is English
             seed=run,
             progress=lambda p: steps.append(p.done),
             max_new_tokens=args.max_new_tokens,
@@ -623,13 +686,13 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.output is not None:
         _check_output(args.output)
     _check_voice(args.voice)
-    text, knobs = _text(args), _knobs(args)
+    text, knobs, language = _text(args), _knobs(args), _language(args)
     start = time.perf_counter()
-    tts = TTS.load(args.model)
+    tts = TTS.load(args.model, variant=args.variant)
     loaded = time.perf_counter()
     voice = _load_voice(tts, args.voice)
     with _progress() as progress:
-        tokens = tts.speech_tokens(text, voice, seed=args.seed, progress=progress, **knobs)
+        tokens = tts.speech_tokens(text, voice, language=language, seed=args.seed, progress=progress, **knobs)
     done = time.perf_counter()
     line = " ".join(map(str, tokens.tolist())) + "\n"
     if args.output is None:
@@ -680,7 +743,7 @@ def _serve(args: argparse.Namespace) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if not os.access(folder, os.W_OK):
         raise ValueError(f"--voices {folder}: the folder is not writable (uploaded voices are saved there)")
-    tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
+    tts = TTS.load(args.model, variant=args.variant, cfm_dtype=args.cfm_dtype)
     if args.memory_limit is not None:
         limit = int(args.memory_limit * 2**30)
         mx.set_memory_limit(limit)

@@ -1,6 +1,7 @@
 """Upstream Chatterbox checkpoint (a folder or a Hugging Face repo) -> an MLX model folder.
 
-The variant (English, Turbo, Nano: ``variants.CHECKPOINTS``) is found from the files. Output folder:
+The variant (English, Turbo, Nano, Multilingual v2/v3: ``variants.CHECKPOINTS``) is found from the files.
+Output folder:
   config.json        format, format version, variant, dtype, T3's precision record, source, the network
                      configs (``ModelConfig``)
   t3.safetensors     T3 weights under our names (``T3.checkpoint_table``, Turbo/Nano ``T3Turbo``'s), in the
@@ -8,14 +9,16 @@ The variant (English, Turbo, Nano: ``variants.CHECKPOINTS``) is found from the f
                      and biases
   flow.safetensors, cfm.safetensors, hift.safetensors
                      S3Gen (tokens -> mel -> wav) from ``s3gen.safetensors`` (Turbo/Nano:
-                     ``s3gen_meanflow.safetensors``), float32
+                     ``s3gen_meanflow.safetensors``; Multilingual: the ``s3gen.pt`` state dict), float32
   s3tokenizer.safetensors, campplus.safetensors
                      the voice-cloning networks that also live in ``s3gen.safetensors``, float32
   voice_encoder.safetensors
-                     the voice encoder from ``ve.safetensors``, float32
+                     the voice encoder from ``ve.safetensors`` (Multilingual: ``ve.pt``), float32
   tokenizer.json     the upstream text tokenizer, checked and copied (Turbo/Nano: ``tokenizer/``, the five
-                     GPT-2 tokenizer files)
-  voice.safetensors  the built-in voice from ``conds.pt`` (read without torch and without unpickling code)
+                     GPT-2 tokenizer files; Multilingual: ``tokenizer/``, the grapheme BPE and the Cangjie map)
+  voice.safetensors  the built-in voice from ``conds.pt``
+The torch files (``conds.pt``, ``*.pt`` state dicts) are read without torch and without unpickling code
+(``torchfile``).
 
 Conversion is strict: every expected key must be present with its exact shape, and an unknown key is an
 error. The folder is written under a temporary name and renamed at the end, so a failure leaves nothing.
@@ -42,16 +45,16 @@ from .models.flow import Flow
 from .models.gpt2 import T3Turbo
 from .models.hift import HiFT
 from .models.s3tokenizer import S3Tokenizer
-from .models.t3 import T3
+from .models.t3 import T3, T3Config
 from .models.voice_encoder import VoiceEncoder
 from .quantize import quantization_record, quantize_t3
-from .text import EnTokenizer, GPT2Tokenizer
+from .text import EnTokenizer, GPT2Tokenizer, MtlTokenizer
 from .torchfile import TorchFileError, load_torch_file
-from .variants import CHECKPOINTS, PRESETS, REPOS, ModelConfig
+from .variants import CHECKPOINTS, MULTILINGUAL, PRESETS, REPOS, ModelConfig
 
 FORMAT = "mlx-chatterbox"
 FORMAT_VERSION = 5  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too;
-# 4: T3's q/k/v and gate/up projections fused; 5: the variant recorded (English, Turbo, Nano)
+# 4: T3's q/k/v and gate/up projections fused; 5: the variant recorded (English, Turbo, Nano, Multilingual)
 DEFAULT_REPO = "ResembleAI/chatterbox"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -110,12 +113,14 @@ def convert(
     src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``,
         ``ResembleAI/chatterbox-turbo``).
     dst: the folder to create; it must not exist (or be empty) unless ``overwrite``.
-    variant: "english", "turbo" or "nano"; None finds it from the files (``variants.CHECKPOINTS``).
+    variant: "english", "turbo", "nano", "multilingual" (v2) or "multilingual-v3"; None finds it from the files
+        (``variants.CHECKPOINTS``), or for a repo id takes the repo's first model (``variants.REPOS``:
+        ``ResembleAI/chatterbox`` is English).
     dtype: T3's weight precision: float32 (upstream's), bfloat16 or float16; None means float32, or bfloat16
         when quantizing (the dtype of the scales and of the layers left unquantized). S3Gen stays float32.
     quantize: 4 or 8 to quantize T3's backbone linear layers to that many bits (``quantize.quantize_t3``),
-        in groups of ``q_group_size`` (32, 64 or 128) inputs; None keeps every weight in ``dtype``. English
-        only for now.
+        in groups of ``q_group_size`` (32, 64 or 128) inputs; None keeps every weight in ``dtype``. The
+        Llama T3s only (English, Multilingual), not Turbo's or Nano's GPT-2.
     revision: a Hub branch, tag or commit (repo ids only).
     config: the network sizes (the variant's upstream sizes unless a test says otherwise); its variant must
         be the checkpoint's.
@@ -127,29 +132,33 @@ def convert(
         raise ConversionError(
             f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)"
         )
-    src_dir, source = _resolve_source(src, revision)
-    variant = detect_variant(src_dir, variant, None if config is None else config.variant)
+    src_dir, source = _resolve_source(src, revision, variant or (None if config is None else config.variant))
+    variant = detect_variant(
+        src_dir, variant or source.get("variant"), None if config is None else config.variant
+    )
     if config is None:
         config = PRESETS[variant]
     elif config.variant != variant:
         raise ConversionError(
             f"{src_dir} holds a {variant} checkpoint; the config given is for {config.variant}"
         )
-    if quantize is not None and variant != "english":
-        raise ConversionError(f"quantization is implemented for the English T3 only, not for {variant}")
-    files_in = CHECKPOINTS[variant]
     cfg = config.t3
+    network = T3 if isinstance(cfg, T3Config) else T3Turbo
+    if quantize is not None and network is not T3:
+        raise ConversionError(
+            f"quantization is implemented for the Llama T3s (English, Multilingual), not {variant}"
+        )
+    files_in = CHECKPOINTS[variant]
 
     tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         weights = _read_safetensors(src_dir / files_in.t3)
-        network = T3 if variant == "english" else T3Turbo
         t3 = sanitize(weights, network.checkpoint_table(cfg), files_in.t3)
         t3 = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in t3.items()}
         if quantize is not None:
-            model = T3(cfg)
+            model = network(cfg)
             model.load_weights(list(t3.items()), strict=True)
             try:
                 quantize_t3(model, quantize, q_group_size)
@@ -160,13 +169,13 @@ def convert(
         mx.save_safetensors(str(tmp / "t3.safetensors"), t3, metadata={"format": FORMAT})
         del weights, t3
         files = {"t3": "t3.safetensors"}
-        s3gen = _read_safetensors(src_dir / files_in.s3gen)
+        s3gen = _read_weights(src_dir / files_in.s3gen)
         for name, network in convert_s3gen(s3gen, config, files_in.s3gen).items():
             files[name] = f"{name}.safetensors"
             mx.save_safetensors(str(tmp / files[name]), network, metadata={"format": FORMAT})
         ve_file = files_in.voice_encoder
         ve = sanitize(
-            _read_safetensors(src_dir / ve_file), VoiceEncoder.checkpoint_table(config.voice_encoder), ve_file
+            _read_weights(src_dir / ve_file), VoiceEncoder.checkpoint_table(config.voice_encoder), ve_file
         )
         files["voice_encoder"] = "voice_encoder.safetensors"
         mx.save_safetensors(
@@ -245,7 +254,11 @@ def _copy_tokenizer(src_dir: Path, tmp: Path, variant: str, cfg) -> str:
     (tmp / "tokenizer").mkdir()
     for name in names:
         shutil.copyfile(src_dir / name, tmp / "tokenizer" / name)
-    GPT2Tokenizer.from_folder(tmp / "tokenizer").check_compatible(cfg.text_vocab_size)
+    if variant in MULTILINGUAL:
+        tokenizer = MtlTokenizer.from_folder(tmp / "tokenizer")
+        tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
+    else:
+        GPT2Tokenizer.from_folder(tmp / "tokenizer").check_compatible(cfg.text_vocab_size)
     return "tokenizer"
 
 
@@ -333,6 +346,7 @@ def prepare(
     *,
     revision: str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    variant: str | None = None,
     config: ModelConfig | None = None,
     dtype: str | None = None,
     quantize: int | None = None,
@@ -343,8 +357,9 @@ def prepare(
 
     The cache is ``cache_dir``, else $MLX_CHATTERBOX_CACHE, else ~/.cache/mlx-chatterbox; one folder per repo
     revision, or per local folder and the sizes and times of its files, and per T3 precision. ``config``: the
-    network sizes to convert with (the checkpoint variant's by default); ``dtype``, ``quantize``,
-    ``q_group_size``: T3's precision, as for ``convert``.
+    network sizes to convert with (the checkpoint variant's by default); ``variant``, ``dtype``, ``quantize``,
+    ``q_group_size``: the model and T3's precision, as for ``convert`` (a variant other than the repo's first
+    gets a cache folder of its own).
     """
     path = Path(source).expanduser()
     if (path / "config.json").is_file():
@@ -354,14 +369,26 @@ def prepare(
                 f"{path} is already converted: revision, cache_dir, config, dtype and quantization apply to "
                 "upstream checkpoints only (convert again for another precision)"
             )
+        found = source_variant(path)
+        if variant is not None and variant != found:
+            raise ConversionError(f"{path} holds the {found} model, not {variant}")
         return path
     precision = t3_precision(dtype, quantize, q_group_size)
-    src_dir, described = _resolve_source(source, revision)
+    src_dir, described = _resolve_source(
+        source, revision, variant or (None if config is None else config.variant)
+    )
+    variant = detect_variant(
+        src_dir, variant or described.get("variant"), None if config is None else config.variant
+    )
     if "repo" in described:
         key = f"{described['repo']}@{described['revision']}"
     else:
         stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(src_dir.iterdir())]
         key = f"{described['path']}#{hashlib.sha256(' '.join(stats).encode()).hexdigest()[:16]}"
+    if (
+        variant != "english"
+    ):  # one source may hold several models (ResembleAI/chatterbox: English, Multilingual)
+        key += f"@{variant}"
     if precision != {"dtype": "float32", "quantization": None}:  # the default keeps its cache folder name
         key += f"@{precision['dtype']}" + ("" if quantize is None else f"-q{quantize}g{q_group_size}")
     cache = Path(cache_dir or os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "mlx-chatterbox")
@@ -376,6 +403,7 @@ def prepare(
     return convert(
         src_dir,
         dst,
+        variant=variant,
         dtype=precision["dtype"],
         quantize=quantize,
         q_group_size=q_group_size,
@@ -476,7 +504,12 @@ def voice_from_conds(path: Path) -> Voice:
         raise ConversionError(f"{name}: {e}") from None
 
 
-def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path, dict]:
+def _resolve_source(
+    src: str | os.PathLike, revision: str | None, variant: str | None = None
+) -> tuple[Path, dict]:
+    """The local folder of ``src`` and a description of it for ``config.json``; a repo id is downloaded, only
+    the files of ``variant`` (by default the repo's first model in ``variants.REPOS``), which the description
+    records."""
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -491,13 +524,15 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
         raise ConversionError(f"{text} is neither a folder nor a Hugging Face repo id such as {DEFAULT_REPO}")
     from huggingface_hub import snapshot_download
 
+    if variant is None:
+        variant = next((v for v, repo in REPOS.items() if repo == text), None)
+    if variant is not None and variant not in CHECKPOINTS:
+        raise ConversionError(f"unknown variant {variant!r}; choose one of {', '.join(CHECKPOINTS)}")
+    # Exact names: a repo also holds files the variant does not read (ResembleAI/chatterbox holds the English
+    # and the multilingual models; Turbo's repo an unused s3gen.safetensors). An unknown repo: every variant's.
+    wanted = CHECKPOINTS[variant].files if variant else {f for c in CHECKPOINTS.values() for f in c.files}
     try:
-        local = snapshot_download(
-            text,
-            revision=revision,
-            # Exact names (every variant's): a repo also holds files no variant reads (Turbo's s3gen.safetensors).
-            allow_patterns=sorted({f for c in CHECKPOINTS.values() for f in c.files}),
-        )
+        local = snapshot_download(text, revision=revision, allow_patterns=sorted(wanted))
     except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
         reason = " ".join(str(e).split())  # hub messages span lines; ours is one
         raise ConversionError(
@@ -506,7 +541,8 @@ def _resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[Path,
             f"({', '.join(CHECKPOINTS['english'].files)} for English) elsewhere and pass their folder."
         ) from None
     local = Path(local)
-    return local, {"repo": text, "revision": local.name}
+    described = {"repo": text, "revision": local.name}
+    return local, described if variant is None else {**described, "variant": variant}
 
 
 def _require(path: Path) -> Path:
@@ -515,6 +551,22 @@ def _require(path: Path) -> Path:
             f"{path.name} not found in {path.parent}; an upstream Chatterbox checkpoint has it"
         )
     return path
+
+
+def _read_weights(path: Path) -> dict[str, mx.array]:
+    """A safetensors file, or a ``torch.save``'d state dict (``.pt``: Multilingual's ``s3gen.pt``, ``ve.pt``)."""
+    if path.suffix != ".pt":
+        return _read_safetensors(path)
+    _require(path)
+    try:
+        state = load_torch_file(path)
+    except TorchFileError as e:
+        raise ConversionError(str(e)) from None
+    bad = [k for k, v in state.items() if not isinstance(v, np.ndarray)] if isinstance(state, dict) else None
+    if bad is None or bad:
+        found = type(state).__name__ if bad is None else f"{bad[0]!r}, which is not a tensor"
+        raise ConversionError(f"{path.name} must hold a state dict of tensors (torch.save), found {found}")
+    return {k: mx.array(v) for k, v in state.items()}
 
 
 def _read_safetensors(path: Path) -> dict[str, mx.array]:

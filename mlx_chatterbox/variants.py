@@ -5,6 +5,8 @@ networks.
 - turbo: ``ResembleAI/chatterbox-turbo`` (GPT-2 medium T3 without CFG, a 2-step meanflow decoder;
   variants.md §2-3).
 - nano: ``ResembleAI/chatterbox-nano``, Turbo with a GPT-2 small T3 (variants.md §4).
+- multilingual, multilingual-v3: the 23-language T3s of ``ResembleAI/chatterbox`` (v2 and v3 weights; the
+  English T3 with a 2454-id text vocabulary), English's S3Gen and voice encoder as torch pickles (§5).
 
 Tests build tiny ones.
 """
@@ -37,6 +39,12 @@ class Checkpoint:
     conds: str = "conds.pt"  # the built-in voice, optional
 
     @property
+    def torch_pickles(self) -> bool:
+        """Whether S3Gen and the voice encoder come as ``torch.save`` state dicts (``.pt``), read with
+        ``torchfile.load_torch_file``, instead of safetensors."""
+        return self.s3gen.endswith(".pt")
+
+    @property
     def files(self) -> tuple[str, ...]:
         return (self.t3, self.s3gen, self.voice_encoder, *self.tokenizer, self.conds)
 
@@ -49,17 +57,31 @@ GPT2_TOKENIZER_FILES = (
     "special_tokens_map.json",
     "tokenizer_config.json",
 )
+# The multilingual grapheme BPE and Chinese's Cangjie map (text/multilingual.py reads the two by these names).
+MTL_TOKENIZER_FILES = ("grapheme_mtl_merged_expanded_v1.json", "Cangjie5_TC.json")
 CHECKPOINTS = {
     "english": Checkpoint("t3_cfg.safetensors", "s3gen.safetensors", ("tokenizer.json",)),
     "turbo": Checkpoint("t3_turbo_v1.safetensors", "s3gen_meanflow.safetensors", GPT2_TOKENIZER_FILES),
     "nano": Checkpoint("t3_nano_v1.safetensors", "s3gen_meanflow.safetensors", GPT2_TOKENIZER_FILES),
+    # mtl_tts.py; v3 at upstream HEAD 3f35dfc. The Cangjie map is for Chinese (upstream downloads it always).
+    "multilingual": Checkpoint("t3_mtl23ls_v2.safetensors", "s3gen.pt", MTL_TOKENIZER_FILES, "ve.pt"),
+    "multilingual-v3": Checkpoint("t3_mtl23ls_v3.safetensors", "s3gen.pt", MTL_TOKENIZER_FILES, "ve.pt"),
 }
 REPOS = {
     "english": "ResembleAI/chatterbox",
     "turbo": "ResembleAI/chatterbox-turbo",
     "nano": "ResembleAI/chatterbox-nano",
+    "multilingual": "ResembleAI/chatterbox",  # the English model's repo: a repo id alone means English
+    "multilingual-v3": "ResembleAI/chatterbox",
 }
-T3_CONFIGS = {"english": T3Config, "turbo": T3TurboConfig, "nano": T3TurboConfig}
+T3_CONFIGS = {
+    "english": T3Config,
+    "turbo": T3TurboConfig,
+    "nano": T3TurboConfig,
+    "multilingual": T3Config,
+    "multilingual-v3": T3Config,
+}
+MULTILINGUAL = ("multilingual", "multilingual-v3")
 
 
 @dataclass(frozen=True)
@@ -102,7 +124,15 @@ class ModelConfig:
 ENGLISH = ModelConfig()
 TURBO = ModelConfig("turbo", T3TurboConfig(), cfm=CFMConfig(meanflow=True))
 NANO = ModelConfig("nano", NANO_T3, cfm=CFMConfig(meanflow=True))
-PRESETS = {"english": ENGLISH, "turbo": TURBO, "nano": NANO}
+# upstream T3Config.multilingual(): English's but for the text vocabulary; v2 and v3 share it.
+MTL_T3 = T3Config(text_vocab_size=2454)
+PRESETS = {
+    "english": ENGLISH,
+    "turbo": TURBO,
+    "nano": NANO,
+    "multilingual": ModelConfig("multilingual", MTL_T3),
+    "multilingual-v3": ModelConfig("multilingual-v3", MTL_T3),
+}
 
 
 def config_from_dict(cls: type, d: dict) -> object:

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .convert import DTYPES, FORMAT, FORMAT_VERSION, S3GEN_PARTS
+from .generation.multilingual import MultilingualSpeech
 from .generation.speech_tokens import EnglishSpeech
 from .generation.turbo import TurboSpeech
 from .generation.vocode import S3Gen
@@ -19,11 +20,11 @@ from .models.gpt2 import T3Turbo
 from .models.t3 import T3
 from .models.voice_encoder import VoiceEncoder
 from .quantize import quantize_t3, read_quantization_record
-from .text import EnTokenizer, GPT2Tokenizer
-from .variants import CHECKPOINTS, ModelConfig
+from .text import EnTokenizer, GPT2Tokenizer, MtlTokenizer
+from .variants import CHECKPOINTS, MULTILINGUAL, ModelConfig
 
 NETWORKS = {"voice_encoder": VoiceEncoder, **{name: network for _, name, network in S3GEN_PARTS}}
-T3_NETWORKS = {"english": T3, "turbo": T3Turbo, "nano": T3Turbo}
+T3_NETWORKS = {"english": T3, "turbo": T3Turbo, "nano": T3Turbo, "multilingual": T3, "multilingual-v3": T3}
 
 
 @dataclass
@@ -33,9 +34,9 @@ class ModelFolder:
     networks: ModelConfig
     t3: T3 | T3Turbo
     s3gen: S3Gen
-    tokenizer: EnTokenizer | GPT2Tokenizer
+    tokenizer: EnTokenizer | GPT2Tokenizer | MtlTokenizer
     voice: Voice | None
-    speech: EnglishSpeech | TurboSpeech  # the variant's text -> speech tokens over t3 and tokenizer
+    speech: EnglishSpeech | TurboSpeech | MultilingualSpeech  # the variant's text -> speech tokens
 
     def load(self, name: str) -> nn.Module:
         """Build network ``name`` (a ``ModelConfig`` field, e.g. the voice-cloning ``s3tokenizer``) and load
@@ -92,6 +93,9 @@ def load_folder(path: str | Path) -> ModelFolder:
     if networks.variant == "english":
         tokenizer = EnTokenizer.from_file(path / files["tokenizer"])
         speech = EnglishSpeech(t3, tokenizer)
+    elif networks.variant in MULTILINGUAL:
+        tokenizer = MtlTokenizer.from_folder(path / files["tokenizer"])
+        speech = MultilingualSpeech(t3, tokenizer, networks.variant)
     else:
         tokenizer = GPT2Tokenizer.from_folder(path / files["tokenizer"])
         speech = TurboSpeech(t3, tokenizer, networks.variant)

@@ -23,6 +23,7 @@ from mlx_chatterbox.models.voice_encoder import VoiceEncoder, VoiceEncoderConfig
 from mlx_chatterbox.variants import CHECKPOINTS, ModelConfig
 from tests.toy_gpt2_tokenizer import VOCAB_SIZE as TOY_GPT2_VOCAB_SIZE
 from tests.toy_gpt2_tokenizer import write_toy_gpt2_tokenizer
+from tests.toy_mtl_tokenizer import write_toy_cangjie, write_toy_mtl_tokenizer
 from tests.toy_tokenizer import write_toy_tokenizer
 
 TINY = T3Config(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128)
@@ -45,6 +46,18 @@ TINY_TURBO = dataclasses.replace(
     t3=T3TurboConfig(hidden_size=64, num_layers=2, num_heads=4, text_vocab_size=TOY_GPT2_VOCAB_SIZE),
     cfm=dataclasses.replace(TINY_MODEL.cfm, meanflow=True, cfg_rate=None),
 )
+
+
+# Multilingual (v2) at tiny sizes: the English T3's layout with the 2454-id text vocabulary, deep and wide enough
+# for the alignment analyzer's (layer, head) pairs (9, 2), (12, 15), (13, 11).
+TINY_MTL = dataclasses.replace(
+    TINY_MODEL,
+    variant="multilingual",
+    t3=T3Config(
+        hidden_size=64, num_layers=14, num_heads=16, head_dim=4, intermediate_size=128, text_vocab_size=2454
+    ),
+)
+TINY_MTL_V3 = dataclasses.replace(TINY_MTL, variant="multilingual-v3")
 
 
 def random_voice(seed: int = 0, prompt_len: int = 150, gen_tokens: int = 40) -> Voice:
@@ -99,13 +112,18 @@ def random_weights(table: dict, rng: np.random.Generator, prefix: str = "") -> d
 def write_upstream_checkpoint(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> Path:
     """An upstream-layout folder of ``cfg``'s variant (English: t3_cfg.safetensors, s3gen.safetensors,
     ve.safetensors, tokenizer.json; Turbo/Nano: t3_turbo_v1 / t3_nano_v1.safetensors,
-    s3gen_meanflow.safetensors, ve.safetensors and the five GPT-2 tokenizer files; no conds.pt) written
-    without torch."""
+    s3gen_meanflow.safetensors, ve.safetensors and the five GPT-2 tokenizer files; Multilingual:
+    t3_mtl23ls_v2 / v3.safetensors, s3gen.pt, ve.pt, the grapheme tokenizer and the Cangjie map; no conds.pt),
+    written without torch except the multilingual ``.pt`` state dicts (``torch.save``, as upstream's)."""
     folder.mkdir(parents=True, exist_ok=True)
     names = CHECKPOINTS[cfg.variant]
     if cfg.variant == "english":
         weights = upstream_t3_weights(cfg.t3, seed)
         write_toy_tokenizer(folder / "tokenizer.json")
+    elif isinstance(cfg.t3, T3Config):  # multilingual
+        weights = upstream_t3_weights(cfg.t3, seed)
+        write_toy_mtl_tokenizer(folder / names.tokenizer[0])
+        write_toy_cangjie(folder / names.tokenizer[1])
     else:
         weights = random_weights(T3Turbo.checkpoint_table(cfg.t3), np.random.default_rng(seed))
         write_toy_gpt2_tokenizer(folder)
@@ -117,11 +135,16 @@ def write_upstream_checkpoint(folder: Path, cfg: ModelConfig = TINY_MODEL, seed:
 def write_s3gen_and_ve(folder: Path, cfg: ModelConfig = TINY_MODEL, seed: int = 0) -> None:
     """The checkpoint's files besides T3's and the tokenizer's, in upstream layout, with random weights."""
     folder.mkdir(parents=True, exist_ok=True)
+    names = CHECKPOINTS[cfg.variant]
     s3gen = upstream_s3gen_weights(cfg, seed)
-    path = folder / CHECKPOINTS[cfg.variant].s3gen
-    mx.save_safetensors(str(path), {k: mx.array(v) for k, v in s3gen.items()})
     ve = random_weights(VoiceEncoder.checkpoint_table(cfg.voice_encoder), np.random.default_rng(seed))
-    mx.save_safetensors(str(folder / "ve.safetensors"), {k: mx.array(v) for k, v in ve.items()})
+    for name, weights in ((names.s3gen, s3gen), (names.voice_encoder, ve)):
+        if name.endswith(".pt"):
+            import torch  # the tests' oracle; only the multilingual checkpoints need it
+
+            torch.save({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, folder / name)
+        else:
+            mx.save_safetensors(str(folder / name), {k: mx.array(v) for k, v in weights.items()})
 
 
 @pytest.fixture

@@ -193,6 +193,15 @@ def drop_invalid_tokens(tokens: Sequence[int], start: int, stop: int) -> list[in
     return [t for t in tokens[begin:end] if t < start]
 
 
+def refuse_language(variant: str, language: str | None) -> None:
+    """A language for a model that speaks English only is an error, not ignored."""
+    if language is not None:
+        raise ValueError(
+            f"language={language!r}: the {variant} model speaks English only; the multilingual models "
+            "(--variant multilingual or multilingual-v3 of ResembleAI/chatterbox) take a language"
+        )
+
+
 class EnglishSpeech:
     """The English model's text -> speech tokens, as ``TTS`` drives every variant (``generation/turbo.py``
     has Turbo's): upstream's ``punc_norm`` and tokenizer, T3 with CFG (``generate_speech_tokens``) and
@@ -201,13 +210,15 @@ class EnglishSpeech:
     variant = "english"
     params_type = SamplingParams
     tail: tuple[int, ...] = ()  # speech tokens appended before S3Gen (Turbo appends silence)
+    batchable = True  # the server's engine can decode its requests together (generation/batch.py)
 
     def __init__(self, t3: T3, tokenizer: EnTokenizer):
         self.t3, self.tokenizer = t3, tokenizer
         self.start_token, self.stop_token = t3.config.start_speech_token, t3.config.stop_speech_token
 
-    def text_ids(self, text: str) -> list[int]:
-        """Normalised and tokenized ``text``, without SOT/EOT."""
+    def text_ids(self, text: str, language: str | None = None) -> list[int]:
+        """Normalised and tokenized ``text``, without SOT/EOT. ``language`` is for the multilingual models."""
+        refuse_language(self.variant, language)
         return self.tokenizer.encode(punc_norm(text))
 
     def fits(self, ids: Sequence[int]) -> bool:
@@ -226,6 +237,10 @@ class EnglishSpeech:
     def finish(self, raw: Sequence[int]) -> list[int]:
         """Raw ids -> the speech tokens S3Gen takes."""
         return drop_invalid_tokens(raw, self.start_token, self.stop_token)
+
+    def cut_samples(self, tokens: int) -> int:
+        """Samples to cut from the end of a piece's audio (Multilingual v3 cuts its last token's)."""
+        return 0
 
     def cloner(
         self, voice_encoder: VoiceEncoder, s3tokenizer: S3Tokenizer, campplus: CAMPPlus

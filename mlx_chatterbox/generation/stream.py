@@ -292,9 +292,19 @@ def stream_piece(
     out = vocoder.push(list(speech.tail)) if speech.tail else np.zeros(0, np.float32)
     if out.size:
         yield out
-    out = vocoder.finish()
+    out = finish_stream(vocoder, speech)
     if out.size:
         yield out
+
+
+def finish_stream(vocoder: StreamVocoder, speech: EnglishSpeech) -> np.ndarray:
+    """The vocoder's last samples, less what the variant cuts from a piece's end (``speech.cut_samples``:
+    Multilingual v3's last token). The vocoder holds back its lookahead tokens until now, so they are here."""
+    out = vocoder.finish()
+    cut = speech.cut_samples(vocoder.pushed)
+    if cut > out.size:
+        raise RuntimeError(f"the stream's last {out.size} samples cannot lose {cut}")
+    return out[: out.size - cut]
 
 
 class PieceJoiner:

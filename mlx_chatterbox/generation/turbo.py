@@ -19,6 +19,7 @@ from ..models.s3tokenizer import S3Tokenizer
 from ..models.voice_encoder import VoiceEncoder
 from ..sampling import TurboParams, draw_turbo, process_turbo_logits
 from ..text import GPT2Tokenizer, turbo_punc_norm
+from .speech_tokens import refuse_language
 from .voice import Voice, VoiceCloner
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ class TurboSpeech:
 
     params_type = TurboParams
     tail: tuple[int, ...] = (S3GEN_SIL,) * SILENCE_TOKENS  # appended before S3Gen (``finish`` includes it)
+    batchable = True
 
     def __init__(self, t3: T3Turbo, tokenizer: GPT2Tokenizer, variant: str = "turbo"):
         self.t3, self.tokenizer, self.variant = (
@@ -195,8 +197,9 @@ class TurboSpeech:
         )  # "turbo" or "nano": the name in errors
         self.start_token, self.stop_token = t3.config.start_speech_token, t3.config.stop_speech_token
 
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, language: str | None = None) -> list[int]:
         """Normalised and tokenized ``text`` (Turbo adds no start/stop text ids)."""
+        refuse_language(self.variant, language)
         return self.tokenizer.encode(turbo_punc_norm(text))
 
     def fits(self, ids: Sequence[int]) -> bool:
@@ -226,6 +229,9 @@ class TurboSpeech:
     def finish(self, raw: Sequence[int]) -> list[int]:
         """Raw ids -> the speech tokens S3Gen takes: the speech codes, then ``tail`` (``postprocess_tokens``)."""
         return postprocess_tokens(raw)
+
+    def cut_samples(self, tokens: int) -> int:
+        return 0
 
     def cloner(
         self, voice_encoder: VoiceEncoder, s3tokenizer: S3Tokenizer, campplus: CAMPPlus

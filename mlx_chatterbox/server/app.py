@@ -212,14 +212,16 @@ async def _job(
             "speed",
         )
     steps = body.cfm_steps if body.cfm_steps is not None else cfm_steps
-    job = SpeechJob(body.input, voice, params, cfm_steps=steps, seed=body.seed, stream=stream)
+    job = SpeechJob(
+        body.input, voice, params, cfm_steps=steps, seed=body.seed, stream=stream, language=body.language
+    )
     return job, stream
 
 
 def _param_of(message: str, default: str | None = None) -> str | None:
     """The request field an error message is about (our messages start with ``field=`` or name it)."""
     head = message.split("=", 1)[0].split(" ", 1)[0]
-    fields = (*KNOBS, "max_new_tokens", "cfm_steps", "seed", "input", "voice", "speed")
+    fields = (*KNOBS, "max_new_tokens", "cfm_steps", "seed", "input", "voice", "speed", "language")
     if head in fields:
         return head
     return next((f for f in fields if f in message), default)

@@ -38,6 +38,8 @@ class SpeechRequest(BaseModel):
     # Ours. None: stream when the request allows it (speed 1); False: the whole audio in one pass, exactly what
     # TTS.generate gives; True: stream (refused with speed != 1: a time-stretch needs the whole audio).
     stream: bool | None = None
+    # Ours: the text's language, for a multilingual model (required there; refused by the English-only models).
+    language: str | None = None
     # Chatterbox's knobs: None = the model's default (sampling.SamplingParams, or TurboParams for Turbo/Nano,
     # which check the ranges; a knob the model lacks is refused). Strict types (an int is a float too): "0.5"
     # or true is a mistake to report, not to convert.

@@ -29,7 +29,8 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import split_pieces, token_budget
-from ..generation.stream import PieceJoiner, StreamVocoder
+from ..generation.stream import PieceJoiner, StreamVocoder, finish_stream
+from ..generation.turbo import TurboSpeech
 from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps, crossfade_join
 from ..generation.voice import Voice
@@ -51,6 +52,7 @@ class SpeechJob:
     seed: int | None = None
     watermark: bool = True
     stream: bool = False  # chunks as T3's tokens arrive; else one chunk, the whole audio
+    language: str | None = None  # the multilingual models' (required there)
 
 
 class QueueFull(Exception):
@@ -143,6 +145,12 @@ class Worker:
         ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
+        if not tts.speech.batchable:
+            raise ValueError(
+                f"the {tts.speech.variant} model decodes one request at a time (upstream 0.1.7's alignment "
+                "analyzer reads each request's attention as it goes), and this engine batches requests: serve "
+                "multilingual-v3, or call TTS.generate / TTS.stream directly"
+            )
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
         self.vocode_batch = vocode_batch
         self.sample_rate = tts.sample_rate
@@ -203,8 +211,8 @@ class Worker:
         check_cfm_steps(job.cfm_steps)
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
-        pieces = split_pieces(job.text, tts._fits)  # tokenizes: an empty text is refused here
-        piece_ids = [tts.text_ids(p) for p in pieces]
+        pieces = split_pieces(job.text, lambda t: tts._fits(t, job.language))  # an empty text is refused here
+        piece_ids = [tts.text_ids(p, job.language) for p in pieces]
         ticket = Ticket(self.sample_rate, sum(len(ids) for ids in piece_ids))
         with self._lock:
             if self._thread is None:
@@ -317,8 +325,9 @@ class Worker:
             return False
 
     def _new_batch(self) -> SpeechTokenBatch | TurboTokenBatch:
-        """T3's batch for the variant: CFG pairs (English) or single rows (Turbo/Nano)."""
-        return (SpeechTokenBatch if self.tts.speech.variant == "english" else TurboTokenBatch)(self.tts.t3)
+        """T3's batch for the variant: CFG pairs (English, Multilingual) or single rows (Turbo/Nano)."""
+        turbo = isinstance(self.tts.speech, TurboSpeech)
+        return (TurboTokenBatch if turbo else SpeechTokenBatch)(self.tts.t3)
 
     def _admit(self, j: _Job, batch: SpeechTokenBatch | TurboTokenBatch) -> None:
         """Put the job's next piece into T3's batch."""
@@ -352,7 +361,7 @@ class Worker:
         if j.vocoder is not None:
             if speech.tail:
                 self._emit(j, j.vocoder.push(list(speech.tail)))
-            self._emit(j, j.vocoder.finish(), end=True)
+            self._emit(j, finish_stream(j.vocoder, speech), end=True)
             j.vocoder = None
 
     def _end_pieces(self, ended: list[_Job]) -> list[_Job]:
@@ -376,7 +385,7 @@ class Worker:
                         failed.add(id(j))
                     continue
                 for j, wav in zip(group, wavs):
-                    j.wavs.append(wav)
+                    j.wavs.append(wav[: len(wav) - self.tts.speech.cut_samples(len(j.raw))])
         more = []
         for j in ended:
             if id(j) in failed:
