@@ -114,6 +114,23 @@ def test_prefill_and_cached_decode_logits_full_size(full):
     assert max(errors) < TOL
 
 
+@pytest.fixture(scope="module")
+def full_multilingual(tmp_path_factory):
+    """Upstream ``T3Config.multilingual()``: the full-size English T3 with the 2454-id text vocabulary."""
+    return build(tmp_path_factory, dataclasses.replace(oracle.FULL, text_vocab_size=2454), seed=5)
+
+
+@pytest.mark.slow
+def test_prefill_and_cached_decode_logits_full_size_multilingual(full_multilingual):
+    upstream, conds, folder = full_multilingual
+    assert upstream.hp.is_multilingual  # upstream's own test for the multilingual T3
+    cond = oracle.upstream_cond(conds, 0.5)
+    text = [2453, 1999, 705, *TEXT]  # ids past English's 704 read the larger tables
+    errors = oracle.compare_teacher_forced(upstream, cond, folder.t3, folder.voice, text, 10, 6)
+    print(f"full-size multilingual T3 prefill + 10 cached steps: max rel err {max(errors):.2e}")
+    assert max(errors) < TOL
+
+
 def test_teacher_forced_forward_matches_upstream_forward(tiny):
     upstream, conds, folder = tiny
     hp = upstream.hp
