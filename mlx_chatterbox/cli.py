@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variant",
         choices=list(CHECKPOINTS),
-        help="english (ResembleAI/chatterbox), turbo (ResembleAI/chatterbox-turbo) or nano "
-        "(ResembleAI/chatterbox-nano); default: found from the files",
+        help="english, multilingual or multilingual-v3 (ResembleAI/chatterbox), turbo "
+        "(ResembleAI/chatterbox-turbo) or nano (ResembleAI/chatterbox-nano); default: found from the files "
+        "(a repo id: its first, english for ResembleAI/chatterbox)",
     )
     p.add_argument(
         "--dtype",
