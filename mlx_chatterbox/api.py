@@ -1,5 +1,6 @@
 """The public entry point: ``TTS.load(folder)``, then ``tts.generate(text)`` (text -> 24 kHz audio), or its two
-halves ``tts.speech_tokens(text)`` (T3) and ``tts.vocode(tokens)`` (S3Gen); ``tts.voice("me.wav")`` clones a voice.
+halves ``tts.speech_tokens(text)`` (T3) and ``tts.vocode(tokens)`` (S3Gen); ``tts.voice("me.wav")`` clones a voice,
+``tts.convert_voice("src.wav", voice)`` re-speaks a recording in another voice.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .audio.io import load_audio
-from .audio.resample import resample_soxr_hq
 from .convert import DEFAULT_REPO, prepare
+from .generation import vc
 from .generation.multilingual import MultilingualParams
 from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
 from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
+from .generation.vc import check_decoder as check_vc_decoder
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
-from .generation.voice import S3GEN_SR, Voice, VoiceCloner
+from .generation.voice import S3_SR, S3GEN_SR, Voice, VoiceCloner, check_recording, read_recording
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams, seed_keys
 from .text import LANGUAGES, check_language
@@ -40,6 +41,7 @@ __all__ = [
     "MultilingualParams",
     "LANGUAGES",
     "check_language",
+    "check_vc_decoder",
     "CFM_DTYPES",
     "TOKENS_PER_SECOND",
     "VOICE_SUFFIX",
@@ -152,24 +154,55 @@ class TTS:
         resampled to 24 kHz), or mono float samples in [-1, 1] with their ``sample_rate``.
         Save the result with ``voice.save(path)`` and pass the path (or the Voice) as ``voice=`` later.
         """
-        if isinstance(audio, (str, os.PathLike)):
-            if sample_rate is not None:
-                raise ValueError("sample_rate is for sample arrays; an audio file carries its own rate")
-            wav = load_audio(audio, S3GEN_SR)
-        else:
-            if sample_rate is None:
-                raise ValueError("give the sample_rate of the audio samples")
-            wav = np.asarray(audio, dtype=np.float32)
-            if wav.ndim != 1:
-                raise ValueError(
-                    f"audio samples must be mono (L,), got shape {wav.shape}; average the channels"
-                )
-            if sample_rate != S3GEN_SR:
-                wav = resample_soxr_hq(wav, sample_rate, S3GEN_SR)
+        return self._voice_cloner()(read_recording(audio, sample_rate, S3GEN_SR))
+
+    def _voice_cloner(self) -> VoiceCloner:
         if self._cloner is None:
             load = self.folder.load
             self._cloner = self.speech.cloner(load("voice_encoder"), load("s3tokenizer"), load("campplus"))
-        return self._cloner(wav)
+        return self._cloner
+
+    def convert_voice(
+        self,
+        source: str | os.PathLike | np.ndarray,
+        voice: Voice | str | os.PathLike | None = None,
+        *,
+        sample_rate: int | None = None,
+        cfm_steps: int | None = None,
+        seed: int | None = None,
+        watermark: bool = True,
+    ) -> np.ndarray:
+        """Voice conversion, upstream ``ChatterboxVC.generate``: the speech of ``source`` re-synthesised in
+        ``voice`` -> float32 mono waveform at ``sample_rate`` (24 kHz), 960 samples per 40 ms of source,
+        watermarked as upstream (``watermark``).
+
+        source: an audio file, or mono float samples with their ``sample_rate``, read as ``voice`` reads a
+            reference (at 16 kHz here, as upstream); at least 0.5 s, not silent.
+        voice: the target, as for ``vocode``; its S3Gen prompt (tokens, mel, x-vector) sets the timbre.
+        cfm_steps, seed: as for ``vocode``. A source over 40 s is vocoded in pieces with seed s + i for piece i
+            (``generation.vc``); up to 40 s this is ``vocode(tokens, voice, ...)`` of the source's S3 tokens.
+        English and multilingual models only: Turbo/Nano's meanflow S3Gen has no voice conversion upstream."""
+        check_vc_decoder(self.speech.variant, self.s3gen.estimator.config.meanflow)
+        check_cfm_steps(cfm_steps)
+        wav_16k = read_recording(source, sample_rate, S3_SR)
+        check_recording(wav_16k, S3_SR, "the source")
+        voice = self._voice(voice)
+        tokens = vc.source_tokens(self._voice_cloner().s3tokenizer, wav_16k)
+        spans = vc.pieces(len(tokens))
+        if len(spans) > 1:
+            logger.info("vocoding the source's %d speech tokens in %d pieces", len(tokens), len(spans))
+        wavs = [
+            self.vocode(
+                tokens[a:b],
+                voice,
+                cfm_steps=cfm_steps,
+                seed=None if seed is None else seed + i,
+                watermark=False,
+            )
+            for i, (a, b) in enumerate(spans)
+        ]
+        wav = vc.join(wavs, spans)
+        return self._mark(wav) if watermark else wav
 
     def text_ids(self, text: str, language: str | None = None) -> list[int]:
         """Normalise (upstream ``punc_norm`` of the variant) and tokenize ``text``, without SOT/EOT.

@@ -1,5 +1,6 @@
 """The ``mlx-chatterbox`` command: ``convert``, ``say`` (text or speech tokens -> audio file), ``voice`` (a recording
--> a voice file), ``bench`` and ``tokens``."""
+-> a voice file), ``vc`` (a recording -> the same speech in another voice), ``batch`` (a jobs file -> a folder of
+audio files), ``bench`` and ``tokens``."""
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
-from . import __version__, _backend
+from . import __version__, _backend, bulk
 from .api import (
     CFM_DTYPES,
     LANGUAGES,
@@ -29,14 +29,15 @@ from .api import (
     Progress,
     Voice,
     check_language,
+    check_vc_decoder,
 )
+from .bulk import AUDIO_FORMATS, write_atomic
 from .convert import DEFAULT_REPO, DTYPES, convert, source_variant
 from .quantize import BITS, GROUP_SIZES
-from .sampling import SamplingParams, TurboParams
-from .variants import CHECKPOINTS, MULTILINGUAL
+from .sampling import SamplingParams, TurboParams, check_seed
+from .variants import CHECKPOINTS, MULTILINGUAL, PRESETS
 
 PROG = "mlx-chatterbox"
-AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG"}
 APLAY = "aplay -f S16_LE -r 24000 -c 1"  # a player for --stream's output
 KNOBS = {  # SamplingParams / TurboParams field -> help
     "temperature": "sampling temperature, >= 0; 0 = greedy (Turbo: 0 = unscaled, as upstream)",
@@ -79,6 +80,19 @@ def _at_least_1(text: str) -> int:
 
 
 _at_least_1.__name__ = "integer"  # argparse says "invalid <__name__> value: 'x'" when int() fails
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed MLX takes."""
+    value = int(text)
+    try:
+        check_seed(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+_seed.__name__ = "integer"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,7 +202,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REPO,
         help=f"a converted folder, an upstream checkpoint folder or a Hub repo id (default: {DEFAULT_REPO})",
     )
+    _variant_argument(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
+
+    p = sub.add_parser(
+        "vc",
+        help="re-speak a recording in another voice (voice conversion)",
+        description="Voice conversion, as upstream ChatterboxVC: the speech of SOURCE (an audio file) turned "
+        "into speech tokens and spoken again by S3Gen in the voice --voice (default: the built-in voice), "
+        "written as 24 kHz mono audio to OUTPUT (.wav, .flac or .ogg, from the extension). English and "
+        "multilingual models (Turbo and Nano have no voice conversion upstream).",
+    )
+    p.add_argument("source", type=Path, help="audio file of the speech to convert (wav, flac, ogg, mp3, ...)")
+    _model_arguments(p)
+    p.add_argument(
+        "-o", "--output", required=True, type=Path, help="audio file to write (.wav, .flac or .ogg)"
+    )
+    p.add_argument(
+        "--cfm-steps",
+        type=_at_least_1,
+        help="Euler steps of the flow-matching decoder; fewer is faster and rougher (default: the model's, 10)",
+    )
+    p.add_argument("--seed", type=_seed, help="seed for reproducible output, in [0, 2**63) (default: random)")
+    p.add_argument(
+        "--no-watermark",
+        action="store_true",
+        help="leave out Perth's implicit watermark (upstream always adds it; on by default)",
+    )
 
     p = sub.add_parser(
         "bench",
@@ -267,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GB",
         help="cap MLX's memory (mx.set_memory_limit) and its buffer cache at this many GB (default: no cap)",
     )
+    _batch_arguments(sub)
     return parser
 
 
@@ -277,12 +318,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         help="a converted folder, an upstream checkpoint folder or a Hugging Face repo id (converted once and "
         f"cached); default: {DEFAULT_REPO}",
     )
-    p.add_argument(
-        "--variant",
-        choices=tuple(CHECKPOINTS),
-        help="which model of a source that holds several (ResembleAI/chatterbox: english, multilingual, "
-        "multilingual-v3); default: the one the files hold, english for ResembleAI/chatterbox",
-    )
+    _variant_argument(p)
     p.add_argument(
         "--voice",
         type=Path,
@@ -290,6 +326,15 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "default: the built-in voice",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens and print timings")
+
+
+def _variant_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--variant",
+        choices=tuple(CHECKPOINTS),
+        help="which model of a source that holds several (ResembleAI/chatterbox: english, multilingual, "
+        "multilingual-v3); default: the one the files hold, english for ResembleAI/chatterbox",
+    )
 
 
 def _language_argument(p: argparse.ArgumentParser) -> None:
@@ -341,7 +386,7 @@ def _knob_arguments(p: argparse.ArgumentParser) -> None:
             type=type(common),
             help=f"{help_text} (default: {common}{shown}{only})",
         )
-    p.add_argument("--seed", type=int, help="seed for reproducible output (default: random)")
+    p.add_argument("--seed", type=_seed, help="seed for reproducible output, in [0, 2**63) (default: random)")
 
 
 def _knobs(args: argparse.Namespace) -> dict:
@@ -438,18 +483,6 @@ def _load_voice(tts: TTS, path: Path | None) -> Voice | None:
     if path is None:
         return None
     return Voice.load(path) if path.suffix.lower() == VOICE_SUFFIX else tts.voice(path)
-
-
-def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """``write`` a temporary file beside ``path`` (same suffix), then rename it: a failure leaves no partial file."""
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:  # name the user's file, not the temporary one
-        raise OSError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -620,7 +653,7 @@ def _say(args: argparse.Namespace) -> None:
             )
     done = time.perf_counter()
     audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
-    _write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
+    write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
     if args.verbose:
         seconds = len(wav) / tts.sample_rate
         print(
@@ -643,6 +676,34 @@ def _voice(args: argparse.Namespace) -> None:
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, cloning {done - loaded:.2f} s\n" + _backend_lines(),
+            file=sys.stderr,
+        )
+
+
+def _vc(args: argparse.Namespace) -> None:
+    # Every argument is checked before the model loads.
+    _check_output(args.output, tuple(AUDIO_FORMATS))
+    if not args.source.is_file():
+        raise ValueError(f"{args.source}: no such file")
+    _check_voice(args.voice)
+    variant = args.variant or source_variant(args.model)
+    if variant is not None:
+        check_vc_decoder(variant, PRESETS[variant].cfm.meanflow)
+    start = time.perf_counter()
+    tts = TTS.load(args.model, variant=args.variant)
+    loaded = time.perf_counter()
+    # The voice goes as a path: the source is read (and refused if unusable) before a recording is cloned.
+    wav = tts.convert_voice(
+        args.source, args.voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=not args.no_watermark
+    )
+    done = time.perf_counter()
+    audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
+    write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
+    if args.verbose:
+        seconds = len(wav) / tts.sample_rate
+        print(
+            f"load {loaded - start:.2f} s, conversion {done - loaded:.2f} s for {seconds:.2f} s of audio "
+            f"(real-time factor {(done - loaded) / max(seconds, 1e-9):.2f})\n" + _backend_lines(),
             file=sys.stderr,
         )
 
@@ -699,7 +760,7 @@ def _tokens(args: argparse.Namespace) -> None:
     if args.output is None:
         sys.stdout.write(line)
     else:
-        _write_atomic(args.output, lambda tmp: tmp.write_text(line))
+        write_atomic(args.output, lambda tmp: tmp.write_text(line))
     if args.verbose:
         print(
             f"load {loaded - start:.2f} s, generation {done - loaded:.2f} s, {len(tokens)} tokens "
@@ -760,6 +821,140 @@ def _serve(args: argparse.Namespace) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=log_level)
 
 
+def _batch_arguments(sub) -> None:
+    p = sub.add_parser(
+        "batch",
+        help="speak the items of a jobs file into a folder of audio files (audiobooks, data sets)",
+        description='Speak each line of JOBS (JSON lines: {"text": ...} or {"file": ...}, with optional voice, '
+        "knobs, language, seed, cfm_steps, output) into --out-dir, recording each item in DIR/manifest.jsonl as it "
+        "finishes. Run it again to resume: items already done with the same inputs are skipped. A bad line is "
+        "a failed item; the exit code is 1 if any item failed (README: Bulk synthesis).",
+    )
+    p.add_argument("jobs", type=Path, help="the jobs file: one JSON object per line")
+    p.add_argument(
+        "--out-dir", required=True, type=Path, metavar="DIR", help="folder for the audio and the manifest"
+    )
+    _model_arguments(p)  # here --voice is the voice of the lines that name none
+    p.add_argument(
+        "--no-watermark",
+        action="store_true",
+        help="leave out Perth's implicit watermark (upstream always adds it; on by default)",
+    )
+    _cfm_dtype_argument(p)
+    p.add_argument(
+        "--max-batch",
+        type=_at_least_1,
+        default=16,
+        help="items whose speech tokens are drawn together, at most (default: 16; per actor with --ray)",
+    )
+    p.add_argument(
+        "--vocode-batch",
+        type=_at_least_1,
+        default=8,
+        help="items vocoded together when T3 finishes them in the same step, at most (default: 8)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="spread the items over a Ray cluster (needs mlx-chatterbox[ray]): ADDRESS such as auto or "
+        "ray://head:10001; none starts a local Ray instance. DIR, the voices and the model folder must be "
+        "reachable at the same paths from every node",
+    )
+    p.add_argument("--actors", type=_at_least_1, help="Ray actors, each with its own model (default: 1)")
+    p.add_argument("--actor-gpus", type=float, metavar="G", help="GPUs per Ray actor, e.g. 0.5 (default: 0)")
+
+
+class _ItemsLine:
+    """A progress bar over a jobs file's items on one line of stderr (a terminal only), with an estimate of the
+    time left; failed items are reported on lines of their own (on any stderr)."""
+
+    WIDTH = 24
+
+    def __init__(self, jobs: Path, stream):
+        self.jobs, self.stream = jobs, stream
+        self.tty = stream.isatty()
+        self.drawn = False
+
+    def __call__(self, result, p) -> None:
+        erase = "\r\x1b[K" if self.drawn else ""
+        if result.status == "failed":
+            name = f" ({result.output})" if result.output else ""
+            self.stream.write(f"{erase}{self.jobs}:{result.line}{name}: {result.error}\n")
+            self.drawn = False
+        if self.tty:
+            finished = p.done + p.failed + p.skipped
+            filled = round(self.WIDTH * finished / p.total)
+            left = "" if p.eta is None else f", {_clock(p.eta)} left"
+            failed = f", {p.failed} failed" if p.failed else ""
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            self.stream.write(f"\r[{bar}] {finished}/{p.total} items{failed}{left}\x1b[K")
+            self.drawn = True
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.drawn = False
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}:{m:02d}:{s:02d}" if hours else f"{m}:{s:02d}"
+
+
+def _batch(args: argparse.Namespace) -> int:
+
+    # Everything that can be checked before the jobs file is read and the model loads.
+    if args.ray is None:
+        given = [
+            f for f, v in (("--actors", args.actors), ("--actor-gpus", args.actor_gpus)) if v is not None
+        ]
+        if given:
+            raise ValueError(f"{given[0]} is for runs on Ray; add --ray [ADDRESS]")
+    if args.actor_gpus is not None and not args.actor_gpus >= 0:
+        raise ValueError(f"--actor-gpus {args.actor_gpus}: give a number of GPUs >= 0")
+    _check_voice(args.voice)
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise ValueError(f"--out-dir {args.out_dir} is not a folder")
+    # Local paths made absolute: the manifest's inputs stay the same from any folder, and Ray actors find them.
+    model = Path(args.model).expanduser()
+    settings = bulk.Settings(
+        model=str(model.resolve()) if model.exists() else args.model,
+        variant=args.variant,
+        voice=None if args.voice is None else str(args.voice.resolve()),
+        watermark=not args.no_watermark,
+        cfm_dtype=args.cfm_dtype,
+        max_batch=args.max_batch,
+        vocode_batch=args.vocode_batch,
+    )
+    line = _ItemsLine(args.jobs, sys.stderr)
+    try:
+        try:
+            p = bulk.run(
+                args.jobs,
+                args.out_dir,
+                settings,
+                ray_address=args.ray,
+                actors=args.actors or 1,
+                actor_gpus=args.actor_gpus or 0.0,
+                report=line,
+            )
+        finally:
+            line.close()
+    except bulk.RayError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{p.done} done, {p.failed} failed, {p.skipped} skipped (done before) of {p.total} items in "
+        f"{_clock(p.elapsed)}; manifest: {args.out_dir / bulk.MANIFEST}",
+        file=sys.stderr,
+    )
+    return 1 if p.failed else 0
+
+
 def _backend_lines() -> str:
     return "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items())
 
@@ -779,11 +974,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"convert": _convert, "say": _say, "voice": _voice, "bench": _bench, "tokens": _tokens}
         commands["serve"] = _serve
-        commands[args.command](args)
+        commands["vc"] = _vc
+        commands["batch"] = _batch
+        code = commands[args.command](args)  # batch's exit code says whether any item failed
     except (ValueError, OSError, ImportError) as e:  # our errors say what is wrong and how to fix it
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0

@@ -62,8 +62,20 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+SEED_LIMIT = 2**63  # mx.random.key takes seeds in [0, 2**64); piece i of a long text is spoken with seed + i
+
+
+def check_seed(seed: int | None) -> None:
+    """A seed MLX can take (None: a fresh one is drawn)."""
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT
+    ):
+        raise ValueError(f"seed={seed!r} is out of range: it must be an integer in [0, 2**63)")
+
+
 def seed_keys(seed: int) -> tuple[mx.array, mx.array]:
     """Independent PRNG keys for T3's draws and S3Gen's noise from one user seed."""
+    check_seed(seed)
     t3, s3gen = mx.random.split(mx.random.key(seed))
     return t3, s3gen
 

@@ -309,7 +309,7 @@ def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match=f"cannot write {tmp_path / 'out.txt'}: No space left on device"):
-        cli._write_atomic(tmp_path / "out.txt", fail)
+        cli.write_atomic(tmp_path / "out.txt", fail)
     assert list(tmp_path.iterdir()) == []
 
 

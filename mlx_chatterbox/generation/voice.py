@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..audio.fbank import campplus_features
+from ..audio.io import load_audio
 from ..audio.loudness import loudness_gain
 from ..audio.mel import s3gen_mel, s3tokenizer_log_mel, voice_encoder_mel
 from ..audio.resample import resample_sinc_hann, resample_soxr_hq
@@ -115,6 +116,35 @@ TURBO_TARGET_LUFS = -27.0
 TURBO_LONGER_THAN_SECONDS = 5.0
 
 
+def read_recording(audio: str | os.PathLike | np.ndarray, sample_rate: int | None, rate: int) -> np.ndarray:
+    """A recording as upstream reads it (``librosa.load(path, sr=rate)``): an audio file (``load_audio``:
+    channels averaged, soxr_hq to ``rate``), or mono float samples with their ``sample_rate`` (soxr_hq too).
+    Returns (L,) float32 at ``rate``; whether it is usable is ``check_recording``'s to say."""
+    if isinstance(audio, (str, os.PathLike)):
+        if sample_rate is not None:
+            raise ValueError("sample_rate is for sample arrays; an audio file carries its own rate")
+        return load_audio(audio, rate)
+    if sample_rate is None:
+        raise ValueError("give the sample_rate of the audio samples")
+    wav = np.asarray(audio, dtype=np.float32)
+    if wav.ndim != 1:
+        raise ValueError(f"audio samples must be mono (L,), got shape {wav.shape}; average the channels")
+    return wav if sample_rate == rate else resample_soxr_hq(wav, sample_rate, rate)
+
+
+def check_recording(wav: np.ndarray, rate: int, what: str, hint: str = "") -> None:
+    """Refuse a recording (``what``: "the reference", "the source") too short for the S3 tokenizer and the
+    speaker networks to say anything, with NaN/inf samples, or silent; ``hint`` ends the too-short message."""
+    if wav.shape[0] < MIN_SECONDS * rate:
+        raise ValueError(
+            f"{what} is {wav.shape[0] / rate:.2f} s long; give at least {MIN_SECONDS} s of speech{hint}"
+        )
+    if not np.isfinite(wav).all():
+        raise ValueError(f"{what} holds NaN or infinite samples")
+    if np.abs(wav).max() == 0:
+        raise ValueError(f"{what} is silent (all samples are zero)")
+
+
 @dataclass
 class VoiceCloner:
     """The three networks that turn a recording into a ``Voice``, and how the variant uses the recording.
@@ -187,15 +217,7 @@ class VoiceCloner:
                 f"the reference is {wav.shape[0] / S3GEN_SR:.2f} s long; this model needs a recording longer "
                 f"than {self.longer_than_seconds:g} s (it uses up to {self.t3_prompt_seconds:g} s)"
             )
-        if wav.shape[0] < MIN_SECONDS * S3GEN_SR:
-            raise ValueError(
-                f"the reference is {wav.shape[0] / S3GEN_SR:.2f} s long; give at least {MIN_SECONDS} s of speech "
-                "(5 to 10 s works best)"
-            )
-        if not np.isfinite(wav).all():
-            raise ValueError("the reference holds NaN or infinite samples")
-        if np.abs(wav).max() == 0:
-            raise ValueError("the reference is silent (all samples are zero)")
+        check_recording(wav, S3GEN_SR, "the reference", " (5 to 10 s works best)")
         if self.target_lufs is not None:
             gain = loudness_gain(wav, S3GEN_SR, self.target_lufs)
             if gain is None:

@@ -28,7 +28,8 @@ class S3TokenizerConfig:
     rope_positions: int = 2048  # upstream's table length (``precompute_freqs_cis(64, 1024 * 2)``)
     fsq_dim: int = 8
     fsq_levels: int = 3
-    # Upstream cuts longer inputs into 30 s windows with 4 s overlap (``_quantize_mixed_batch``); not ported.
+    # Upstream cuts longer inputs into 30 s windows with 4 s overlap (``_quantize_mixed_batch``): not here, in
+    # generation/vc.py, the one caller with long inputs (voice conversion's source).
     max_frames: int = 3000
 
     def __post_init__(self) -> None:
