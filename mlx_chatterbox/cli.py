@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 
 from . import __version__, _backend, bulk
 from .api import (
@@ -652,8 +651,7 @@ def _say(args: argparse.Namespace) -> None:
                 **knobs,
             )
     done = time.perf_counter()
-    audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
-    write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
+    bulk.write_audio(args.output, wav, tts.sample_rate)
     if args.verbose:
         seconds = len(wav) / tts.sample_rate
         print(
@@ -697,8 +695,7 @@ def _vc(args: argparse.Namespace) -> None:
         args.source, args.voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=not args.no_watermark
     )
     done = time.perf_counter()
-    audio_format = AUDIO_FORMATS[args.output.suffix.lower()]
-    write_atomic(args.output, lambda tmp: sf.write(tmp, wav, tts.sample_rate, format=audio_format))
+    bulk.write_audio(args.output, wav, tts.sample_rate)
     if args.verbose:
         seconds = len(wav) / tts.sample_rate
         print(

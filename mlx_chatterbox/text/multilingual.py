@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from .normalize import MTL_SENTENCE_ENDERS, punc_norm
-from .tokenize import SPACE, START, STOP, UNK, TokenizerError
+from .tokenize import SPACE, START, STOP, UNK, TokenizerError, check_text_ids
 
 # Upstream's SUPPORTED_LANGUAGES (mtl_tts.py), in its (alphabetical) order.
 LANGUAGES: dict[str, str] = {
@@ -311,22 +311,14 @@ class MtlTokenizer:
         """Raise `TokenizerError` unless this tokenizer's ids fit a T3 with this text config (multilingual:
         255, 0, 2454): the model's SOT/EOT must be [START]/[STOP] and every id must index its text embedding.
         """
-        problems = []
-        if self._start_id != start_text_token:
-            problems.append(
-                f"{START} is id {self._start_id} but the model's start-of-text token is {start_text_token}"
-            )
-        if self._stop_id != stop_text_token:
-            problems.append(
-                f"{STOP} is id {self._stop_id} but the model's end-of-text token is {stop_text_token}"
-            )
-        if self._vocab_size > text_vocab_size:
-            problems.append(
-                f"it has ids up to {self._vocab_size - 1} but the model's text vocabulary has only "
-                f"{text_vocab_size} entries"
-            )
-        if problems:
-            raise TokenizerError(f"{self._source} does not fit this model: {'; '.join(problems)}. {_FIX}")
+        check_text_ids(
+            self._source,
+            (self._start_id, self._stop_id, self._vocab_size),
+            start_text_token,
+            stop_text_token,
+            text_vocab_size,
+            _FIX,
+        )
 
     def _to_cangjie(self, text: str) -> str:
         """Upstream's ``ChineseCangjieConverter``: segment into words joined by spaces, then spell each letter

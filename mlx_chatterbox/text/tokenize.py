@@ -92,22 +92,38 @@ class EnTokenizer:
         T3 brackets the text with the SOT/EOT ids of its own config, which must be the tokenizer's
         [START]/[STOP], and every id must index T3's text embedding.
         """
-        problems = []
-        if self._start_id != start_text_token:
-            problems.append(
-                f"{START} is id {self._start_id} but the model's start-of-text token is {start_text_token}"
-            )
-        if self._stop_id != stop_text_token:
-            problems.append(
-                f"{STOP} is id {self._stop_id} but the model's end-of-text token is {stop_text_token}"
-            )
-        if self._vocab_size > text_vocab_size:
-            problems.append(
-                f"it has ids up to {self._vocab_size - 1} but the model's text vocabulary has only "
-                f"{text_vocab_size} entries"
-            )
-        if problems:
-            raise TokenizerError(f"{self._source} does not fit this model: {'; '.join(problems)}. {_FIX}")
+        check_text_ids(
+            self._source,
+            (self._start_id, self._stop_id, self._vocab_size),
+            start_text_token,
+            stop_text_token,
+            text_vocab_size,
+            _FIX,
+        )
+
+
+def check_text_ids(
+    source: str,
+    ids: tuple[int, int, int],
+    start_text_token: int,
+    stop_text_token: int,
+    text_vocab_size: int,
+    fix: str,
+) -> None:
+    """``ids`` = a grapheme tokenizer's ([START] id, [STOP] id, id range) against T3's text config; a
+    `TokenizerError` that names every mismatch and ``fix``."""
+    start_id, stop_id, vocab_size = ids
+    problems = []
+    if start_id != start_text_token:
+        problems.append(f"{START} is id {start_id} but the model's start-of-text token is {start_text_token}")
+    if stop_id != stop_text_token:
+        problems.append(f"{STOP} is id {stop_id} but the model's end-of-text token is {stop_text_token}")
+    if vocab_size > text_vocab_size:
+        problems.append(
+            f"it has ids up to {vocab_size - 1} but the model's text vocabulary has only {text_vocab_size} entries"
+        )
+    if problems:
+        raise TokenizerError(f"{source} does not fit this model: {'; '.join(problems)}. {fix}")
 
 
 # --- Turbo / Nano: GPT-2 byte-level BPE --------------------------------------------------------------------
