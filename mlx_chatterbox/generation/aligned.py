@@ -17,7 +17,7 @@ import numpy as np
 from ..models.t3 import T3, AttentionTaps
 from ..sampling import SamplingParams, cfg_combine, draw, process_logits
 from .alignment import ALIGNED_HEADS, AlignmentAnalyzer, steer_eos
-from .speech_tokens import _draw_args, check_request, make_draws, request_embeds
+from .speech_tokens import _draw_args, check_request, compiled, make_draws, request_embeds, speech_ids
 from .voice import Voice
 
 
@@ -82,12 +82,10 @@ def _sampler(model: T3, params: SamplingParams, uniform_draws: bool) -> Callable
     then upstream's chain and the draw (``process_logits`` passes the combined row through its CFG step); the
     drawn token is marked as seen for the next step's repetition penalty."""
     knobs = replace(params, max_new_tokens=1, exaggeration=0.0)  # neither changes the step
-    cache_key = ("aligned sampler", knobs, uniform_draws)
-    steps = model.compiled_steps
-    if cache_key not in steps:
-        cfg = model.config
-        vocab = mx.arange(cfg.speech_vocab_size)
-        mx.eval(vocab)  # a compiled function keeps the arrays it closes over; lazy ones only on this thread
+    cfg = model.config
+
+    def build() -> Callable:
+        vocab = speech_ids(cfg.speech_vocab_size)
 
         def sample(
             logits: mx.array, flags: mx.array, seen: mx.array, d: mx.array
@@ -97,26 +95,21 @@ def _sampler(model: T3, params: SamplingParams, uniform_draws: bool) -> Callable
             token = draw(process_logits(x, seen, knobs), knobs, *_draw_args(knobs, uniform_draws, d))
             return token, seen | (vocab == token)
 
-        steps[cache_key] = mx.compile(sample)
-    return steps[cache_key]
+        return sample
+
+    return compiled(model, ("aligned sampler", knobs, uniform_draws), build)
 
 
 def _tapped_decode(model: T3) -> Callable:
     """The compiled ``(token, [speech position, position], kv) -> (logits, maps, kv)``: ``T3.decode`` of the
     token (on every CFG row) that also returns the analyzer's heads' attention maps, each (1, capacity)."""
-    cache_key = ("aligned decode", ALIGNED_HEADS)
-    steps = model.compiled_steps
-    if cache_key not in steps:
 
-        def forward(
-            token: mx.array, position: mx.array, kv: list[mx.array]
-        ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-            taps = AttentionTaps(ALIGNED_HEADS)
-            batch = kv[0].shape[0]
-            logits, kv = model.decode(
-                mx.broadcast_to(token, (batch,)), position[0], position[1], kv, taps=taps
-            )
-            return logits, taps.maps, kv
+    def forward(
+        token: mx.array, position: mx.array, kv: list[mx.array]
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        taps = AttentionTaps(ALIGNED_HEADS)
+        batch = kv[0].shape[0]
+        logits, kv = model.decode(mx.broadcast_to(token, (batch,)), position[0], position[1], kv, taps=taps)
+        return logits, taps.maps, kv
 
-        steps[cache_key] = mx.compile(forward)
-    return steps[cache_key]
+    return compiled(model, ("aligned decode", ALIGNED_HEADS), lambda: forward)

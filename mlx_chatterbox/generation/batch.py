@@ -15,7 +15,7 @@ what else is in the batch (tests/test_batch.py).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -23,7 +23,7 @@ import mlx.core as mx
 from ..models.cache import BatchKVCache
 from ..models.t3 import T3
 from ..sampling import SamplingParams, draw_rows, process_rows, row_knobs
-from .speech_tokens import check_request, first_token, make_draws, request_embeds
+from .speech_tokens import check_request, compiled, first_token, make_draws, request_embeds, speech_ids
 from .voice import Voice
 
 
@@ -248,10 +248,9 @@ def _batch_step(model: T3, uses: tuple[bool, bool, bool, bool]):
     """The compiled batched decode step (traced again for each new number of rows or capacity; the token's
     position and the window's base are values, not shapes) for requests that use min_p, top_p, keyed draws,
     uniform draws, as ``uses`` says."""
-    steps = model.compiled_steps
-    if ("batch", uses) not in steps:
-        vocab = mx.arange(model.config.speech_vocab_size)
-        mx.eval(vocab)  # now, as in speech_tokens.decode_step: steps may run on another thread
+
+    def build() -> Callable:
+        vocab = speech_ids(model.config.speech_vocab_size)
 
         def step(
             tokens: mx.array,
@@ -277,5 +276,6 @@ def _batch_step(model: T3, uses: tuple[bool, bool, bool, bool]):
             token = draw_rows(x, knobs["greedy"], keys, uniforms, layout["by_uniform"], kinds=uses[2:])
             return token, seen, drawn + 1, window
 
-        steps["batch", uses] = mx.compile(step)
-    return steps["batch", uses]
+        return step
+
+    return compiled(model, ("batch", uses), build)

@@ -157,17 +157,33 @@ def _draw_args(
 _MAX_COMPILED = 16
 
 
+def compiled(model: object, key: object, build: Callable[[], Callable]) -> Callable:
+    """``model.compiled_steps[key]``: ``mx.compile(build())`` on first use, at most ``_MAX_COMPILED`` kept per
+    model (the oldest goes first). Every T3 decode loop (single, batched, aligned; English and Turbo) keeps
+    its steps here, and loading weights clears them."""
+    steps = model.compiled_steps
+    if key not in steps:
+        if len(steps) >= _MAX_COMPILED:
+            steps.pop(next(iter(steps)))
+        steps[key] = mx.compile(build())
+    return steps[key]
+
+
+def speech_ids(vocab_size: int) -> mx.array:
+    """``arange(vocab_size)``, evaluated now: a compiled step keeps the lazy arrays it closes over, and MLX
+    evaluates a lazy array only on the thread that made it (a server steps on a thread of its own)."""
+    ids = mx.arange(vocab_size)
+    mx.eval(ids)
+    return ids
+
+
 def decode_step(model: T3, params: SamplingParams, uniform_draws: bool) -> Callable:
     """The compiled ``(token, [speech position, position], seen, draw, kv) -> (next token, seen, kv)``: feed
     the last token through T3, mark it as seen, filter the logits and draw, all on the device."""
     knobs = replace(params, max_new_tokens=1, exaggeration=0.0)  # neither changes the step
-    steps = model.compiled_steps
-    key = (knobs, uniform_draws)
-    if key not in steps:
-        vocab = mx.arange(model.config.speech_vocab_size)
-        # Evaluated now: a compiled step keeps the lazy arrays it closes over, and MLX evaluates a lazy array
-        # only on the thread that made it (a server steps on a thread of its own).
-        mx.eval(vocab)
+
+    def build() -> Callable:
+        vocab = speech_ids(model.config.speech_vocab_size)
 
         def step(
             token: mx.array, position: mx.array, seen: mx.array, d: mx.array, kv: list[mx.array]
@@ -178,10 +194,9 @@ def decode_step(model: T3, params: SamplingParams, uniform_draws: bool) -> Calla
             args = _draw_args(knobs, uniform_draws, d)
             return draw(process_logits(logits, seen, knobs), knobs, *args), seen, kv
 
-        if len(steps) >= _MAX_COMPILED:
-            steps.pop(next(iter(steps)))
-        steps[key] = mx.compile(step)
-    return steps[key]
+        return step
+
+    return compiled(model, (knobs, uniform_draws), build)
 
 
 def drop_invalid_tokens(tokens: Sequence[int], start: int, stop: int) -> list[int]:

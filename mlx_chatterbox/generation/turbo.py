@@ -19,7 +19,7 @@ from ..models.s3tokenizer import S3Tokenizer
 from ..models.voice_encoder import VoiceEncoder
 from ..sampling import TurboParams, draw_turbo, process_turbo_logits
 from ..text import GPT2Tokenizer, turbo_punc_norm
-from .speech_tokens import refuse_language
+from .speech_tokens import compiled, refuse_language, speech_ids
 from .voice import Voice, VoiceCloner
 
 logger = logging.getLogger(__name__)
@@ -144,21 +144,13 @@ def _pick(logits: mx.array, d: mx.array, by_uniform: bool) -> mx.array:
     return mx.where(dead, _NO_TOKEN, drawn).astype(mx.int32)
 
 
-# Compiled steps per model and sampling set-up, reused across calls. Knob values are constants of a trace.
-_MAX_COMPILED = 16
-
-
 def decode_step(model: T3Turbo, params: TurboParams, by_uniform: bool) -> Callable:
     """The compiled ``(token, position, seen, draw, kv) -> (next token, seen, kv)``: feed the last token
     through T3 at ``position``, add it to the history, run the chain and draw, all on the device."""
     knobs = replace(params, max_new_tokens=0)  # the step does not depend on it
-    steps = model.compiled_steps
-    key = (knobs, by_uniform)
-    if key not in steps:
-        vocab = mx.arange(model.config.speech_vocab_size)
-        # Evaluated now: a compiled step keeps the lazy arrays it closes over, and MLX evaluates a lazy array
-        # only on the thread that made it (a server steps on a thread of its own).
-        mx.eval(vocab)
+
+    def build() -> Callable:
+        vocab = speech_ids(model.config.speech_vocab_size)
 
         def step(
             token: mx.array, position: mx.array, seen: mx.array, d: mx.array, kv: list[mx.array]
@@ -168,10 +160,9 @@ def decode_step(model: T3Turbo, params: TurboParams, by_uniform: bool) -> Callab
             seen = seen | (vocab == token)
             return _pick(process_turbo_logits(logits, seen, knobs), d, by_uniform), seen, kv
 
-        if len(steps) >= _MAX_COMPILED:
-            steps.pop(next(iter(steps)))
-        steps[key] = mx.compile(step)
-    return steps[key]
+        return step
+
+    return compiled(model, (knobs, by_uniform), build)
 
 
 def postprocess_tokens(tokens: Sequence[int]) -> list[int]:

@@ -16,6 +16,7 @@ tokens do not depend on what else is in the batch (tests/test_turbo_batch.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,6 +25,7 @@ from ..models.cache import BatchKVCache
 from ..models.gpt2 import T3Turbo
 from ..sampling import TurboParams, draw_turbo_rows, process_turbo_rows, turbo_row_knobs
 from .batch import BatchRequest, ContinuousBatch, _fill
+from .speech_tokens import compiled, speech_ids
 from .turbo import _NO_TOKEN, check_request, make_draws
 
 logger = logging.getLogger(__name__)
@@ -189,11 +191,10 @@ def _batch_step(model: T3Turbo, uses: tuple[bool, bool, bool, bool]):
     """The compiled batched decode step (traced again for each new number of rows or capacity; the token's
     buffer index and the window's base are values, not shapes) for requests that use top_k, top_p, keyed
     draws, uniform draws, as ``uses`` says."""
-    steps = model.compiled_steps
-    if ("batch", uses) not in steps:
-        vocab = mx.arange(model.config.speech_vocab_size)
-        mx.eval(vocab)  # now, as in turbo.decode_step: steps may run on another thread
-        last_position = model.config.n_positions - 1
+    last_position = model.config.n_positions - 1
+
+    def build() -> Callable:
+        vocab = speech_ids(model.config.speech_vocab_size)
 
         def step(
             tokens: mx.array,
@@ -217,5 +218,6 @@ def _batch_step(model: T3Turbo, uses: tuple[bool, bool, bool, bool]):
             token = _pick(logits, seen, layout["knobs"], keys, uniforms, layout["by_uniform"], uses)
             return token, seen, drawn + 1, window
 
-        steps["batch", uses] = mx.compile(step)
-    return steps["batch", uses]
+        return step
+
+    return compiled(model, ("batch", uses), build)

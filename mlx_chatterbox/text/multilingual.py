@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from .normalize import MTL_SENTENCE_ENDERS, punc_norm
-from .tokenize import SPACE, START, STOP, UNK, TokenizerError, check_text_ids
+from .tokenize import SPACE, GraphemeTokenizer, TokenizerError
 
 # Upstream's SUPPORTED_LANGUAGES (mtl_tts.py), in its (alphabetical) order.
 LANGUAGES: dict[str, str] = {
@@ -176,13 +176,15 @@ def _pkuseg_cut() -> Callable[[str], list[str]]:
     return segmenter.cut
 
 
-class MtlTokenizer:
+class MtlTokenizer(GraphemeTokenizer):
     """Text -> token ids for Chatterbox Multilingual, equal to upstream ``MTLTokenizer.encode(text,
     language_id)``.
 
     No punctuation clean-up happens here: callers apply `mtl_punc_norm` first, as upstream's generate does.
     Build it with `from_folder` (a checkpoint folder) or `from_files`.
     """
+
+    fix = _FIX
 
     def __init__(
         self,
@@ -195,30 +197,12 @@ class MtlTokenizer:
         """tokenizer: the built grapheme BPE; cangjie: glyph -> code with index suffix (`read_cangjie`),
         needed only for ``zh``; segmenter: Chinese text -> words (None: spacy-pkuseg's default model, as
         upstream)."""
-        self._tok = tokenizer
-        self._source = source
+        super().__init__(tokenizer, source)
         self._cangjie = dict(cangjie) if cangjie is not None else None
         self._segmenter = segmenter
+        # The [xx] tags must be added tokens too, or "[fr]" would be cut into "[", "fr", "]".
         vocab = tokenizer.get_vocab(with_added_tokens=True)
-        for name in (START, STOP):
-            if name not in vocab:
-                raise TokenizerError(
-                    f"{source} has no {name} token, so it is not Chatterbox's tokenizer. {_FIX}"
-                )
-        # [SPACE] and the [xx] tags must be added tokens: else the pre-tokenizer cuts "[SPACE]" into "[",
-        # "SPACE", "]" and every space silently becomes wrong tokens.
-        if not self._is_added(SPACE, vocab):
-            raise TokenizerError(
-                f"{source} has no {SPACE} special token, so it is not Chatterbox's tokenizer. {_FIX}"
-            )
         self._tagged = {code for code in LANGUAGES if self._is_added(f"[{code}]", vocab)}
-        self._start_id = vocab[START]
-        self._stop_id = vocab[STOP]
-        # The id range an embedding table must cover (not the entry count, in case ids have holes).
-        self._vocab_size = max(vocab.values()) + 1
-
-    def _is_added(self, token: str, vocab: dict[str, int]) -> bool:
-        return token in vocab and self._tok.encode(token, add_special_tokens=False).ids == [vocab[token]]
 
     @classmethod
     def from_files(
@@ -230,18 +214,9 @@ class MtlTokenizer:
     ) -> MtlTokenizer:
         """Load ``grapheme_mtl_merged_expanded_v1.json`` and, for Chinese, ``Cangjie5_TC.json``. Without a
         Cangjie map every language but ``zh`` works; ``zh`` raises `TokenizerError`."""
-        path = Path(tokenizer_path)
-        if not path.is_file():
-            what = "is a directory, not a file" if path.is_dir() else "does not exist"
-            raise TokenizerError(
-                f"Tokenizer file {path} {what}. Pass the path of {MTL_TOKENIZER_FILE}. {_FIX}"
-            )
-        try:
-            tokenizer = Tokenizer.from_file(str(path))
-        except Exception as err:  # ``tokenizers`` raises a bare Exception for any parse failure
-            raise TokenizerError(f"{path} is not a valid tokenizer JSON ({err}). {_FIX}") from err
+        tokenizer = cls._read(tokenizer_path, MTL_TOKENIZER_FILE, "tokenizer JSON")
         cangjie = read_cangjie(cangjie_path) if cangjie_path is not None else None
-        return cls(tokenizer, cangjie, segmenter=segmenter, source=str(path))
+        return cls(tokenizer, cangjie, segmenter=segmenter, source=str(Path(tokenizer_path)))
 
     @classmethod
     def from_folder(
@@ -257,18 +232,6 @@ class MtlTokenizer:
         return cls.from_files(
             folder / MTL_TOKENIZER_FILE, cangjie if cangjie.is_file() else None, segmenter=segmenter
         )
-
-    @property
-    def start_id(self) -> int:
-        return self._start_id
-
-    @property
-    def stop_id(self) -> int:
-        return self._stop_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     def preprocess(self, text: str, language: str | None) -> str:
         """The string upstream hands to the BPE, [SPACE]s included (for inspection; `encode` tokenises it)."""
@@ -303,22 +266,7 @@ class MtlTokenizer:
     def decode(self, ids: list[int]) -> str:
         """The text the ids spell, as upstream's ``decode``: [STOP] and [UNK] dropped, [START] and tags
         kept."""
-        # Upstream joins the tokens with spaces and then deletes every space, so a " " token vanishes too.
-        text = "".join(self._tok.id_to_token(i) or "" for i in ids).replace(" ", "")
-        return text.replace(SPACE, " ").replace(STOP, "").replace(UNK, "")
-
-    def check_compatible(self, start_text_token: int, stop_text_token: int, text_vocab_size: int) -> None:
-        """Raise `TokenizerError` unless this tokenizer's ids fit a T3 with this text config (multilingual:
-        255, 0, 2454): the model's SOT/EOT must be [START]/[STOP] and every id must index its text embedding.
-        """
-        check_text_ids(
-            self._source,
-            (self._start_id, self._stop_id, self._vocab_size),
-            start_text_token,
-            stop_text_token,
-            text_vocab_size,
-            _FIX,
-        )
+        return self._decode(ids)
 
     def _to_cangjie(self, text: str) -> str:
         """Upstream's ``ChineseCangjieConverter``: segment into words joined by spaces, then spell each letter

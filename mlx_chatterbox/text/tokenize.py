@@ -23,11 +23,11 @@ class TokenizerError(ValueError):
     """The tokenizer file is missing, unreadable, or does not fit the model."""
 
 
-class EnTokenizer:
-    """Text -> token ids, exactly as upstream ``chatterbox.models.tokenizers.EnTokenizer``.
+class GraphemeTokenizer:
+    """What Chatterbox's grapheme tokenizers (English, Multilingual) share: a ``tokenizers`` BPE with [START],
+    [STOP] and [SPACE] among its added tokens, and the ids T3 checks it against."""
 
-    No normalisation happens here: callers apply `punc_norm` first, as upstream does.
-    """
+    fix = _FIX  # the end of every error message: which file to use
 
     def __init__(self, tokenizer: Tokenizer, source: str = "<in-memory tokenizer>") -> None:
         self._tok = tokenizer
@@ -36,31 +36,34 @@ class EnTokenizer:
         for name in (START, STOP):
             if name not in vocab:
                 raise TokenizerError(
-                    f"{source} has no {name} token, so it is not Chatterbox's tokenizer. {_FIX}"
+                    f"{source} has no {name} token, so it is not Chatterbox's tokenizer. {self.fix}"
                 )
         # [SPACE] must be an added token: otherwise the pre-tokenizer would split the literal "[SPACE]" into
         # "[", "SPACE", "]" and every space would silently become three wrong tokens.
-        if tokenizer.encode(SPACE, add_special_tokens=False).ids != [vocab.get(SPACE)]:
+        if not self._is_added(SPACE, vocab):
             raise TokenizerError(
-                f"{source} has no {SPACE} special token, so it is not Chatterbox's tokenizer. {_FIX}"
+                f"{source} has no {SPACE} special token, so it is not Chatterbox's tokenizer. {self.fix}"
             )
         self._start_id = vocab[START]
         self._stop_id = vocab[STOP]
         # The id range an embedding table must cover (not the entry count, in case ids have holes).
         self._vocab_size = max(vocab.values()) + 1
 
+    def _is_added(self, token: str, vocab: dict[str, int]) -> bool:
+        """Whether ``token`` is matched whole, as an added token."""
+        return token in vocab and self._tok.encode(token, add_special_tokens=False).ids == [vocab[token]]
+
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> EnTokenizer:
-        """Load a Hugging Face ``tokenizer.json``."""
+    def _read(cls, path: str | os.PathLike[str], name: str, kind: str) -> Tokenizer:
+        """The ``tokenizers`` file at ``path`` (which should be ``name``); errors call it a ``kind``."""
         path = Path(path)
         if not path.is_file():
             what = "is a directory, not a file" if path.is_dir() else "does not exist"
-            raise TokenizerError(f"Tokenizer file {path} {what}. Pass the path of tokenizer.json. {_FIX}")
+            raise TokenizerError(f"Tokenizer file {path} {what}. Pass the path of {name}. {cls.fix}")
         try:
-            tokenizer = Tokenizer.from_file(str(path))
+            return Tokenizer.from_file(str(path))
         except Exception as err:  # ``tokenizers`` raises a bare Exception for any parse failure
-            raise TokenizerError(f"{path} is not a valid tokenizer.json ({err}). {_FIX}") from err
-        return cls(tokenizer, source=str(path))
+            raise TokenizerError(f"{path} is not a valid {kind} ({err}). {cls.fix}") from err
 
     @property
     def start_id(self) -> int:
@@ -74,6 +77,46 @@ class EnTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def check_compatible(self, start_text_token: int, stop_text_token: int, text_vocab_size: int) -> None:
+        """Raise `TokenizerError` unless this tokenizer's ids fit a T3 with this text config.
+
+        T3 brackets the text with the SOT/EOT ids of its own config, which must be the tokenizer's
+        [START]/[STOP], and every id must index T3's text embedding.
+        """
+        problems = []
+        if self._start_id != start_text_token:
+            problems.append(
+                f"{START} is id {self._start_id} but the model's start-of-text token is {start_text_token}"
+            )
+        if self._stop_id != stop_text_token:
+            problems.append(
+                f"{STOP} is id {self._stop_id} but the model's end-of-text token is {stop_text_token}"
+            )
+        if self._vocab_size > text_vocab_size:
+            problems.append(
+                f"it has ids up to {self._vocab_size - 1} but the model's text vocabulary has only "
+                f"{text_vocab_size} entries"
+            )
+        if problems:
+            raise TokenizerError(f"{self._source} does not fit this model: {'; '.join(problems)}. {self.fix}")
+
+    def _decode(self, ids: list[int]) -> str:
+        # Upstream joins the tokens with spaces and then deletes every space, so a " " token vanishes too.
+        text = "".join(self._tok.id_to_token(i) or "" for i in ids).replace(" ", "")
+        return text.replace(SPACE, " ").replace(STOP, "").replace(UNK, "")
+
+
+class EnTokenizer(GraphemeTokenizer):
+    """Text -> token ids, exactly as upstream ``chatterbox.models.tokenizers.EnTokenizer``.
+
+    No normalisation happens here: callers apply `punc_norm` first, as upstream does.
+    """
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> EnTokenizer:
+        """Load a Hugging Face ``tokenizer.json``."""
+        return cls(cls._read(path, "tokenizer.json", "tokenizer.json"), source=str(Path(path)))
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without [START]/[STOP]."""
         # Spaces become the literal [SPACE], which the tokenizer matches as an added token before its
@@ -82,48 +125,7 @@ class EnTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Inverse of `encode`, as upstream's ``decode``: [STOP] and [UNK] are dropped, [START] is kept."""
-        # Upstream joins the tokens with spaces and then deletes every space, so a " " token vanishes too.
-        text = "".join(self._tok.id_to_token(i) or "" for i in ids).replace(" ", "")
-        return text.replace(SPACE, " ").replace(STOP, "").replace(UNK, "")
-
-    def check_compatible(self, start_text_token: int, stop_text_token: int, text_vocab_size: int) -> None:
-        """Raise `TokenizerError` unless this tokenizer's ids fit a T3 with this text config.
-
-        T3 brackets the text with the SOT/EOT ids of its own config, which must be the tokenizer's
-        [START]/[STOP], and every id must index T3's text embedding.
-        """
-        check_text_ids(
-            self._source,
-            (self._start_id, self._stop_id, self._vocab_size),
-            start_text_token,
-            stop_text_token,
-            text_vocab_size,
-            _FIX,
-        )
-
-
-def check_text_ids(
-    source: str,
-    ids: tuple[int, int, int],
-    start_text_token: int,
-    stop_text_token: int,
-    text_vocab_size: int,
-    fix: str,
-) -> None:
-    """``ids`` = a grapheme tokenizer's ([START] id, [STOP] id, id range) against T3's text config; a
-    `TokenizerError` that names every mismatch and ``fix``."""
-    start_id, stop_id, vocab_size = ids
-    problems = []
-    if start_id != start_text_token:
-        problems.append(f"{START} is id {start_id} but the model's start-of-text token is {start_text_token}")
-    if stop_id != stop_text_token:
-        problems.append(f"{STOP} is id {stop_id} but the model's end-of-text token is {stop_text_token}")
-    if vocab_size > text_vocab_size:
-        problems.append(
-            f"it has ids up to {vocab_size - 1} but the model's text vocabulary has only {text_vocab_size} entries"
-        )
-    if problems:
-        raise TokenizerError(f"{source} does not fit this model: {'; '.join(problems)}. {fix}")
+        return self._decode(ids)
 
 
 # --- Turbo / Nano: GPT-2 byte-level BPE --------------------------------------------------------------------
