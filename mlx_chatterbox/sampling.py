@@ -270,13 +270,7 @@ def draw_rows(
     arg-max where ``greedy`` (R, 1); else the inverse-CDF draw of ``uniforms`` (R,) where ``by_uniform`` (R,);
     else a categorical draw with the row's own key, ``keys`` (R, 2).
     kinds: whether any row draws by key, and whether any draws by uniform (a kind no row uses is skipped)."""
-    drawn = mx.zeros(logits.shape[:1], mx.int32)
-    if kinds[0]:
-        drawn = mx.vmap(gumbel_max)(logits, keys)  # each row with its own key, as alone
-    if kinds[1]:
-        cdf = mx.cumsum(softmax(logits), axis=-1)
-        by_cdf = mx.minimum((cdf <= uniforms[:, None] * cdf[:, -1:]).sum(axis=-1), logits.shape[-1] - 1)
-        drawn = mx.where(by_uniform, by_cdf.astype(mx.int32), drawn)
+    drawn = draw_turbo_rows(logits, keys, uniforms, by_uniform, kinds=kinds)
     return mx.where(greedy[:, 0], mx.argmax(logits, axis=-1), drawn).astype(mx.int32)
 
 

@@ -30,16 +30,8 @@ PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = (
 )
 
 # Turbo's table (tts_turbo.py): English's without "...", " - " and ";" (Turbo keeps those as written).
-TURBO_PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = (
-    ("\u2026", ", "),  # horizontal ellipsis
-    (":", ","),
-    ("\u2014", "-"),  # em dash
-    ("\u2013", "-"),  # en dash
-    (" ,", ","),
-    ("\u201c", '"'),  # left double quotation mark
-    ("\u201d", '"'),  # right double quotation mark
-    ("\u2018", "'"),  # left single quotation mark
-    ("\u2019", "'"),  # right single quotation mark
+TURBO_PUNCTUATION_REPLACEMENTS: tuple[tuple[str, str], ...] = tuple(
+    r for r in PUNCTUATION_REPLACEMENTS if r[0] not in ("...", " - ", ";")
 )
 
 # A text that ends in none of these gets a full stop (English and Turbo alike).
