@@ -82,7 +82,7 @@ def test_only_backbone_linears_are_quantized(tiny_t3, bits):
     layer = model.tfmr.layers[0].mlp.gate_up_proj
     assert (layer.bits, layer.group_size, layer.weight.dtype) == (bits, 32, mx.uint32)
     # The speech head and the conditioning encoder stay plain layers in the model dtype.
-    assert type(model.speech_head) is nn.Linear and type(model.cond_enc.spkr_enc) is nn.Linear
+    assert isinstance(model.speech_head, nn.Linear) and isinstance(model.cond_enc.spkr_enc, nn.Linear)
     assert model.speech_head.weight.dtype == mx.float32
 
 

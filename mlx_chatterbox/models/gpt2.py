@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import left_pad_mask, window_attention
+from .layers import Linear, decode_attention, left_pad_mask, window_attention
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         # GPT-2's fused projection: output columns are [q | k | v], each d wide (HF Conv1D, transposed at
         # conversion).
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
+        self.c_attn = Linear(d, 3 * d)
+        self.c_proj = Linear(d, d)
 
     def __call__(
         self, x: mx.array, kv: list[mx.array] | None = None, mask: str | mx.array = "causal"
@@ -93,13 +93,7 @@ class Attention(nn.Module):
         qkv = self.c_attn(x).reshape(b, 3, self.num_heads, 1, self.head_dim)
         keys = mx.slice_update(keys, qkv[:, 1], position[None], axes=(2,))
         values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
-        index = mx.arange(keys.shape[2])
-        visible = index <= position  # the buffer past this token is unwritten
-        if pad is not None:
-            visible = (visible & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
-        out = mx.fast.scaled_dot_product_attention(
-            qkv[:, 0], keys, values, scale=self.head_dim**-0.5, mask=visible
-        )
+        out = decode_attention(qkv[:, 0], keys, values, position, pad)
         return self.c_proj(out.reshape(b, 1, d)), keys, values
 
     def decode_window(
@@ -126,8 +120,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: T3TurboConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def __call__(self, x: mx.array) -> mx.array:
         # GPT-2's "gelu_new" is the tanh approximation, which is exactly nn.gelu_approx's formula.
@@ -254,7 +248,7 @@ class T3Turbo(nn.Module):
         self.cond_enc = CondEnc(cfg)
         self.text_emb = nn.Embedding(cfg.text_vocab_size, d)
         self.speech_emb = nn.Embedding(cfg.speech_vocab_size, d)
-        self.speech_head = nn.Linear(d, cfg.speech_vocab_size)  # upstream: bias=is_gpt
+        self.speech_head = Linear(d, cfg.speech_vocab_size)  # upstream: bias=is_gpt
         # Compiled decode steps by sampling set-up (generation/turbo.py). Set past nn.Module's __setattr__,
         # which would store a dict as a child module and list it among the parameters.
         object.__setattr__(self, "compiled_steps", {})

@@ -309,3 +309,150 @@ def window_attention(
     capacity = keys.shape[2]
     out = p[..., :capacity] @ values + p[..., capacity:] @ window_values
     return out, window_keys, window_values
+
+
+# --- decode steps on CUDA ---
+#
+# A decode step is bound by the host work MLX does per primitive, not by the GPU (ADR 12). On an H200 a product
+# with 2 rows goes to cuBLAS (14-20 us of host time each, as does any product with a bias epilogue), while MLX's
+# matrix-vector kernel costs 6-7 us; attention with an array mask falls back to a chain of unfused primitives
+# (28-37 us). The two below cut both on CUDA; elsewhere they are the plain MLX ops they stand for.
+
+# Rows up to which a projection runs as matrix-vector products on CUDA; beyond, reading the weight once per row
+# costs more GPU time than cuBLAS's host time saves.
+GEMV_ROWS = 4
+
+
+# False keeps MLX's own ops on CUDA too (benchmarks/probe_step.py compares the two in one run).
+CUDA_DECODE = True
+
+
+def _use_cuda_paths() -> bool:
+    return CUDA_DECODE and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and keys) whose few-row calls on CUDA (decode steps: CFG's 2 rows, Turbo's
+    1) take MLX's matrix-vector kernel, as a batch of ``W @ row`` products, and add the bias apart."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _use_cuda_paths() or x.size > GEMV_ROWS * x.shape[-1]:
+            return super().__call__(x)
+        return few_rows_linear(x, self.weight, self.get("bias"))
+
+
+def few_rows_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """``x @ weight.T (+ bias)`` for x (..., K) as one ``weight @ row`` product per row (batched): the form
+    MLX computes with its matrix-vector kernel."""
+    y = (weight @ x.reshape(-1, x.shape[-1], 1)).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None) -> mx.array:
+    """Which of a decode step's ``capacity`` buffer positions its token sees: those up to ``position`` (the
+    tail is unwritten), from each row's ``pad[b]`` on when rows are left-padded: (capacity,) or (B, 1, 1,
+    capacity)."""
+    index = mx.arange(capacity)
+    visible = index <= position
+    if pad is not None:
+        visible = (visible & (index >= pad[:, None]))[:, None, None]
+    return visible
+
+
+# One block of 4 warps per (row, head); each warp takes every 4th visible key with an online softmax (running
+# max, sum and weighted values: no scores stored, so no shared memory that depends on the capacity), then warp 0
+# merges the 4. All in fp32 whatever T.
+_DECODE_ATTENTION = """
+    constexpr int WARPS = 4;
+    constexpr int PER = D / 32;
+    int bh = blockIdx.x;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int capacity = keys_shape[2];
+    int last = position[0];
+    int first = HAS_PAD ? pad[bh / H] : 0;
+    const T* kb = keys + (size_t)bh * capacity * D + lane * PER;
+    const T* vb = values + (size_t)bh * capacity * D + lane * PER;
+    float qv[PER], acc[PER];
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * (1.0f / sqrtf((float)D));
+        acc[i] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    for (int j = first + warp; j <= last; j += WARPS) {
+        float s = 0.f;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) s += qv[i] * static_cast<float>(kb[(size_t)j * D + i]);
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        float m_new = fmaxf(m, s);
+        float correction = expf(m - m_new);
+        float p = expf(s - m_new);
+        l = l * correction + p;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vb[(size_t)j * D + i]);
+        m = m_new;
+    }
+    __shared__ float warp_m[WARPS], warp_l[WARPS], warp_acc[WARPS][D];
+    if (lane == 0) {
+        warp_m[warp] = m;
+        warp_l[warp] = l;
+    }
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) warp_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+    float m_all = -INFINITY;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, warp_m[w]);
+    float l_all = 0.f, o[PER];
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) o[i] = 0.f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        float c = warp_l[w] > 0.f ? expf(warp_m[w] - m_all) : 0.f;  // a warp that saw no key adds nothing
+        l_all += warp_l[w] * c;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * c;
+    }
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
+"""
+_decode_attention_kernels: dict[bool, object] = {}
+
+
+def decode_attention(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    position: mx.array,
+    pad: mx.array | None = None,
+    kernel: bool | None = None,
+) -> mx.array:
+    """One decode token's attention over fixed-size key and value buffers: q (B, H, 1, hd), keys and values
+    (B, H, capacity, hd), the token at buffer index ``position`` (int32 scalar array) already written in; row b
+    sees indices pad[b] .. position (``visible_mask``). Scale hd^-0.5. Returns (B, H, 1, hd).
+
+    kernel: our CUDA kernel (one primitive) or ``mx.fast.scaled_dot_product_attention`` with the mask (which
+    MLX-CUDA runs unfused); None picks the kernel on CUDA for head dims that are a multiple of 32."""
+    b, h, _, hd = q.shape
+    if kernel is None:
+        kernel = _use_cuda_paths() and hd % 32 == 0
+    if not kernel:
+        mask = visible_mask(keys.shape[2], position, pad)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=hd**-0.5, mask=mask)
+    has_pad = pad is not None
+    if has_pad not in _decode_attention_kernels:
+        names = ["q", "keys", "values", "position"] + (["pad"] if has_pad else [])
+        _decode_attention_kernels[has_pad] = mx.fast.cuda_kernel(
+            f"decode_attention{'_pad' if has_pad else ''}", names, ["out"], _DECODE_ATTENTION
+        )
+    inputs = [q, keys, values, position.reshape(1)] + ([pad] if has_pad else [])
+    return _decode_attention_kernels[has_pad](
+        inputs=inputs,
+        template=[("T", q.dtype), ("D", hd), ("H", h), ("HAS_PAD", has_pad)],
+        grid=(b * h * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]

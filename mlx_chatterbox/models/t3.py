@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import left_pad_mask, window_attention
+from .layers import Linear, decode_attention, left_pad_mask, visible_mask, window_attention
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,8 @@ class Attention(nn.Module):
         d, h, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.num_heads, self.head_dim = h, hd
         # q, k and v as one product: one weight read and one kernel per step instead of three (fused at conversion).
-        self.qkv_proj = nn.Linear(d, 3 * h * hd, bias=False)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.qkv_proj = Linear(d, 3 * h * hd, bias=False)
+        self.o_proj = Linear(h * hd, d, bias=False)
         self._rope_periods = rope_periods
 
     def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
@@ -208,13 +208,9 @@ class Attention(nn.Module):
         qk = self._rope(qkv[:, :2], position if pad is None else position - pad)
         keys = mx.slice_update(keys, qk[:, 1], position[None], axes=(2,))
         values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
-        index = mx.arange(keys.shape[2])
-        visible = index <= position  # the buffer's tail beyond this token is unwritten
-        if pad is not None:
-            visible = (visible & (index >= pad[:, None]))[:, None, None]  # (B, 1, 1, capacity)
         if tap is not None:
-            tap(qk[:, 0], keys, visible, hd**-0.5)
-        out = mx.fast.scaled_dot_product_attention(qk[:, 0], keys, values, scale=hd**-0.5, mask=visible)
+            tap(qk[:, 0], keys, visible_mask(keys.shape[2], position, pad), hd**-0.5)
+        out = decode_attention(qk[:, 0], keys, values, position, pad)
         return self.o_proj(out.reshape(b, 1, h * hd)), keys, values
 
     def decode_window(
@@ -243,8 +239,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: T3Config):
         super().__init__()
         # gate and up as one product (fused at conversion), split after.
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -427,7 +423,7 @@ class T3(nn.Module):
         self.speech_emb = nn.Embedding(cfg.speech_vocab_size, d)
         self.text_pos_emb = nn.Embedding(cfg.text_positions, d)
         self.speech_pos_emb = nn.Embedding(cfg.speech_positions, d)
-        self.speech_head = nn.Linear(d, cfg.speech_vocab_size, bias=False)
+        self.speech_head = Linear(d, cfg.speech_vocab_size, bias=False)
         # Compiled decode steps by sampling set-up (generation/speech_tokens.py). Set past nn.Module's
         # __setattr__, which would store a dict as a child module and list it among the parameters.
         object.__setattr__(self, "compiled_steps", {})

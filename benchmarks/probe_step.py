@@ -1,0 +1,260 @@
+"""Where a T3 decode step's time goes on a GPU (issue 25): what each kind of primitive costs, and whole steps
+with their projections computed three ways. A one-off probe for the H200; prints a short table per part.
+
+    python benchmarks/probe_step.py --part micro,step --tokens 200
+
+- micro: chains of one primitive kind, built lazily and then evaluated (so the time is MLX's encoding plus the
+  device, not Python): microseconds per primitive.
+- step: English T3 (CFG, 2 rows) and Turbo/Nano (1 row) decode speed and primitives per step: our step with
+  MLX's own ops (``layers.CUDA_DECODE = False``: the code before ADR 12), ours, and upstream on PyTorch CUDA.
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx_chatterbox  # noqa: F401  isort: skip
+
+import argparse
+import collections
+import io
+import json
+import re
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_chatterbox.models import layers
+
+_GEMV_SOURCE = """
+    constexpr int V = 16 / sizeof(T);
+    int lane = threadIdx.x & 31;
+    int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= N) return;
+    const T* wr = w + (size_t)n * K;
+    float acc[M];
+    #pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int k = lane * V; k < K; k += 32 * V) {
+        uint4 wraw = *reinterpret_cast<const uint4*>(wr + k);
+        const T* wv = reinterpret_cast<const T*>(&wraw);
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            uint4 xraw = *reinterpret_cast<const uint4*>(x + m * K + k);
+            const T* xv = reinterpret_cast<const T*>(&xraw);
+            #pragma unroll
+            for (int j = 0; j < V; ++j) acc[m] += static_cast<float>(wv[j]) * static_cast<float>(xv[j]);
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float a = acc[m];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
+        if (lane == 0) out[m * N + n] = static_cast<T>(a);
+    }
+"""
+_gemv_kernel = None
+
+
+def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
+    """x (M, K) @ w (N, K).T by one warp per output column: w read once for all M rows."""
+    global _gemv_kernel
+    if _gemv_kernel is None:
+        _gemv_kernel = mx.fast.cuda_kernel("probe_gemv", ["x", "w"], ["out"], _GEMV_SOURCE)
+    m, k = x.shape
+    n = w.shape[0]
+    return _gemv_kernel(
+        inputs=[x, w],
+        template=[("T", x.dtype), ("M", m), ("N", n), ("K", k)],
+        grid=(n * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def primitives(*outputs: mx.array) -> collections.Counter:
+    f = io.StringIO()
+    mx.export_to_dot(f, *outputs)
+    return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', f.getvalue()))
+
+
+# --- micro ---
+
+
+def chain_time(build, n: int, repeats: int = 5) -> float:
+    """Microseconds per primitive of a lazily built chain of n, evaluated alone (median of repeats)."""
+    out = build()
+    mx.eval(out)  # warm-up: kernels compiled, graph cached
+    times = []
+    for _ in range(repeats):
+        out = build()
+        t0 = time.perf_counter()
+        mx.eval(out)
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times) / n
+
+
+def micro(dtype: mx.Dtype) -> list[tuple[str, float]]:
+    n, d = 120, 1024
+    ws = [(0.02 * mx.random.normal((d, d))).astype(dtype) for _ in range(n)]
+    mx.eval(ws)
+    rows = {m: mx.random.normal((m, d)).astype(dtype) for m in (1, 2, 8, 64)}
+    bias = mx.zeros((d,), dtype)
+    out = []
+
+    def chain(f, x):
+        def build():
+            y = x
+            for w in ws:
+                y = f(y, w)
+            return y
+
+        return build
+
+    for m, x in rows.items():
+        out.append((f"matmul x @ W.T, {m} rows", chain_time(chain(lambda y, w: y @ w.T, x), n)))
+    out.append(("addmm (Linear with bias), 1 row", chain_time(chain(lambda y, w: mx.addmm(bias, y, w.T), rows[1]), n)))
+    out.append(("matmul + add, 1 row", chain_time(chain(lambda y, w: y @ w.T + bias, rows[1]), 2 * n)))
+    for m in (2, 8):
+        x = rows[m]
+        out.append(
+            (f"batched gemv W @ x[...,None], {m} rows", chain_time(chain(lambda y, w: (w @ y[..., None])[..., 0], x), n))
+        )
+        out.append((f"our kernel gemv, {m} rows", chain_time(chain(lambda y, w: kernel_gemv(y, w), x), n)))
+    q = [mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=8) for w in ws[:n]]
+    mx.eval(q)
+
+    def qchain():
+        y = rows[2].astype(mx.bfloat16)
+        for wq, s, b in q:
+            y = mx.quantized_matmul(y, wq, s, b, transpose=True, group_size=64, bits=8)
+        return y
+
+    out.append(("quantized_matmul q8, 2 rows", chain_time(qchain, n)))
+    tiny = mx.ones((2, d), dtype)
+    out.append(("add (2 x 1024)", chain_time(chain(lambda y, w: y + 1, tiny), n)))
+    g = mx.ones((d,), dtype)
+    out.append(("rms_norm (2 x 1024)", chain_time(chain(lambda y, w: mx.fast.rms_norm(y, g, 1e-5), tiny), n)))
+    cap = 256
+    kk = mx.random.normal((2, 16, cap, 64)).astype(dtype)
+    vv = mx.random.normal((2, 16, cap, 64)).astype(dtype)
+    q1 = mx.random.normal((2, 16, 1, 64)).astype(dtype)
+    mask = (mx.arange(cap) <= 100)
+    out.append(
+        (
+            "sdpa 1 query over 256, bool mask",
+            chain_time(chain(lambda y, w: mx.fast.scaled_dot_product_attention(y, kk, vv, scale=0.125, mask=mask), q1), n),
+        )
+    )
+    pos = mx.array(100, dtype=mx.int32)
+    out.append(
+        (
+            "slice_update of one position",
+            chain_time(chain(lambda y, w: mx.slice_update(y, q1, pos[None], axes=(2,)), kk), n),
+        )
+    )
+    return out
+
+
+def check_kernel(dtype: mx.Dtype) -> float:
+    x = mx.random.normal((2, 1024)).astype(dtype)
+    w = mx.random.normal((3072, 1024)).astype(dtype)
+    ref = (x.astype(mx.float32) @ w.astype(mx.float32).T)
+    got = kernel_gemv(x, w).astype(mx.float32)
+    return (mx.linalg.norm(got - ref) / mx.linalg.norm(ref)).item()
+
+
+# --- whole steps ---
+
+
+def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
+    """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
+    before ADR 12), "ours" (with layers.CUDA_DECODE) or "upstream" (PyTorch CUDA, same inputs)."""
+    import bench_t3
+    import bench_turbo
+    from mlx_chatterbox.models.gpt2 import NANO, TURBO
+
+    layers.CUDA_DECODE = system == "ours"
+    if model == "english":
+        if system == "upstream":
+            return bench_t3.bench_upstream(dtype_name, "cuda", tokens, repeats, src)
+        return bench_t3.bench_ours(dtype_name, "gpu", tokens, repeats)
+    cfg = NANO if model == "nano" else TURBO
+    if system == "upstream":
+        return bench_turbo.bench_t3_upstream(cfg, dtype_name, "cuda", tokens, repeats, src)
+    return bench_turbo.bench_t3_ours(cfg, dtype_name, tokens, repeats)
+
+
+def english_primitives(dtype: mx.Dtype) -> int:
+    """Primitives in one compiled English decode step (CFG, default knobs), as MLX will evaluate them."""
+    from mlx_chatterbox.generation import speech_tokens as st
+    from mlx_chatterbox.models.t3 import T3, T3Config
+    from mlx_chatterbox.sampling import SamplingParams
+
+    cfg = T3Config()
+    model = T3(cfg)
+    model.set_dtype(dtype)
+    step = st.decode_step(model, SamplingParams(), False)
+    kv = [mx.zeros((2, 16, 256, 64), dtype) for _ in range(2 * cfg.num_layers)]
+    seen = mx.zeros((1, cfg.speech_vocab_size), dtype=mx.bool_)
+    token, position, key = mx.array([5]), mx.array([1, 80], dtype=mx.int32), mx.random.key(1)
+    mx.eval(kv, seen, token, position, key)
+    out = step(token, position, seen, key, kv)
+    return sum(primitives(out[0], out[1], *out[2]).values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", default="micro,step")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--systems", default="mlx-ops,ours,upstream")
+    parser.add_argument("--upstream-src", help="folder holding upstream's chatterbox/ (bench_t3.py)")
+    parser.add_argument("--out", help="append JSON lines here")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--models", default="english,turbo,nano")
+    parser.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
+    args = parser.parse_args()
+    mx.set_default_device(getattr(mx, args.device))
+    parts = args.part.split(",")
+    dtypes = args.dtypes.split(",")
+    if "micro" in parts:
+        for dn in dtypes:
+            dtype = getattr(mx, dn)
+            print(f"kernel gemv rel. error {dn}: {check_kernel(dtype):.2e}", flush=True)
+            print(f"\n| {dn}: primitive | us each |\n|---|---|")
+            for name, us in micro(dtype):
+                print(f"| {name} | {us:.1f} |", flush=True)
+    if "step" in parts:
+        rows = []
+        for model in args.models.split(","):
+            for dn in dtypes:
+                for system in args.systems.split(","):
+                    if system == "upstream" and model == "nano" and dn != "float32":
+                        continue
+                    r = step_row(model, dn, system, args.tokens, args.repeats, args.upstream_src)
+                    prims = english_primitives(getattr(mx, dn)) if model == "english" and system != "upstream" else None
+                    layers.CUDA_DECODE = True
+                    row = dict(model=model, dtype=dn, system=system, primitives_per_step=prims, **r)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+                    mx.clear_cache()
+        print("\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['model']} | {r['dtype']} | {r['system']} | {r['prefill_ms']:.1f} | {r['decode_tok_s']:.1f} | "
+                f"{r['ms_per_step']:.2f} | {r['primitives_per_step'] or '-'} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
