@@ -306,6 +306,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GB",
         help="cap MLX's memory (mx.set_memory_limit) and its buffer cache at this many GB (default: no cap)",
     )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
+        "(new ones are refused with 503; a second signal exits at once; default: 10)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every path but /health and / (repeatable; "
+        "$MLX_CHATTERBOX_API_KEY adds comma-separated keys)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        metavar="ORIGINS",
+        help="web origins whose pages may call the server (CORS), comma-separated, e.g. "
+        "https://app.example.com, or * (default: none, same origin only)",
+    )
+    p.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
     _batch_arguments(sub)
     return parser
 
@@ -787,8 +810,8 @@ def _serve(args: argparse.Namespace) -> None:
             f"the server needs {', '.join(missing)}, which is not installed: pip install 'mlx-chatterbox[serve]'"
         )
     import mlx.core as mx
-    import uvicorn
 
+    from .server import gate, run
     from .server.app import create_app
     from .server.voices import VoiceStore, default_voices_dir
     from .server.worker import Worker
@@ -796,6 +819,9 @@ def _serve(args: argparse.Namespace) -> None:
     _check_voice(args.voice)
     if args.memory_limit is not None and not args.memory_limit > 0:
         raise ValueError(f"--memory-limit {args.memory_limit}: give a positive number of GB")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: give a number of seconds >= 0")
+    keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
     folder = args.voices if args.voices is not None else default_voices_dir()
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--voices {folder}: not a folder")
@@ -812,10 +838,20 @@ def _serve(args: argparse.Namespace) -> None:
     with Worker(
         tts, max_batch=args.max_batch, max_queue=args.max_queue, vocode_batch=args.vocode_batch
     ) as worker:
-        app = create_app(worker, voices, model_name=model_name, cfm_steps=args.cfm_steps)
+        app = create_app(
+            worker,
+            voices,
+            model_name=model_name,
+            cfm_steps=args.cfm_steps,
+            api_keys=keys,
+            allowed_origins=origins,
+            ui=not args.no_ui,
+        )
         log_level = "info" if args.verbose else "warning"
         print(f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder})", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=log_level)
+        run.serve(
+            app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=log_level
+        )
 
 
 def _batch_arguments(sub) -> None:

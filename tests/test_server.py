@@ -7,6 +7,7 @@ import base64
 import importlib.util
 import io
 import json
+import re
 import socket
 import sys
 import threading
@@ -24,6 +25,7 @@ from openai import OpenAI
 from mlx_chatterbox import TTS, SamplingParams
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.server import run as run_module
 from mlx_chatterbox.server.app import create_app
 from mlx_chatterbox.server.encode import StreamEncoder, encode, wav_header
 from mlx_chatterbox.server.voices import VoiceStore
@@ -343,7 +345,8 @@ def test_voice_upload_list_use_delete(server, client):
     assert r.status_code == 201
     bad = {"file": ("x.wav", b"not audio at all", "audio/wav")}
     err = error_of(httpx.post(url, data={"name": "other"}, files=bad))
-    assert err["param"] == "file" and "x.wav" in err["message"]
+    assert err["param"] == "file" and "x.wav (16 bytes)" in err["message"]
+    assert "Format not recognised" in err["message"] and "object at 0x" not in err["message"]
     assert error_of(httpx.post(url, data={"name": "../up"}, files=upload))["param"] == "name"
     assert error_of(httpx.post(url, files=upload))["param"] == "name"
     assert httpx.delete(f"{url}/noise").status_code == 200
@@ -356,7 +359,27 @@ def test_voice_upload_list_use_delete(server, client):
 def test_health_and_models(server, client):
     health = httpx.get(f"{server[0]}/health").json()
     assert health["status"] == "ok" and health["model"] == "tiny" and health["queue"] == 0
+    assert health["cfm_steps"] == 10 and health["variant"] == "english" and health["auth"] is False
+    assert health["defaults"]["exaggeration"] == 0.5 and health["defaults"]["max_new_tokens"] == 1000
     assert [m.id for m in client.models.list()][:2] == ["tiny", "chatterbox"]
+
+
+def test_json_body_with_a_form_content_type(server):
+    """curl -d sends application/x-www-form-urlencoded: the body is read as JSON all the same, as OpenAI does."""
+    body = json.dumps({"model": "tts-1", "input": TEXT, "response_format": "pcm", "max_new_tokens": 4})
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"Content-Type": kind} if kind else {}
+        r = httpx.post(f"{server[0]}/v1/audio/speech", content=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and 0 < len(r.content) <= 4 * 960 * 2, (kind, r.text)
+    r = httpx.post(f"{server[0]}/v1/audio/speech", data={"model": "tts-1", "input": TEXT})  # a real form
+    assert "the body is not valid JSON" in error_of(r)["message"]
+
+
+def test_playground_page(server):
+    r = httpx.get(f"{server[0]}/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "<title>mlx-chatterbox" in r.text
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", r.text)  # nothing from elsewhere: works offline
 
 
 # Encoders, without a server.
@@ -385,7 +408,8 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--model", "--max-batch", "--max-queue", "--voices", "--cfm-steps"):
+    flags = ("--host", "--port", "--model", "--max-batch", "--max-queue", "--voices", "--cfm-steps", "--no-ui")
+    for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
         assert flag in out
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "70000"])
@@ -398,6 +422,16 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     assert "not a folder" in capsys.readouterr().err
     assert main(["serve", "--model", nowhere, "--memory-limit", "-1"]) == 1
     assert "--memory-limit" in capsys.readouterr().err
+    assert main(["serve", "--model", nowhere, "--shutdown-timeout", "-1"]) == 1
+    assert "--shutdown-timeout -1.0: give a number of seconds >= 0" in capsys.readouterr().err
+    assert main(["serve", "--model", nowhere, "--api-key", "has space"]) == 1
+    assert "--api-key: an API key is printable ASCII without spaces" in capsys.readouterr().err
+    monkeypatch.setenv("MLX_CHATTERBOX_API_KEY", " , ")
+    assert main(["serve", "--model", nowhere]) == 1
+    assert "MLX_CHATTERBOX_API_KEY is set but holds no key" in capsys.readouterr().err
+    monkeypatch.delenv("MLX_CHATTERBOX_API_KEY")
+    assert main(["serve", "--model", nowhere, "--allowed-origins", "https://a.example/"]) == 1
+    assert "--allowed-origins 'https://a.example/': an origin is scheme://host[:port]" in capsys.readouterr().err
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a)
@@ -407,13 +441,14 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
 
 
 def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys):
-    """``serve`` up to uvicorn.run, which is replaced by a few requests to the app it was given."""
+    """``serve`` up to ``server.run.serve``, which is replaced by a few requests to the app it was given."""
     random_voice(seed=7).save(tmp_path / "mine.safetensors")
     seen = {}
 
-    def run(app, host, port, log_level):
-        seen["where"] = (host, port)
+    def serve(app, host, port, shutdown_timeout, log_level):
+        seen["where"] = (host, port, shutdown_timeout)
         with TestClient(app) as http:
+            seen["page"] = http.get("/")
             seen["health"] = http.get("/health").json()
             seen["voices"] = http.get("/v1/audio/voices").json()["voices"]
             body = {
@@ -425,7 +460,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
             }
             seen["speech"] = http.post("/v1/audio/speech", json=body)
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(run_module, "serve", serve)
     voices = tmp_path / "voices"
     args = [
         "serve",
@@ -447,6 +482,9 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         "2",
         "--host",
         "0.0.0.0",
+        "--shutdown-timeout",
+        "2.5",
+        "--no-ui",
     ]
     limit, cache = mx.set_memory_limit(0), mx.set_cache_limit(0)  # the process's limits, restored below
     mx.set_memory_limit(limit)
@@ -457,7 +495,8 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
     finally:
         mx.set_memory_limit(limit)
         mx.set_cache_limit(cache)
-    assert seen["where"] == ("0.0.0.0", 8123) and voices.is_dir()
+    assert seen["where"] == ("0.0.0.0", 8123, 2.5) and voices.is_dir()
+    assert seen["page"].status_code == 404  # --no-ui
     health = seen["health"]
     assert health["model"] == "mlx" and health["max_queue"] == 3 and health["max_batch"] == 2
     assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP routes: ``POST /v1/audio/speech`` (whole, streamed or server-sent events), the voice
-library under ``/v1/audio/voices``, ``/v1/models`` and ``/health``. All model work goes through the ``Worker``.
+library under ``/v1/audio/voices``, ``/v1/models``, ``/health`` and the playground page at ``/``. All model work
+goes through the ``Worker``; every request passes the ``Gate`` first (API keys, shutdown).
 
 Every error is OpenAI's JSON shape (``schema.error_body``); FastAPI's 422 for a bad body becomes a 400 naming
 the field.
@@ -9,27 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from importlib import resources
 
 import numpy as np
 import soundfile as sf
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..audio.stretch import time_stretch
 from .encode import StreamEncoder, check_format, content_type, encode
+from .gate import Gate
 from .schema import KNOBS, OPENAI_MODELS, SpeechRequest, error_body
 from .voices import BUILTIN, UnknownVoice, VoiceExists, VoiceStore, check_name
 from .worker import QueueFull, SpeechJob, Ticket, Worker
 
 logger = logging.getLogger(__name__)
+PLAYGROUND = resources.files(__package__) / "playground.html"
+SHUT_DOWN = "the server shut down before this speech was finished (its --shutdown-timeout passed)"
 MAX_UPLOAD = 50 * 2**20  # bytes of a voice recording; only its first 10 s are used
 
 
@@ -48,6 +55,9 @@ def create_app(
     model_name: str,
     cfm_steps: int | None = None,
     max_upload: int = MAX_UPLOAD,
+    api_keys: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
+    ui: bool = True,
 ) -> FastAPI:
     """The server's app over a started ``worker`` (it is not started or closed here).
 
@@ -55,10 +65,32 @@ def create_app(
         OpenAI's tts-1, tts-1-hd, gpt-4o-mini-tts (so that clients written for OpenAI work unchanged).
     cfm_steps: the flow-matching steps of requests that give none (None: the model's, upstream's 10 or Turbo's 2).
     max_upload: the largest voice recording accepted, in bytes.
+    api_keys: when given, every path but ``/health`` and ``/`` needs ``Authorization: Bearer <one of them>``.
+    allowed_origins: the web origins whose pages may call the server (CORS; ``*``: any); none: same origin only.
+    ui: serve the playground page at ``/``.
     """
     app = FastAPI(title="mlx-chatterbox", version=__version__)
     models = list(dict.fromkeys([model_name, "chatterbox", *OPENAI_MODELS]))
+    speech_kind = worker.tts.speech
+    defaults = dataclasses.asdict(speech_kind.params_type())
+    # The steps in effect for a request that gives none: --cfm-steps, else the decoder's (10; meanflow 2).
+    cfm_steps_used = cfm_steps if cfm_steps is not None else worker.tts.s3gen.estimator.config.n_timesteps
+    gate = app.state.gate = Gate(api_keys)
     _install_error_handlers(app)
+    app.add_middleware(_Gated, gate=gate)
+    if allowed_origins:  # added last: the outermost, so that it answers preflights and marks 401s too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+
+    if ui:
+
+        @app.get("/", include_in_schema=False)
+        async def playground() -> HTMLResponse:
+            return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> dict:
@@ -69,8 +101,11 @@ def create_app(
             "max_queue": worker.max_queue,
             "max_batch": worker.max_batch,
             "vocode_batch": worker.vocode_batch,
-            "cfm_steps": cfm_steps,
+            "cfm_steps": cfm_steps_used,
             "sample_rate": worker.sample_rate,
+            "variant": speech_kind.variant,
+            "defaults": defaults,
+            "auth": bool(gate.api_keys),
         }
 
     @app.get("/v1/models")
@@ -87,7 +122,7 @@ def create_app(
     async def speech(body: SpeechRequest, request: Request) -> Response:
         job, stream = await _job(body, worker, voices, models, cfm_steps)
         try:
-            ticket = worker.submit(job)
+            ticket = gate.track(worker.submit(job))
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}; retry later", code="queue_full") from None
         except ValueError as e:
@@ -95,7 +130,7 @@ def create_app(
         watch = _watch_disconnect(request, ticket)
         try:
             if not stream:
-                wav = await _whole(ticket)
+                wav = await _whole(ticket, gate)
                 if body.speed != 1:
                     wav = await run_in_threadpool(time_stretch, wav, body.speed, ticket.sample_rate)
                 if body.stream_format == "sse":
@@ -113,7 +148,7 @@ def create_app(
             ticket.cancel()
             raise
         if body.stream_format == "sse":
-            content = _sse(chunks, body.response_format, ticket, watch)
+            content = _sse(chunks, body.response_format, ticket, watch, gate)
             return StreamingResponse(
                 content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -242,11 +277,13 @@ def _watch_disconnect(request: Request, ticket: Ticket) -> asyncio.Task:
     return asyncio.create_task(watch())
 
 
-async def _whole(ticket: Ticket) -> np.ndarray:
+async def _whole(ticket: Ticket, gate: Gate) -> np.ndarray:
     try:
         chunks = [c async for c in ticket]
     except Exception as e:
         raise ApiError(500, f"speech generation failed: {e}", code="generation_failed") from None
+    if ticket.cancelled and gate.cut:
+        raise ApiError(503, SHUT_DOWN, code="shutting_down")
     if ticket.cancelled:
         raise ApiError(499, "the client went away")
     return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
@@ -301,7 +338,7 @@ async def _audio(
 
 
 async def _sse(
-    chunks: AsyncIterator[np.ndarray], fmt: str, ticket: Ticket, watch: asyncio.Task
+    chunks: AsyncIterator[np.ndarray], fmt: str, ticket: Ticket, watch: asyncio.Task, gate: Gate
 ) -> AsyncIterator[str]:
     """Server-sent events: ``speech.audio.delta`` with base64 audio in ``fmt`` (the deltas' bytes joined are one
     file), then ``speech.audio.done`` with the token usage; a failure ends with an ``error`` event."""
@@ -314,6 +351,9 @@ async def _sse(
         async for data in _encoded(chunks, fmt, ticket.sample_rate):
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
         finished = True
+        if ticket.cancelled and gate.cut:
+            yield event({"type": "error", **error_body(SHUT_DOWN, None, "shutting_down", "server_error")})
+            return
         usage = {
             "input_tokens": ticket.text_tokens,
             "output_tokens": ticket.speech_tokens,
@@ -340,9 +380,12 @@ def _decode_upload(data: bytes, filename: str) -> tuple[np.ndarray, int]:
     try:
         samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        # libsndfile's message names the file object ("Error opening <_io.BytesIO object at 0x...>: ..."):
+        # only its reason says anything to the client.
+        reason = getattr(e, "error_string", None) or str(e)
         raise ApiError(
             400,
-            f"{filename} is not audio this server can read ({e}); send WAV, FLAC, OGG or MP3",
+            f"{filename} ({len(data)} bytes) is not audio this server can read ({reason.rstrip('.')}); send WAV, FLAC, OGG or MP3",
             "file",
         ) from None
     if samples.shape[0] == 0:
@@ -350,6 +393,16 @@ def _decode_upload(data: bytes, filename: str) -> tuple[np.ndarray, int]:
     if not np.isfinite(samples).all():
         raise ApiError(400, f"{filename} holds NaN or infinite samples", "file")
     return samples.mean(axis=1).astype(np.float32), int(rate)
+
+
+class _Gated:
+    """The ``Gate`` as Starlette middleware (``app.add_middleware``)."""
+
+    def __init__(self, app, gate: Gate):
+        self.app = gate.middleware(app)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
