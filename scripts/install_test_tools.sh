@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
-# The programs the voice-cloning tests use to make speech-like test clips: espeak-ng (speech) and sox
-# (resampling, channels, bit depths). Debian/Ubuntu as root installs them; elsewhere install them yourself.
+# The programs the tests use: espeak-ng (speech-like test clips) and sox (resampling, channels, bit depths) for the
+# voice-cloning tests, and on Linux Chromium with its WebDriver for the playground's browser test
+# (tests/test_playground.py skips without them). Debian/Ubuntu as root installs them; elsewhere install them yourself.
 set -euo pipefail
-command -v espeak-ng >/dev/null && command -v sox >/dev/null && exit 0
+need=()
+command -v espeak-ng >/dev/null || need+=(espeak-ng)
+command -v sox >/dev/null || need+=(sox)
+browser=()
+if [ "$(uname)" = Linux ]; then
+    command -v chromium >/dev/null || command -v chromium-browser >/dev/null || browser+=(chromium)
+    command -v chromedriver >/dev/null || browser+=(chromium-driver)
+fi
+[ ${#need[@]} -eq 0 ] && [ ${#browser[@]} -eq 0 ] && exit 0
 if [ "$(uname)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq espeak-ng sox >/dev/null
-else
-    echo "error: the tests need espeak-ng and sox (macOS: brew install espeak-ng sox)" >&2
+    apt-get update -qq
+    [ ${#need[@]} -eq 0 ] || apt-get install -y -qq "${need[@]}" >/dev/null
+    if [ ${#browser[@]} -gt 0 ] && ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${browser[@]}" >/dev/null; then
+        echo "warning: could not install ${browser[*]}: the playground's browser test will be skipped" >&2
+    fi
+elif [ ${#need[@]} -gt 0 ]; then
+    echo "error: the tests need ${need[*]} (macOS: brew install espeak-ng sox)" >&2
     exit 1
+else
+    echo "note: without ${browser[*]} the playground's browser test is skipped" >&2
 fi

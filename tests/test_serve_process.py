@@ -3,12 +3,14 @@ and CORS, checked with the official ``openai`` client and raw HTTP."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -93,25 +95,41 @@ def test_sigterm_refuses_new_requests_cuts_streams_at_the_timeout_and_exits_0(se
     s = serve("--shutdown-timeout", "1", "--host", "0.0.0.0")
     health = httpx.get(f"{s.url}/health").json()
     assert health["cfm_steps"] == 10  # the decoder's steps in effect (issue 27 item 5), not null
-    with httpx.stream("POST", f"{s.url}/v1/audio/speech", json=speech_body(), timeout=60) as r:
-        assert r.status_code == 200
-        raw = r.iter_raw()
-        received = len(next(raw))
-        s.signal(signal.SIGTERM)
-        time.sleep(0.3)
-        refused = httpx.post(f"{s.url}/v1/audio/speech", json=speech_body("Hi."), timeout=10)
-        assert refused.status_code == 503
-        assert refused.json()["error"]["code"] == "shutting_down"
-        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
-        start = time.monotonic()
-        received += sum(len(b) for b in raw)  # the stream ends cleanly (a chunked body's last chunk)
-        cut_after = time.monotonic() - start
+    url = f"{s.url}/v1/audio/speech"
+
+    def sse() -> list[dict]:
+        with httpx.stream("POST", url, json=speech_body(stream_format="sse"), timeout=60) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(httpx.post, url, json=speech_body(stream=False), timeout=60)
+        events = pool.submit(sse)
+        with httpx.stream("POST", url, json=speech_body(), timeout=60) as r:
+            assert r.status_code == 200
+            raw = r.iter_raw()
+            received = len(next(raw))
+            while httpx.get(f"{s.url}/health").json()["queue"] < 3:  # all three running
+                time.sleep(0.05)
+            s.signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(url, json=speech_body("Hi."), timeout=10)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "shutting_down"
+            assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
+            start = time.monotonic()
+            received += sum(len(b) for b in raw)  # the stream ends cleanly (a chunked body's last chunk)
+            cut_after = time.monotonic() - start
+        cut = whole.result()
+        assert cut.status_code == 503 and "--shutdown-timeout" in cut.json()["error"]["message"]
+        events = events.result()
+    assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "error"
+    assert events[-1]["error"]["code"] == "shutting_down"
     assert received % 2 == 0 and received < 80 * 20 * 24000 * 2  # 16-bit samples, far from all of the text
     assert cut_after < 1 + 3 + 2  # the timeout, the grace for the cut responses, slack for a busy machine
     code, err = s.wait(15)
     assert code == 0, err
     assert "without an API key" in err  # --host 0.0.0.0 and no key
-    assert "SIGTERM: shutting down" in err and "cancelled 1 speech request" in err
+    assert "SIGTERM: shutting down" in err and "cancelled 3 speech request" in err
 
 
 def test_sigint_lets_requests_in_flight_finish(serve):

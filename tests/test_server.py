@@ -4,6 +4,7 @@ the official ``openai`` client (plus httpx for what that client does not do)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import io
 import json
@@ -12,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import mlx.core as mx
@@ -48,21 +50,29 @@ def server(tts, tmp_path_factory):
     """(base url, worker, voice store) of a live server; shut down at the end of the module."""
     voices = VoiceStore(tmp_path_factory.mktemp("voices"), builtin=random_voice(seed=5))
     with Worker(tts, max_batch=4, max_queue=16) as worker:
-        app = create_app(worker, voices, model_name="tiny")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not srv.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}", worker, voices
+        with serving(create_app(worker, voices, model_name="tiny")) as url:
+            yield url, worker, voices
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free local port, in a thread; its base url."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
         srv.should_exit = True
         thread.join(timeout=10)
-        assert not thread.is_alive()
+    assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")
