@@ -1,6 +1,7 @@
 """The playground page (``serve`` at ``/``) in a real headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, installed by scripts/install_test_tools.sh), against a live server with an API key: the key
-prompt, Speak streaming into WebAudio and a WAV to download, a voice upload, and a refused upload's message."""
+prompt, Speak streaming into WebAudio and a WAV to download, a voice upload, and a refused upload's message.
+"""
 
 from __future__ import annotations
 
@@ -43,8 +44,14 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--autoplay-policy=no-user-gesture-required", "--window-size=1100,1000"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--autoplay-policy=no-user-gesture-required",
+        "--window-size=1100,1000",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
     yield driver
@@ -81,7 +88,15 @@ def test_playground_in_chromium(url, browser, tmp_path):
     assert not b.find_element(By.ID, "error").is_displayed()
     assert "tiny" in [o.text for o in b.find_elements(By.CSS_SELECTOR, "#model option")]
     assert [o.text for o in b.find_elements(By.CSS_SELECTOR, "#voice option")] == ["default"]
-    for knob in ("exaggeration", "cfg_weight", "temperature", "min_p", "max_new_tokens", "cfm_steps", "speed"):
+    for knob in (
+        "exaggeration",
+        "cfg_weight",
+        "temperature",
+        "min_p",
+        "max_new_tokens",
+        "cfm_steps",
+        "speed",
+    ):
         assert b.find_element(By.ID, f"k-{knob}").get_attribute("max")
     # Speak: streamed pcm played through WebAudio, then a WAV in the player and the download link.
     text = b.find_element(By.ID, "text")
@@ -113,7 +128,9 @@ def test_playground_in_chromium(url, browser, tmp_path):
     b.find_element(By.ID, "voice-file").send_keys(str(clip))
     b.find_element(By.ID, "upload").click()
     wait_for(b, "document.getElementById('voice').value === 'mine'", timeout=60)
-    shot = tmp_path / "playground.png"  # a test artifact; PLAYGROUND_SCREENSHOT=path copies it (README's image)
+    shot = (
+        tmp_path / "playground.png"
+    )  # a test artifact; PLAYGROUND_SCREENSHOT=path copies it (README's image)
     assert b.save_screenshot(str(shot))
     if os.environ.get("PLAYGROUND_SCREENSHOT"):
         shutil.copyfile(shot, os.environ["PLAYGROUND_SCREENSHOT"])

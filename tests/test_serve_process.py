@@ -41,7 +41,16 @@ class Serve:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "mlx_chatterbox", "serve", "--model", str(model), "--voices", str(voices)]
+        argv = [
+            sys.executable,
+            "-m",
+            "mlx_chatterbox",
+            "serve",
+            "--model",
+            str(model),
+            "--voices",
+            str(voices),
+        ]
         argv += ["--voice", str(model.parent / "voice.safetensors")]
         argv += ["--port", str(self.port), *args]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
@@ -169,12 +178,22 @@ def test_second_signal_exits_at_once_and_cors_is_same_origin_by_default(serve):
 
 def test_api_keys_and_cors(serve):
     origin = "http://app.example"
-    s = serve("--api-key", "k1", "--allowed-origins", f"{origin},http://other.example", env={"MLX_CHATTERBOX_API_KEY": "k2, k3"})
+    s = serve(
+        "--api-key",
+        "k1",
+        "--allowed-origins",
+        f"{origin},http://other.example",
+        env={"MLX_CHATTERBOX_API_KEY": "k2, k3"},
+    )
     for key in ("k1", "k3"):
         client = OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
         assert "tts-1" in [m.id for m in client.models.list()]
         pcm = client.audio.speech.create(
-            model="tts-1", voice="default", input="Hi.", response_format="pcm", extra_body={"max_new_tokens": 4}
+            model="tts-1",
+            voice="default",
+            input="Hi.",
+            response_format="pcm",
+            extra_body={"max_new_tokens": 4},
         ).content
         assert 0 < len(pcm) <= 4 * 960 * 2
     client = OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
@@ -188,7 +207,10 @@ def test_api_keys_and_cors(serve):
         assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"], path
     assert httpx.get(f"{s.url}/health").json()["auth"] is True  # open, and says a key is needed
     # CORS: a preflight from an allowed origin is answered (without a key), another origin's is not.
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     r = httpx.options(f"{s.url}/v1/audio/speech", headers={"Origin": origin, **preflight})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
     assert "authorization" in r.headers["access-control-allow-headers"].lower()

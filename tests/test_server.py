@@ -418,7 +418,16 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    flags = ("--host", "--port", "--model", "--max-batch", "--max-queue", "--voices", "--cfm-steps", "--no-ui")
+    flags = (
+        "--host",
+        "--port",
+        "--model",
+        "--max-batch",
+        "--max-queue",
+        "--voices",
+        "--cfm-steps",
+        "--no-ui",
+    )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
         assert flag in out
     with pytest.raises(SystemExit) as e:
@@ -441,7 +450,9 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     assert "MLX_CHATTERBOX_API_KEY is set but holds no key" in capsys.readouterr().err
     monkeypatch.delenv("MLX_CHATTERBOX_API_KEY")
     assert main(["serve", "--model", nowhere, "--allowed-origins", "https://a.example/"]) == 1
-    assert "--allowed-origins 'https://a.example/': an origin is scheme://host[:port]" in capsys.readouterr().err
+    assert (
+        "--allowed-origins 'https://a.example/': an origin is scheme://host[:port]" in capsys.readouterr().err
+    )
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a)

@@ -95,7 +95,9 @@ def api_keys(flags: Iterable[str] | None, environ: dict[str, str] | None = None)
     if value is not None:
         found = [k.strip() for k in value.split(",") if k.strip()]
         if not found:
-            raise ValueError(f"{API_KEY_ENV} is set but holds no key; give keys separated by commas, or unset it")
+            raise ValueError(
+                f"{API_KEY_ENV} is set but holds no key; give keys separated by commas, or unset it"
+            )
         keys += [check_api_key(k, API_KEY_ENV) for k in found]
     return list(dict.fromkeys(keys))
 
@@ -107,7 +109,9 @@ def check_api_key(key: str, where: str = "api key") -> str:
             f"got {len(key)} characters that are not"
         )
     if "," in key:
-        raise ValueError(f"{where}: an API key cannot hold a comma ({API_KEY_ENV} separates keys with commas)")
+        raise ValueError(
+            f"{where}: an API key cannot hold a comma ({API_KEY_ENV} separates keys with commas)"
+        )
     return key
 
 
@@ -118,7 +122,9 @@ def allowed_origins(values: Iterable[str] | None) -> list[str]:
     for origin in origins:
         parts = urlsplit(origin)
         if origin != "*" and not (
-            parts.scheme in ("http", "https") and parts.netloc and origin == f"{parts.scheme}://{parts.netloc}"
+            parts.scheme in ("http", "https")
+            and parts.netloc
+            and origin == f"{parts.scheme}://{parts.netloc}"
         ):
             raise ValueError(
                 f"--allowed-origins {origin!r}: an origin is scheme://host[:port] with no path or trailing "

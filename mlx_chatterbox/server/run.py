@@ -28,7 +28,9 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def serve(app: FastAPI, *, host: str, port: int, shutdown_timeout: float = 10.0, log_level: str = "warning") -> None:
+def serve(
+    app: FastAPI, *, host: str, port: int, shutdown_timeout: float = 10.0, log_level: str = "warning"
+) -> None:
     """Serve ``app`` (``create_app``'s) until SIGTERM or SIGINT, then shut down as the module says."""
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout={shutdown_timeout} must be a number of seconds >= 0")
