@@ -819,8 +819,7 @@ def _serve(args: argparse.Namespace) -> None:
     _check_voice(args.voice)
     if args.memory_limit is not None and not args.memory_limit > 0:
         raise ValueError(f"--memory-limit {args.memory_limit}: give a positive number of GB")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: give a number of seconds >= 0")
+    run.check_shutdown_timeout(args.shutdown_timeout, "--shutdown-timeout")
     keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
     folder = args.voices if args.voices is not None else default_voices_dir()
     if folder.exists() and not folder.is_dir():

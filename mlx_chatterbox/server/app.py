@@ -385,7 +385,8 @@ def _decode_upload(data: bytes, filename: str) -> tuple[np.ndarray, int]:
         reason = getattr(e, "error_string", None) or str(e)
         raise ApiError(
             400,
-            f"{filename} ({len(data)} bytes) is not audio this server can read ({reason.rstrip('.')}); send WAV, FLAC, OGG or MP3",
+            f"{filename} ({len(data)} bytes) is not audio this server can read ({reason.rstrip('.')}); send "
+            "WAV, FLAC, OGG or MP3",
             "file",
         ) from None
     if samples.shape[0] == 0:

@@ -5,7 +5,6 @@ the first SIGTERM/SIGINT and cancels the speech still running when ``--shutdown-
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 import re
 import weakref
@@ -18,7 +17,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .schema import error_body
 from .worker import Ticket
 
-logger = logging.getLogger(__name__)
 API_KEY_ENV = "MLX_CHATTERBOX_API_KEY"
 OPEN_PATHS = ("/", "/health")  # answered without a key: the playground page (it holds no data) and the probe
 SPEECH_PATHS = ("/v1/audio/speech", "/audio/speech")
@@ -103,6 +101,7 @@ def api_keys(flags: Iterable[str] | None, environ: dict[str, str] | None = None)
 
 
 def check_api_key(key: str, where: str = "api key") -> str:
+    """``key``, if it can travel in an Authorization header and in a comma-separated list; else ValueError."""
     if not _KEY.fullmatch(key):
         raise ValueError(
             f"{where}: an API key is printable ASCII without spaces or commas (it travels in an HTTP header); "

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from .gate import Gate
 
 logger = logging.getLogger(__name__)
-CUT_GRACE_S = 3.0  # after the cancel: time for the cut responses to send their ends before uvicorn drops them
+CUT_GRACE_S = 3  # after the cancel: time for the cut responses to send their ends before uvicorn drops them
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -32,8 +32,7 @@ def serve(
     app: FastAPI, *, host: str, port: int, shutdown_timeout: float = 10.0, log_level: str = "warning"
 ) -> None:
     """Serve ``app`` (``create_app``'s) until SIGTERM or SIGINT, then shut down as the module says."""
-    if not shutdown_timeout >= 0:
-        raise ValueError(f"shutdown_timeout={shutdown_timeout} must be a number of seconds >= 0")
+    check_shutdown_timeout(shutdown_timeout)
     gate: Gate = app.state.gate
     if host not in LOCAL_HOSTS and not gate.api_keys:
         logger.warning(
@@ -42,7 +41,7 @@ def serve(
             host,
         )
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(CUT_GRACE_S)
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CUT_GRACE_S
     )
     # The handlers stay until uvicorn has shut down (capture_signals installs them), so that a second signal
     # during its shutdown exits at once as well.
@@ -52,6 +51,11 @@ def serve(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def check_shutdown_timeout(seconds: float, name: str = "shutdown_timeout") -> None:
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"{name} {seconds}: give a number of seconds >= 0")
 
 
 class _Server(uvicorn.Server):
