@@ -15,7 +15,8 @@ fi
 if [ "$(uname)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     [ ${#need[@]} -eq 0 ] || apt-get install -y -qq "${need[@]}" >/dev/null
-    if [ ${#browser[@]} -gt 0 ] && ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${browser[@]}" >/dev/null; then
+    if [ ${#browser[@]} -gt 0 ] &&
+        ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${browser[@]}" >/dev/null; then
         echo "warning: could not install ${browser[*]}: the playground's browser test will be skipped" >&2
     fi
 elif [ ${#need[@]} -gt 0 ]; then
