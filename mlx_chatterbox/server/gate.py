@@ -85,11 +85,11 @@ class Gate:
         return None
 
 
-def api_keys(flags: Iterable[str] | None, environ: dict[str, str] | None = None) -> list[str]:
+def api_keys(flags: Iterable[str] | None) -> list[str]:
     """The keys of ``--api-key`` flags together with those in $MLX_CHATTERBOX_API_KEY (comma-separated);
     ValueError for a malformed one."""
     keys = [check_api_key(k, "--api-key") for k in flags or ()]
-    value = (os.environ if environ is None else environ).get(API_KEY_ENV)
+    value = os.environ.get(API_KEY_ENV)
     if value is not None:
         found = [k.strip() for k in value.split(",") if k.strip()]
         if not found:
