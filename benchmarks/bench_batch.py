@@ -33,6 +33,7 @@ from common import machine_info, write_line
 from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.t3 import T3, T3Config
 from mlx_chatterbox.sampling import SamplingParams, draw_rows, process_rows
 
@@ -145,8 +146,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny T3 instead of the full size (a smoke run)"
     )
+    parser.add_argument(
+        "--mlx-ops",
+        action="store_true",
+        help="MLX's own ops on CUDA (models/layers.py CUDA_DECODE off: before ADR 12)",
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
+    layers.CUDA_DECODE = not args.mlx_ops
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     model, voice, text, params = build(TINY if args.tiny else T3Config(), args.dtype)
     params = SamplingParams(**{**params.__dict__, "max_new_tokens": args.tokens})
@@ -155,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     def record(row: dict) -> None:
         # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
         rows.append(row)
-        line = dict(bench="batch", tokens=args.tokens, dtype=args.dtype, tiny=args.tiny, **row)
+        line = dict(
+            bench="batch", tokens=args.tokens, dtype=args.dtype, tiny=args.tiny, mlx_ops=args.mlx_ops, **row
+        )
         write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
 
     rows: list[dict] = []

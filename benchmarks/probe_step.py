@@ -119,12 +119,20 @@ def micro(dtype: mx.Dtype) -> list[tuple[str, float]]:
 
     for m, x in rows.items():
         out.append((f"matmul x @ W.T, {m} rows", chain_time(chain(lambda y, w: y @ w.T, x), n)))
-    out.append(("addmm (Linear with bias), 1 row", chain_time(chain(lambda y, w: mx.addmm(bias, y, w.T), rows[1]), n)))
+    out.append(
+        (
+            "addmm (Linear with bias), 1 row",
+            chain_time(chain(lambda y, w: mx.addmm(bias, y, w.T), rows[1]), n),
+        )
+    )
     out.append(("matmul + add, 1 row", chain_time(chain(lambda y, w: y @ w.T + bias, rows[1]), 2 * n)))
     for m in (2, 8):
         x = rows[m]
         out.append(
-            (f"batched gemv W @ x[...,None], {m} rows", chain_time(chain(lambda y, w: (w @ y[..., None])[..., 0], x), n))
+            (
+                f"batched gemv W @ x[...,None], {m} rows",
+                chain_time(chain(lambda y, w: (w @ y[..., None])[..., 0], x), n),
+            )
         )
         out.append((f"our kernel gemv, {m} rows", chain_time(chain(lambda y, w: kernel_gemv(y, w), x), n)))
     q = [mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=8) for w in ws[:n]]
@@ -145,11 +153,16 @@ def micro(dtype: mx.Dtype) -> list[tuple[str, float]]:
     kk = mx.random.normal((2, 16, cap, 64)).astype(dtype)
     vv = mx.random.normal((2, 16, cap, 64)).astype(dtype)
     q1 = mx.random.normal((2, 16, 1, 64)).astype(dtype)
-    mask = (mx.arange(cap) <= 100)
+    mask = mx.arange(cap) <= 100
     out.append(
         (
             "sdpa 1 query over 256, bool mask",
-            chain_time(chain(lambda y, w: mx.fast.scaled_dot_product_attention(y, kk, vv, scale=0.125, mask=mask), q1), n),
+            chain_time(
+                chain(
+                    lambda y, w: mx.fast.scaled_dot_product_attention(y, kk, vv, scale=0.125, mask=mask), q1
+                ),
+                n,
+            ),
         )
     )
     pos = mx.array(100, dtype=mx.int32)
@@ -165,7 +178,7 @@ def micro(dtype: mx.Dtype) -> list[tuple[str, float]]:
 def check_kernel(dtype: mx.Dtype) -> float:
     x = mx.random.normal((2, 1024)).astype(dtype)
     w = mx.random.normal((3072, 1024)).astype(dtype)
-    ref = (x.astype(mx.float32) @ w.astype(mx.float32).T)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     got = kernel_gemv(x, w).astype(mx.float32)
     return (mx.linalg.norm(got - ref) / mx.linalg.norm(ref)).item()
 
@@ -178,6 +191,7 @@ def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int
     before ADR 12), "ours" (with layers.CUDA_DECODE) or "upstream" (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
+
     from mlx_chatterbox.models.gpt2 import NANO, TURBO
 
     layers.CUDA_DECODE = system == "ours"
@@ -239,7 +253,11 @@ def main() -> None:
                     if system == "upstream" and model == "nano" and dn != "float32":
                         continue
                     r = step_row(model, dn, system, args.tokens, args.repeats, args.upstream_src)
-                    prims = english_primitives(getattr(mx, dn)) if model == "english" and system != "upstream" else None
+                    prims = (
+                        english_primitives(getattr(mx, dn))
+                        if model == "english" and system != "upstream"
+                        else None
+                    )
                     layers.CUDA_DECODE = True
                     row = dict(model=model, dtype=dn, system=system, primitives_per_step=prims, **r)
                     rows.append(row)
@@ -248,7 +266,9 @@ def main() -> None:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(row) + "\n")
                     mx.clear_cache()
-        print("\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step |\n|---|---|---|---|---|---|---|")
+        print(
+            "\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step |\n|---|---|---|---|---|---|---|"
+        )
         for r in rows:
             print(
                 f"| {r['model']} | {r['dtype']} | {r['system']} | {r['prefill_ms']:.1f} | {r['decode_tok_s']:.1f} | "

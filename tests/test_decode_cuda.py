@@ -1,6 +1,7 @@
 """The decode-step paths of models/layers.py that CUDA takes (ADR 12): few-row projections as matrix-vector
 products and our single-query attention kernel. The composed forms are checked here on any device; the kernel
-and the dispatch only where CUDA is (the H200 run: benchmarks/probe_step.py --part check), since CI has no GPU."""
+and the dispatch only where CUDA is (the H200 run: benchmarks/probe_step.py --part check), since CI has no GPU.
+"""
 
 from __future__ import annotations
 
@@ -31,20 +32,29 @@ def reference_attention(q, keys, values, position, pad=None) -> np.ndarray:
 
 def attention_inputs(seed: int, b: int = 2, h: int = 3, capacity: int = 256, hd: int = 64):
     rng = np.random.default_rng(seed)
-    q, keys, values = (rng.standard_normal(s).astype(np.float32) for s in [(b, h, 1, hd)] + [(b, h, capacity, hd)] * 2)
+    q, keys, values = (
+        rng.standard_normal(s).astype(np.float32) for s in [(b, h, 1, hd)] + [(b, h, capacity, hd)] * 2
+    )
     return q, keys, values
 
 
 def test_few_rows_linear_is_the_linear():
     rng = np.random.default_rng(0)
     lin = nn.Linear(64, 96)
-    lin.update({"weight": mx.array(rng.standard_normal((96, 64)), mx.float32), "bias": mx.array(rng.standard_normal(96), mx.float32)})
+    lin.update(
+        {
+            "weight": mx.array(rng.standard_normal((96, 64)), mx.float32),
+            "bias": mx.array(rng.standard_normal(96), mx.float32),
+        }
+    )
     for shape in [(1, 1, 64), (2, 1, 64), (4, 64)]:
         x = mx.array(rng.standard_normal(shape), mx.float32)
         got = layers.few_rows_linear(x, lin.weight, lin.bias)
         assert got.shape == shape[:-1] + (96,)
         np.testing.assert_allclose(np.array(got), np.array(lin(x)), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.array(layers.few_rows_linear(x, lin.weight)), np.array(x @ lin.weight.T), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.array(layers.few_rows_linear(x, lin.weight)), np.array(x @ lin.weight.T), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("with_pad", [False, True])
@@ -52,10 +62,16 @@ def test_decode_attention_composed(with_pad):
     q, keys, values = attention_inputs(1)
     position, pad = 200, (np.array([0, 37]) if with_pad else None)
     got = layers.decode_attention(
-        mx.array(q), mx.array(keys), mx.array(values), mx.array(position, mx.int32),
-        None if pad is None else mx.array(pad, mx.int32), kernel=False,
+        mx.array(q),
+        mx.array(keys),
+        mx.array(values),
+        mx.array(position, mx.int32),
+        None if pad is None else mx.array(pad, mx.int32),
+        kernel=False,
     )
-    np.testing.assert_allclose(np.array(got), reference_attention(q, keys, values, position, pad), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(got), reference_attention(q, keys, values, position, pad), rtol=1e-5, atol=1e-5
+    )
 
 
 @cuda
@@ -72,7 +88,9 @@ def test_decode_attention_kernel_equals_composed(dtype, tol, with_pad, position)
     err = (mx.linalg.norm(kernel - composed) / mx.linalg.norm(composed)).item()
     assert err <= tol, err
     if dtype == mx.float32:
-        np.testing.assert_allclose(np.array(kernel), reference_attention(q, keys, values, position, pad), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.array(kernel), reference_attention(q, keys, values, position, pad), rtol=1e-5, atol=1e-5
+        )
 
 
 @cuda
@@ -119,3 +137,25 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, monkeypatch):
     fused = decode_logits(model, embeds, tokens)
     err = (mx.linalg.norm(fused - composed) / mx.linalg.norm(composed)).item()
     assert err <= 1e-5, err
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-6), (mx.bfloat16, 1e-2)])
+@pytest.mark.parametrize("position", [40, 63, 300])
+def test_window_attention_kernel_equals_composed(dtype, tol, position):
+    """The batch cache's attention (models/cache.py BatchKVCache): big buffers before base, a window after."""
+    rng = np.random.default_rng(position)
+    b, h, capacity, window, hd = 3, 16, 512, 32, 64
+    base = position - position % window if position % window else position - 5
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(b, h, 1, hd)] * 3]
+    arrays += [rng.standard_normal((b, h, capacity, hd)).astype(np.float32) for _ in range(2)]
+    arrays += [rng.standard_normal((b, h, window, hd)).astype(np.float32) for _ in range(2)]
+    q, k, v, keys, values, wk, wv = (mx.array(a).astype(dtype) for a in arrays)
+    at = mx.array([position, base], mx.int32)
+    pad = mx.array([0, 7, min(base - 1, 30)], mx.int32)
+    fused = layers.window_attention(q, k, v, at, pad, keys, values, wk, wv, kernel=True)
+    composed = layers.window_attention(q, k, v, at, pad, keys, values, wk, wv, kernel=False)
+    for got, want in zip(fused, composed):
+        got, want = got.astype(mx.float32), want.astype(mx.float32)
+        err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+        assert err <= tol, err

@@ -279,17 +279,22 @@ def window_attention(
     values: mx.array,
     window_keys: mx.array,
     window_values: mx.array,
+    kernel: bool | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """One decode token's attention over a batch cache whose newest positions sit in a small window (models/
     cache.py ``BatchKVCache``): q, k, v (B, H, 1, hd) of the token at buffer index ``at[0]``; ``at[1]`` is the
     window's first buffer index (base). keys, values: (B, H, capacity, hd) holding the positions before base,
     read only; window_keys, window_values: (B, H, W, hd) holding base .. at[0] - 1, returned with this token
     written at index at[0] - base. Every row's pad is below base, so only the big buffers need the pad mask.
-    Returns (B, H, 1, hd). Nothing depends on the values of at or pad: one trace per shape."""
+    Returns (B, H, 1, hd). Nothing depends on the values of at or pad: one trace per shape.
+    kernel: as ``decode_attention``'s (on CUDA our kernel reads both key sets in one primitive)."""
     position, base = at[0], at[1]
     slot = (position - base)[None]
     window_keys = mx.slice_update(window_keys, k, slot, axes=(2,))
     window_values = mx.slice_update(window_values, v, slot, axes=(2,))
+    if _kernel_fits(q, kernel):
+        out = _attention_kernel(q, [q, keys, values, at, pad, window_keys, window_values], True, True)
+        return out, window_keys, window_values
     # sdpa cannot join two key sets under one softmax, so attention is written out: scores of both parts
     # (B, H, 1, capacity + W), one softmax over them, then each part's values. Scaling q first, as sdpa.
     q = q * q.shape[-1] ** -0.5
@@ -361,17 +366,19 @@ def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None)
 
 # One block of 4 warps per (row, head); each warp takes every 4th visible key with an online softmax (running
 # max, sum and weighted values: no scores stored, so no shared memory that depends on the capacity), then warp 0
-# merges the 4. All in fp32 whatever T.
+# merges the 4. All in fp32 whatever T. at = [position, base]: indices from base on are read from the window
+# buffers (models/cache.py BatchKVCache), those before from keys/values; without a window base is past position.
 _DECODE_ATTENTION = """
     constexpr int WARPS = 4;
     constexpr int PER = D / 32;
     int bh = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int capacity = keys_shape[2];
-    int last = position[0];
+    int last = at[0];
     int first = HAS_PAD ? pad[bh / H] : 0;
     const T* kb = keys + (size_t)bh * capacity * D + lane * PER;
     const T* vb = values + (size_t)bh * capacity * D + lane * PER;
+    %(window)s
     float qv[PER], acc[PER];
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -381,8 +388,10 @@ _DECODE_ATTENTION = """
     float m = -INFINITY, l = 0.f;
     for (int j = first + warp; j <= last; j += WARPS) {
         float s = 0.f;
+        const T* kr = %(key_row)s;
+        const T* vr = %(value_row)s;
         #pragma unroll
-        for (int i = 0; i < PER; ++i) s += qv[i] * static_cast<float>(kb[(size_t)j * D + i]);
+        for (int i = 0; i < PER; ++i) s += qv[i] * static_cast<float>(kr[i]);
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
         float m_new = fmaxf(m, s);
@@ -390,7 +399,7 @@ _DECODE_ATTENTION = """
         float p = expf(s - m_new);
         l = l * correction + p;
         #pragma unroll
-        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vb[(size_t)j * D + i]);
+        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vr[i]);
         m = m_new;
     }
     __shared__ float warp_m[WARPS], warp_l[WARPS], warp_acc[WARPS][D];
@@ -418,7 +427,45 @@ _DECODE_ATTENTION = """
     #pragma unroll
     for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
 """
-_decode_attention_kernels: dict[bool, object] = {}
+_WINDOW_SETUP = """
+    int window = window_keys_shape[2], base = at[1];
+    const T* wkb = window_keys + (size_t)bh * window * D + lane * PER;
+    const T* wvb = window_values + (size_t)bh * window * D + lane * PER;
+"""
+_decode_attention_kernels: dict[tuple[bool, bool], object] = {}
+
+
+def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window: bool) -> mx.array:
+    """Our decode attention kernel on ``inputs`` = q, keys, values, at[, pad][, window_keys, window_values]."""
+    if (has_pad, window) not in _decode_attention_kernels:
+        names = ["q", "keys", "values", "at"] + (["pad"] if has_pad else [])
+        names += ["window_keys", "window_values"] if window else []
+        rows = (
+            dict(
+                window=_WINDOW_SETUP,
+                key_row="j >= base ? wkb + (size_t)(j - base) * D : kb + (size_t)j * D",
+                value_row="j >= base ? wvb + (size_t)(j - base) * D : vb + (size_t)j * D",
+            )
+            if window
+            else dict(window="", key_row="kb + (size_t)j * D", value_row="vb + (size_t)j * D")
+        )
+        name = "decode_attention" + ("_pad" if has_pad else "") + ("_window" if window else "")
+        _decode_attention_kernels[has_pad, window] = mx.fast.cuda_kernel(
+            name, names, ["out"], _DECODE_ATTENTION % rows
+        )
+    b, h, _, hd = q.shape
+    return _decode_attention_kernels[has_pad, window](
+        inputs=inputs,
+        template=[("T", q.dtype), ("D", hd), ("H", h), ("HAS_PAD", has_pad)],
+        grid=(b * h * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def _kernel_fits(q: mx.array, kernel: bool | None) -> bool:
+    return (_use_cuda_paths() and q.shape[-1] % 32 == 0) if kernel is None else kernel
 
 
 def decode_attention(
@@ -435,24 +482,10 @@ def decode_attention(
 
     kernel: our CUDA kernel (one primitive) or ``mx.fast.scaled_dot_product_attention`` with the mask (which
     MLX-CUDA runs unfused); None picks the kernel on CUDA for head dims that are a multiple of 32."""
-    b, h, _, hd = q.shape
-    if kernel is None:
-        kernel = _use_cuda_paths() and hd % 32 == 0
-    if not kernel:
+    if not _kernel_fits(q, kernel):
         mask = visible_mask(keys.shape[2], position, pad)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=hd**-0.5, mask=mask)
-    has_pad = pad is not None
-    if has_pad not in _decode_attention_kernels:
-        names = ["q", "keys", "values", "position"] + (["pad"] if has_pad else [])
-        _decode_attention_kernels[has_pad] = mx.fast.cuda_kernel(
-            f"decode_attention{'_pad' if has_pad else ''}", names, ["out"], _DECODE_ATTENTION
-        )
-    inputs = [q, keys, values, position.reshape(1)] + ([pad] if has_pad else [])
-    return _decode_attention_kernels[has_pad](
-        inputs=inputs,
-        template=[("T", q.dtype), ("D", hd), ("H", h), ("HAS_PAD", has_pad)],
-        grid=(b * h * 128, 1, 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )[0]
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=q.shape[-1] ** -0.5, mask=mask)
+    at = position.reshape(1)  # no window: the kernel reads at[0] alone
+    return _attention_kernel(
+        q, [q, keys, values, at] + ([] if pad is None else [pad]), pad is not None, False
+    )
