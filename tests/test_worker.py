@@ -231,3 +231,12 @@ def test_pieces_finished_together_are_vocoded_together(tts, monkeypatch, vocode_
             assert np.array_equal(wav, expected)
         else:  # measured 2.3e-7 to 3.8e-7 (fp32, tiny), watermark on or off
             assert np.linalg.norm(wav - expected) / np.linalg.norm(expected) < 1e-5
+
+
+def test_warm_up_traces_the_decode_step_and_leaves_the_worker_idle(tts):
+    t3 = tts.speech.t3
+    t3.compiled_steps.clear()
+    with Worker(tts) as worker:
+        worker.warm_up(random_voice(1))
+        assert worker.jobs == 0
+        assert t3.compiled_steps, "no decode step was traced"
