@@ -321,7 +321,8 @@ def window_attention(
 # A decode step is bound by the host work MLX does per primitive, not by the GPU (ADR 12). On an H200 a product
 # with 2 rows goes to cuBLAS (14-20 us of host time each, as does any product with a bias epilogue), while MLX's
 # matrix-vector kernel costs 6-7 us; attention with an array mask falls back to a chain of unfused primitives
-# (28-37 us). The two below cut both on CUDA; elsewhere they are the plain MLX ops they stand for.
+# (28-37 us). What follows cuts both, and fuses a residual add or SwiGLU into the product, on CUDA; elsewhere
+# it is the plain MLX ops it stands for.
 
 # Rows up to which a projection runs as matrix-vector products on CUDA; beyond, reading the weight once per row
 # costs more GPU time than cuBLAS's host time saves.
@@ -338,12 +339,31 @@ def _use_cuda_paths() -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and keys) whose few-row calls on CUDA (decode steps: CFG's 2 rows, Turbo's
-    1) take MLX's matrix-vector kernel, as a batch of ``W @ row`` products, and add the bias apart."""
+    1) take a matrix-vector kernel: MLX's, as a batch of ``W @ row`` products with the bias added apart, or ours
+    where a residual add or SwiGLU is fused in (``add_to``, ``swiglu``)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _use_cuda_paths() or x.size > GEMV_ROWS * x.shape[-1]:
+        if not _few_rows(x):
             return super().__call__(x)
         return few_rows_linear(x, self.weight, self.get("bias"))
+
+    def add_to(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + self(x)``, one primitive on CUDA."""
+        if not _fused_gemv_fits(x, self.weight):
+            return residual + self(x)
+        return _gemv(x, self.weight, self.get("bias"), residual, swiglu=False)
+
+    def swiglu(self, x: mx.array) -> mx.array:
+        """``silu(gate) * up`` where ``gate`` and ``up`` are the two halves of ``self(x)`` (Llama's fused
+        gate/up projection), one primitive on CUDA."""
+        if not _fused_gemv_fits(x, self.weight) or "bias" in self:
+            gate, up = mx.split(self(x), 2, axis=-1)
+            return nn.silu(gate) * up
+        return _gemv(x, self.weight, None, None, swiglu=True)
+
+
+def _few_rows(x: mx.array) -> bool:
+    return _use_cuda_paths() and x.size <= GEMV_ROWS * x.shape[-1]
 
 
 def few_rows_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
@@ -351,6 +371,84 @@ def few_rows_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None)
     MLX computes with its matrix-vector kernel."""
     y = (weight @ x.reshape(-1, x.shape[-1], 1)).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+# One warp per output column reads its weight row once for all M rows (16-byte loads, fp32 sums), then adds the
+# epilogue: SwiGLU pairs column n with column n + N of a weight twice as tall (Llama's fused gate/up).
+_GEMV = """
+    constexpr int V = 16 / sizeof(T);
+    int lane = threadIdx.x & 31;
+    int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= N) return;
+    const T* w0 = w + (size_t)n * K;
+    const T* w1 = w + (size_t)(n + N) * K;
+    float a0[M], a1[M];
+    #pragma unroll
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
+    for (int k = lane * V; k < K; k += 32 * V) {
+        uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
+        uint4 r1 = SWIGLU ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
+        const T* wv0 = reinterpret_cast<const T*>(&r0);
+        const T* wv1 = reinterpret_cast<const T*>(&r1);
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            uint4 xr = *reinterpret_cast<const uint4*>(x + m * K + k);
+            const T* xv = reinterpret_cast<const T*>(&xr);
+            #pragma unroll
+            for (int j = 0; j < V; ++j) {
+                float xj = static_cast<float>(xv[j]);
+                a0[m] += static_cast<float>(wv0[j]) * xj;
+                if (SWIGLU) a1[m] += static_cast<float>(wv1[j]) * xj;
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float g = a0[m], u = a1[m];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            g += __shfl_xor_sync(0xffffffff, g, o);
+            if (SWIGLU) u += __shfl_xor_sync(0xffffffff, u, o);
+        }
+        if (lane != 0) continue;
+        float y = SWIGLU ? g / (1.f + expf(-g)) * u : g;
+        %(epilogue)s
+        out[m * N + n] = static_cast<T>(y);
+    }
+"""
+_gemv_kernels: dict[tuple[bool, bool], object] = {}
+
+
+def _fused_gemv_fits(x: mx.array, weight: mx.array) -> bool:
+    # 32 lanes x one 16-byte load must tile a row; our kernel reads float32, bfloat16 and float16 weights.
+    return _few_rows(x) and weight.dtype == x.dtype and x.shape[-1] % (32 * 16 // x.dtype.size) == 0
+
+
+def _gemv(
+    x: mx.array, weight: mx.array, bias: mx.array | None, residual: mx.array | None, swiglu: bool
+) -> mx.array:
+    has_bias, has_residual = bias is not None, residual is not None
+    if (has_bias, has_residual) not in _gemv_kernels:
+        names = ["x", "w"] + (["bias"] if has_bias else []) + (["residual"] if has_residual else [])
+        epilogue = ("y += static_cast<float>(bias[n]);" if has_bias else "") + (
+            "y += static_cast<float>(residual[m * N + n]);" if has_residual else ""
+        )
+        name = "few_rows_gemv" + ("_bias" if has_bias else "") + ("_residual" if has_residual else "")
+        _gemv_kernels[has_bias, has_residual] = mx.fast.cuda_kernel(
+            name, names, ["out"], _GEMV % dict(epilogue=epilogue)
+        )
+    k = x.shape[-1]
+    m = x.size // k
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    inputs = [x.reshape(m, k), weight] + ([bias] if has_bias else []) + ([residual] if has_residual else [])
+    return _gemv_kernels[has_bias, has_residual](
+        inputs=inputs,
+        template=[("T", x.dtype), ("M", m), ("N", n), ("K", k), ("SWIGLU", swiglu)],
+        grid=(n * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[x.shape[:-1] + (n,)],
+        output_dtypes=[x.dtype],
+    )[0]
 
 
 def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None) -> mx.array:

@@ -192,11 +192,13 @@ class Attention(nn.Module):
         position: mx.array,
         keys: mx.array,
         values: mx.array,
+        residual: mx.array,
         pad: mx.array | None = None,
         tap: Callable | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """One token (B, 1, D) at buffer index ``position`` (an int32 scalar array) against fixed-size key and
-        value buffers (B, H, capacity, hd); returns the output and the buffers with this token written in.
+        value buffers (B, H, capacity, hd); returns ``residual`` (the layer's input) plus the attention's output
+        (one primitive with the output projection on CUDA), and the buffers with this token written in.
         pad: (B,) int32, for rows of a batch left-padded to a common length: row b's sequence starts at buffer
         index pad[b], so its token sits at sequence position ``position - pad[b]`` and sees nothing before.
         Nothing here depends on the values of position or pad, so a compiled step is traced once per shape.
@@ -210,8 +212,8 @@ class Attention(nn.Module):
         values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
         if tap is not None:
             tap(qk[:, 0], keys, visible_mask(keys.shape[2], position, pad), hd**-0.5)
-        out = decode_attention(qk[:, 0], keys, values, position, pad)
-        return self.o_proj(out.reshape(b, 1, h * hd)), keys, values
+        out = decode_attention(qk[:, 0], keys, values, position, pad).reshape(b, 1, h * hd)
+        return self.o_proj.add_to(out, residual), keys, values
 
     def decode_window(
         self,
@@ -242,9 +244,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(nn.silu(gate) * up)
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """down(silu(gate) * up), plus ``residual`` when given (fused into the products on CUDA)."""
+        h = self.gate_up_proj.swiglu(x)
+        return self.down_proj(h) if residual is None else self.down_proj.add_to(h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -275,9 +278,8 @@ class DecoderLayer(nn.Module):
         pad: mx.array | None = None,
         tap: Callable | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values, pad, tap)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values, x, pad, tap)
+        return self.mlp(self.post_attention_layernorm(h), residual=h), keys, values
 
     def decode_window(
         self,
