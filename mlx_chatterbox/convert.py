@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .generation.turbo import S3_CODEBOOK
 from .generation.voice import Voice
 from .models.campplus import CAMPPlus
 from .models.cfm import Estimator
@@ -246,19 +247,20 @@ def _copy_tokenizer(src_dir: Path, tmp: Path, variant: str, cfg) -> str:
     names = CHECKPOINTS[variant].tokenizer
     for name in names:
         _require(src_dir / name)
+    # Checked in the source folder, so that an error names the files there, not the temporary copy.
     if variant == "english":
         tokenizer = EnTokenizer.from_file(src_dir / names[0])
         tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
         shutil.copyfile(src_dir / names[0], tmp / "tokenizer.json")
         return "tokenizer.json"
+    if variant in MULTILINGUAL:
+        tokenizer = MtlTokenizer.from_folder(src_dir)
+        tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
+    else:
+        GPT2Tokenizer.from_folder(src_dir).check_compatible(cfg.text_vocab_size)
     (tmp / "tokenizer").mkdir()
     for name in names:
         shutil.copyfile(src_dir / name, tmp / "tokenizer" / name)
-    if variant in MULTILINGUAL:
-        tokenizer = MtlTokenizer.from_folder(tmp / "tokenizer")
-        tokenizer.check_compatible(cfg.start_text_token, cfg.stop_text_token, cfg.text_vocab_size)
-    else:
-        GPT2Tokenizer.from_folder(tmp / "tokenizer").check_compatible(cfg.text_vocab_size)
     return "tokenizer"
 
 
@@ -466,9 +468,19 @@ def voice_from_conds(path: Path) -> Voice:
         if not ok:
             desc = f"{v.dtype} array of shape {v.shape}" if isinstance(v, np.ndarray) else type(v).__name__
             raise ConversionError(
-                f"{name}: {key} must be a {ndim}-d {'int' if kind == 'iu' else 'float'} array, found {desc}"
+                f"{name}: {key} must be a {ndim}-d {'float' if kind == 'f' else 'int'} array, found {desc}"
             )
         return v
+
+    def whole(d: dict, key: str, ndim: int, high: int) -> np.ndarray:
+        # Upstream's S3Gen casts the voice's token arrays to float32 in place (S3Token2Mel.forward), so a
+        # conds.pt saved after any generate() holds floats; upstream loads those, so we take exact integers.
+        v = array(d, key, ndim, "iuf")
+        if v.dtype.kind == "f" and not np.array_equal(v, np.round(v)):
+            raise ConversionError(f"{name}: {key} ({v.dtype}) holds values that are not whole numbers")
+        if v.size and not 0 <= v.min() <= v.max() < high:
+            raise ConversionError(f"{name}: {key} holds values outside [0, {high})")
+        return v.astype(np.int64)
 
     top = need(data, "the file", {"t3", "gen"})
     t3 = need(
@@ -486,8 +498,8 @@ def voice_from_conds(path: Path) -> Voice:
     # cond_prompt_speech_emb is upstream's cache of embedded prompt tokens: derived data, recomputed by T3.
     # emotion_adv is replaced by generate()'s exaggeration argument on every upstream call, so it never takes
     # effect; ours is a generation knob (SamplingParams.exaggeration).
-    prompt_len = array(gen, "prompt_token_len", 1, "iu")
-    tokens = array(gen, "prompt_token", 2, "iu")
+    prompt_len = whole(gen, "prompt_token_len", 1, np.iinfo(np.int32).max)
+    tokens = whole(gen, "prompt_token", 2, S3_CODEBOOK)
     if prompt_len.tolist() != [tokens.shape[1]]:
         raise ConversionError(
             f"{name}: prompt_token_len {prompt_len.tolist()} != prompt_token length {tokens.shape[1]}"
@@ -495,7 +507,7 @@ def voice_from_conds(path: Path) -> Voice:
     try:
         return Voice(
             speaker_emb=mx.array(array(t3, "speaker_emb", 2, "f").astype(np.float32)),
-            t3_prompt_tokens=mx.array(array(t3, "cond_prompt_speech_tokens", 2, "iu").astype(np.int32)),
+            t3_prompt_tokens=mx.array(whole(t3, "cond_prompt_speech_tokens", 2, S3_CODEBOOK).astype(np.int32)),
             s3gen_prompt_tokens=mx.array(tokens.astype(np.int32)),
             s3gen_prompt_mel=mx.array(array(gen, "prompt_feat", 3, "f").astype(np.float32)),
             xvector=mx.array(array(gen, "embedding", 2, "f").astype(np.float32)),

@@ -21,6 +21,7 @@ from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import ConversionError, source_variant
 from mlx_chatterbox.generation.turbo import S3GEN_SIL, SILENCE_TOKENS
 from mlx_chatterbox.models.gpt2 import T3TurboConfig
+from mlx_chatterbox.text import TokenizerError
 from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
 from tests.toy_gpt2_tokenizer import VOCAB_SIZE
 
@@ -66,6 +67,19 @@ def test_conversion_errors_name_the_variant(tmp_path):
     with pytest.raises(ConversionError, match="t3_cfg.safetensors and t3_turbo_v1.safetensors.*--variant"):
         convert(src, tmp_path / "d")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]  # nothing half-written
+
+
+def test_conversion_refuses_a_tokenizer_of_another_size(tmp_path):
+    # Upstream only warns when the tokenizer and T3's text table differ (then ids past the table fail later).
+    cfg = dataclasses.replace(TINY_TURBO, t3=dataclasses.replace(TINY_TURBO.t3, text_vocab_size=VOCAB_SIZE + 1))
+    src = write_upstream_checkpoint(tmp_path / "up", cfg)
+    with pytest.raises(
+        TokenizerError,
+        match=rf"{src} does not fit this model: it has {VOCAB_SIZE} tokens but the model's text vocabulary "
+        rf"has {VOCAB_SIZE + 1}",
+    ):
+        convert(src, tmp_path / "mlx", config=cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]
 
 
 def test_turbo_speaks_with_its_tail_of_silence(turbo):

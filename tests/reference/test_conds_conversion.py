@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
@@ -29,6 +32,29 @@ def test_builtin_voice_round_trips_exactly(tmp_path):
     np.testing.assert_array_equal(np.array(voice.xvector), conds.gen["embedding"].numpy())
 
 
+def test_conds_saved_after_upstream_s3gen_ran_convert(tmp_path):
+    """Upstream's ``S3Token2Mel.forward`` casts ``conds.gen``'s tensors to its float dtype in place, so a
+    ``conds.pt`` saved after any ``generate()`` holds float32 token arrays; upstream loads it, and so do we.
+    The cast is upstream's own code; the flow it would then run is a stand-in (its output is not needed here)."""
+    from chatterbox.models.s3gen.s3gen import S3Token2Mel
+
+    src = write_upstream_checkpoint(tmp_path / "up")
+    conds = oracle.random_conds(TINY, seed=5, gen_tokens=37)
+    expected = conds.gen["prompt_token"].numpy().copy()
+    s3gen = SimpleNamespace(
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        meanflow=False,
+        flow=SimpleNamespace(inference=lambda **_: (torch.zeros(1, 80, 4), None)),
+    )
+    S3Token2Mel.forward(s3gen, torch.tensor([[1, 2]]), None, None, ref_dict=conds.gen)
+    assert conds.gen["prompt_token"].dtype == conds.gen["prompt_token_len"].dtype == torch.float32
+    conds.save(src / "conds.pt")
+    voice = load_folder(convert(src, tmp_path / "mlx", config=TINY_MODEL)).voice
+    assert voice.s3gen_prompt_tokens.dtype == mx.int32
+    np.testing.assert_array_equal(np.array(voice.s3gen_prompt_tokens), expected)
+
+
 def conds_with(tmp_path, edit):
     src = write_upstream_checkpoint(tmp_path / "up")
     conds = oracle.random_conds(TINY)
@@ -51,6 +77,26 @@ def conds_with(tmp_path, edit):
         (lambda d: d["gen"].update(prompt_token_len=torch.tensor([3])), "prompt_token_len"),
         (lambda d: d["gen"].update(prompt_feat=torch.zeros(1, 7, 80)), "s3gen_prompt_mel must be"),
         (lambda d: d["t3"].update(clap_emb=torch.zeros(1, 2)), "clap_emb and prompt_feat_len must be None"),
+        (
+            lambda d: d["gen"].update(prompt_token=d["gen"]["prompt_token"].float() + 0.5),
+            r"prompt_token \(float32\) holds values that are not whole numbers",
+        ),
+        (
+            lambda d: d["gen"].update(prompt_token_len=torch.tensor([float("nan")])),
+            r"prompt_token_len \(float32\) holds values that are not whole numbers",
+        ),
+        (
+            lambda d: d["gen"]["prompt_token"].__setitem__((0, 3), 6561),
+            r"prompt_token holds values outside \[0, 6561\)",
+        ),
+        (
+            lambda d: d["t3"].update(cond_prompt_speech_tokens=-d["t3"]["cond_prompt_speech_tokens"].float()),
+            r"cond_prompt_speech_tokens holds values outside \[0, 6561\)",
+        ),
+        (
+            lambda d: d["gen"].update(prompt_token_len=torch.tensor([2.0**40])),
+            r"prompt_token_len holds values outside \[0, 2147483647\)",
+        ),
     ],
 )
 def test_bad_conds_name_the_problem_and_leave_nothing(tmp_path, edit, message):
