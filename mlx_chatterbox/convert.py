@@ -500,6 +500,7 @@ def voice_from_conds(path: Path) -> Voice:
     # effect; ours is a generation knob (SamplingParams.exaggeration).
     prompt_len = whole(gen, "prompt_token_len", 1, np.iinfo(np.int32).max)
     tokens = whole(gen, "prompt_token", 2, S3_CODEBOOK)
+    t3_tokens = whole(t3, "cond_prompt_speech_tokens", 2, S3_CODEBOOK)
     if prompt_len.tolist() != [tokens.shape[1]]:
         raise ConversionError(
             f"{name}: prompt_token_len {prompt_len.tolist()} != prompt_token length {tokens.shape[1]}"
@@ -507,7 +508,7 @@ def voice_from_conds(path: Path) -> Voice:
     try:
         return Voice(
             speaker_emb=mx.array(array(t3, "speaker_emb", 2, "f").astype(np.float32)),
-            t3_prompt_tokens=mx.array(whole(t3, "cond_prompt_speech_tokens", 2, S3_CODEBOOK).astype(np.int32)),
+            t3_prompt_tokens=mx.array(t3_tokens.astype(np.int32)),
             s3gen_prompt_tokens=mx.array(tokens.astype(np.int32)),
             s3gen_prompt_mel=mx.array(array(gen, "prompt_feat", 3, "f").astype(np.float32)),
             xvector=mx.array(array(gen, "embedding", 2, "f").astype(np.float32)),

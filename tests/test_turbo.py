@@ -71,7 +71,8 @@ def test_conversion_errors_name_the_variant(tmp_path):
 
 def test_conversion_refuses_a_tokenizer_of_another_size(tmp_path):
     # Upstream only warns when the tokenizer and T3's text table differ (then ids past the table fail later).
-    cfg = dataclasses.replace(TINY_TURBO, t3=dataclasses.replace(TINY_TURBO.t3, text_vocab_size=VOCAB_SIZE + 1))
+    t3 = dataclasses.replace(TINY_TURBO.t3, text_vocab_size=VOCAB_SIZE + 1)
+    cfg = dataclasses.replace(TINY_TURBO, t3=t3)
     src = write_upstream_checkpoint(tmp_path / "up", cfg)
     with pytest.raises(
         TokenizerError,

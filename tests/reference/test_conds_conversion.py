@@ -35,7 +35,7 @@ def test_builtin_voice_round_trips_exactly(tmp_path):
 def test_conds_saved_after_upstream_s3gen_ran_convert(tmp_path):
     """Upstream's ``S3Token2Mel.forward`` casts ``conds.gen``'s tensors to its float dtype in place, so a
     ``conds.pt`` saved after any ``generate()`` holds float32 token arrays; upstream loads it, and so do we.
-    The cast is upstream's own code; the flow it would then run is a stand-in (its output is not needed here)."""
+    The cast is upstream's own code; the flow it would then run is a stand-in (its output is not needed)."""
     from chatterbox.models.s3gen.s3gen import S3Token2Mel
 
     src = write_upstream_checkpoint(tmp_path / "up")
