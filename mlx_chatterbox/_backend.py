@@ -2,7 +2,8 @@
 
 1. Optimised BLAS on Linux CPUs. The ``mlx[cpu]`` wheel bundles the reference netlib BLAS, about 30x slower on
    fp32 matmuls than OpenBLAS. Loading OpenBLAS with global symbol scope before ``mlx.core`` makes MLX's
-   ``cblas_*`` calls resolve to it. ``MLX_CHATTERBOX_BLAS`` chooses: ``auto`` (default: OpenBLAS when the system
+   ``cblas_*`` calls resolve to it; after ``mlx.core`` it is too late (``_blas_after_mlx``), and ``TTS.load``
+   warns (``reference_blas_warning``). ``MLX_CHATTERBOX_BLAS`` chooses: ``auto`` (default: OpenBLAS when the system
    has it), ``off`` (keep the bundled BLAS), or a path to a shared library.
 2. Full fp32 matmuls. MLX runs fp32 matmuls as TF32 on CUDA and on M5-class Apple GPUs unless
    ``MLX_ENABLE_TF32=0`` (measured on an H200: 3e-4 relative error per product). Upstream Chatterbox runs true
@@ -35,6 +36,11 @@ STATUS: dict[str, str] = {}
 # True once a BLAS library was loaded process-wide. It also serves every other library in the process: PyTorch's
 # CPU kernels ran ~20x slower beside it here (benchmarks/README.md), so keep torch CPU work in another process.
 BLAS_PRELOADED = False
+# The BLAS library that would have been preloaded, when mlx.core came first and MLX kept its reference BLAS.
+MISSED_BLAS: str | None = None
+_NO_OPENBLAS = (
+    "MLX's bundled reference BLAS: no OpenBLAS found (on Debian/Ubuntu: apt-get install libopenblas0-pthread)"
+)
 MALLOC_TUNED = False  # True once glibc was told to serve large arrays from the heap
 
 logger = logging.getLogger("mlx_chatterbox")
@@ -47,14 +53,11 @@ def _blas() -> str:
     if choice == "off":
         return f"MLX's bundled reference BLAS ({BLAS_VAR}=off)"
     if "mlx.core" in sys.modules:
-        return (
-            "MLX's bundled reference BLAS: mlx.core was imported before mlx_chatterbox, too late to preload "
-            "OpenBLAS (import mlx_chatterbox first, or set LD_PRELOAD=libopenblas.so.0)"
-        )
+        return _blas_after_mlx(choice)
     if choice == "auto":
         path = ctypes.util.find_library("openblas")
         if path is None:
-            return "MLX's bundled reference BLAS: no OpenBLAS found (on Debian/Ubuntu: apt-get install libopenblas0-pthread)"
+            return _NO_OPENBLAS
         _preload(path)
         return f"OpenBLAS ({path})"
     try:
@@ -64,6 +67,63 @@ def _blas() -> str:
             f"{BLAS_VAR}={choice!r} could not be loaded ({e}); unset it or set it to 'auto' or 'off'"
         )
     return f"{choice} ({BLAS_VAR})"
+
+
+def _blas_after_mlx(choice: str) -> str:
+    """What MLX runs when ``mlx.core`` came first. Python loads extensions with RTLD_NOW, so MLX's ``cblas_*``
+    calls were bound when it was imported: to a BLAS already in the global symbol scope (LD_PRELOAD), else to the
+    bundled one for good. A library loaded now no longer changes them (a 1024x1024 fp32 matmul took 1.2 s with
+    OpenBLAS loaded RTLD_GLOBAL after mlx.core, 0.13 s with it loaded before)."""
+    global MISSED_BLAS
+    found = _global_cblas()
+    if found is not None:
+        return f"{found} (in the global symbol scope before mlx.core was imported, e.g. by LD_PRELOAD)"
+    MISSED_BLAS = ctypes.util.find_library("openblas") if choice == "auto" else choice
+    if MISSED_BLAS is None:
+        return _NO_OPENBLAS
+    return (
+        f"MLX's bundled reference BLAS: mlx.core was imported before mlx_chatterbox, too late to preload "
+        f"{MISSED_BLAS} (import mlx_chatterbox first, or set LD_PRELOAD={MISSED_BLAS})"
+    )
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _global_cblas() -> str | None:
+    """The file of the ``cblas_sgemm`` in the process's global symbol scope (where MLX's lookups start), if any."""
+    process = ctypes.CDLL(None)  # dlopen(NULL): lookups search the global scope
+    try:
+        sgemm = process.cblas_sgemm
+    except AttributeError:
+        return None
+    info = _DlInfo()
+    if not process.dladdr(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return "a BLAS library"
+    return info.dli_fname.decode(errors="replace")
+
+
+def reference_blas_warning() -> str | None:
+    """Why MLX runs its reference BLAS on this Linux CPU although a faster one was there to preload, and how to
+    fix it; None when that is not the case."""
+    if MISSED_BLAS is None:
+        return None
+    import mlx.core as mx  # imported long before (that is the problem this reports)
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    return (
+        f"MLX is running its bundled reference BLAS, 10-30x slower on a CPU than {MISSED_BLAS}, which was "
+        "there to preload: mlx.core was imported before mlx_chatterbox, and once MLX is loaded its BLAS cannot "
+        "be swapped. Import mlx_chatterbox before mlx.core (and before anything that imports it), or start "
+        f"Python with LD_PRELOAD={MISSED_BLAS}; {BLAS_VAR}=off keeps the reference BLAS without this warning."
+    )
 
 
 def _preload(path: str) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from . import _backend
 from .convert import DEFAULT_REPO, prepare
 from .generation import vc
 from .generation.multilingual import MultilingualParams
@@ -119,6 +120,8 @@ class TTS:
             raise ValueError(f"cfm_dtype={cfm_dtype!r}: choose one of {', '.join(CFM_DTYPES)}")
         if cfm_dtype != "float32" and s3gen == "torch":
             raise ValueError("cfm_dtype applies to our S3Gen; hybrid mode (s3gen='torch') runs upstream's")
+        if (slow_blas := _backend.reference_blas_warning()) is not None:
+            logger.warning(slow_blas)
         folder = load_folder(
             prepare(
                 source,

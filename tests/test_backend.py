@@ -1,12 +1,23 @@
-"""Process-wide settings (_backend.py): the allocator switch."""
+"""Process-wide settings (_backend.py): the allocator switch; the warning when MLX was imported too early to get
+OpenBLAS."""
 
 from __future__ import annotations
 
+import ctypes.util
+import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from mlx_chatterbox import _backend
+from mlx_chatterbox.convert import convert
+from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_BLAS = "MLX is running its bundled reference BLAS"
 
 
 def test_malloc_setting_rejects_unknown_values(monkeypatch):
@@ -28,3 +39,72 @@ def test_malloc_setting_is_applied_and_reported_on_linux(monkeypatch):
     monkeypatch.delenv(_backend.MALLOC_VAR, raising=False)
     assert _backend._malloc().startswith("large arrays from the heap")
     assert _backend.STATUS["malloc"].startswith("large arrays from the heap")  # what import did
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("blas")
+    random_voice(seed=5).save(tmp / "voice.safetensors")
+    model = convert(write_upstream_checkpoint(tmp / "up"), tmp / "mlx", config=TINY_MODEL)
+    return model, tmp / "voice.safetensors"
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that imports this tree's mlx_chatterbox; no BLAS settings but ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", _backend.BLAS_VAR)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or ctypes.util.find_library("openblas") is None,
+    reason="the preload is for Linux with OpenBLAS installed",
+)
+@pytest.mark.parametrize(
+    "first, env, warned",
+    [
+        ("import mlx.core", {}, True),  # the trap: MLX binds its bundled BLAS before we can preload
+        ("", {}, False),
+        ("import mlx.core", {"LD_PRELOAD": "libopenblas.so.0"}, False),  # OpenBLAS was there before MLX
+        ("import mlx.core", {_backend.BLAS_VAR: "off"}, False),  # the user chose the reference BLAS
+    ],
+)
+def test_tts_load_warns_when_mlx_came_first_and_kept_its_reference_blas(tiny, first, env, warned):
+    run = run_python(
+        f"""
+        {first}
+        from mlx_chatterbox import TTS
+        TTS.load({str(tiny[0])!r})
+        """,
+        **env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert (SLOW_BLAS in run.stderr) == warned, run.stderr
+    if warned:
+        assert "Import mlx_chatterbox before mlx.core" in run.stderr
+        assert "LD_PRELOAD=libopenblas.so.0" in run.stderr and "MLX_CHATTERBOX_BLAS=off" in run.stderr
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or ctypes.util.find_library("openblas") is None,
+    reason="the preload is for Linux with OpenBLAS installed",
+)
+def test_bench_warns_when_mlx_came_first(tiny):
+    model, voice = tiny
+    args = ["bench", "--model", str(model), "--voice", str(voice), "--repeats", "1", "--max-new-tokens", "2"]
+    run = run_python(
+        f"""
+        import sys
+        import mlx.core
+        from mlx_chatterbox.cli import main
+        sys.exit(main({args!r}))
+        """
+    )
+    assert run.returncode == 0, run.stderr
+    assert SLOW_BLAS in run.stderr and "too late to preload libopenblas.so.0" in run.stderr
