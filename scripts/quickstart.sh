@@ -16,17 +16,23 @@ step "1/4 Installing mlx-chatterbox into .venv"
 scripts/install_openblas.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
 export PYTHON=.venv/bin/python
+source scripts/common.sh
 extra=""
-[ "$(uname)" = Linux ] && extra="[cpu]"
-$PYTHON -m pip install -q --upgrade pip
-$PYTHON -m pip install -q -e ".$extra"
+[ "$(uname)" = Linux ] && extra="cpu"
+if package_installed "$extra"; then
+    echo "already installed (pyproject.toml unchanged since)"
+else
+    install_package "$extra"
+fi
 
 if [ "$src" = random ]; then
-    step "    Writing a random-weight checkpoint in upstream layout (models/random-upstream; installs torch)"
-    scripts/install_oracle.sh
-    [ -f models/random-upstream/ve.safetensors ] || $PYTHON scripts/random_checkpoint.py models/random-upstream
     src=models/random-upstream
     max_tokens=50  # random weights almost never say stop
+    if [ ! -d "$src" ]; then  # random_checkpoint.py writes the folder whole or not at all
+        step "    Writing a random-weight checkpoint in upstream layout ($src; installs torch)"
+        scripts/install_oracle.sh
+        $PYTHON scripts/random_checkpoint.py "$src"
+    fi
 fi
 dst=models/$(basename "$src")-mlx
 step "2/4 Converting $src into $dst"

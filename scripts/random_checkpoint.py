@@ -13,6 +13,8 @@ Usage: python scripts/random_checkpoint.py DST [--seed N]
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,11 +29,19 @@ def main() -> None:
     parser.add_argument("dst", type=Path, help="folder to write")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    oracle.write_t3_checkpoint(oracle.upstream_t3(oracle.FULL, seed=args.seed), args.dst)
-    oracle.write_s3gen_checkpoint(oracle.upstream_s3gen(seed=args.seed), args.dst)
-    oracle.write_ve_checkpoint(args.dst, seed=args.seed)
-    write_toy_tokenizer(args.dst / "tokenizer.json")
-    oracle.random_conds(oracle.FULL, seed=args.seed).save(args.dst / "conds.pt")
+    # Written beside DST and renamed at the end, so that DST exists only when it is complete.
+    tmp = args.dst.with_name(f".{args.dst.name}.writing-{os.getpid()}")
+    try:
+        oracle.write_t3_checkpoint(oracle.upstream_t3(oracle.FULL, seed=args.seed), tmp)
+        oracle.write_s3gen_checkpoint(oracle.upstream_s3gen(seed=args.seed), tmp)
+        oracle.write_ve_checkpoint(tmp, seed=args.seed)
+        write_toy_tokenizer(tmp / "tokenizer.json")
+        oracle.random_conds(oracle.FULL, seed=args.seed).save(tmp / "conds.pt")
+        if args.dst.exists():
+            shutil.rmtree(args.dst)
+        os.replace(tmp, args.dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote a random-weight upstream checkpoint to {args.dst}")
 
 
