@@ -1,5 +1,5 @@
-"""Process-wide settings (_backend.py): the allocator switch; the warning when MLX was imported too early to get
-OpenBLAS."""
+"""Process-wide settings (_backend.py): the allocator switch; the warning when MLX was imported too early to
+get OpenBLAS."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_BLAS = "MLX is running its bundled reference BLAS"
+needs_openblas = pytest.mark.skipif(
+    sys.platform != "linux" or ctypes.util.find_library("openblas") is None,
+    reason="the preload is for Linux with OpenBLAS installed",
+)
 
 
 def test_malloc_setting_rejects_unknown_values(monkeypatch):
@@ -50,7 +54,7 @@ def tiny(tmp_path_factory):
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter that imports this tree's mlx_chatterbox; no BLAS settings but ``env``."""
+    """``code`` in a fresh interpreter that imports this tree's package; no BLAS settings but ``env``."""
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", _backend.BLAS_VAR)}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -62,39 +66,37 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(
-    sys.platform != "linux" or ctypes.util.find_library("openblas") is None,
-    reason="the preload is for Linux with OpenBLAS installed",
-)
+@needs_openblas
 @pytest.mark.parametrize(
-    "first, env, warned",
+    "first, env, status, warned",
     [
-        ("import mlx.core", {}, True),  # the trap: MLX binds its bundled BLAS before we can preload
-        ("", {}, False),
-        ("import mlx.core", {"LD_PRELOAD": "libopenblas.so.0"}, False),  # OpenBLAS was there before MLX
-        ("import mlx.core", {_backend.BLAS_VAR: "off"}, False),  # the user chose the reference BLAS
+        # The trap: MLX binds its bundled BLAS when it loads, before we can preload.
+        ("import mlx.core", {}, "bundled reference BLAS: mlx.core was imported before", True),
+        ("", {}, "OpenBLAS (libopenblas.so.0)", False),
+        # OpenBLAS was in the global scope before MLX loaded.
+        ("import mlx.core", {"LD_PRELOAD": "libopenblas.so.0"}, "libopenblas.so.0 (in the global", False),
+        ("import mlx.core", {_backend.BLAS_VAR: "off"}, "MLX_CHATTERBOX_BLAS=off", False),  # user's choice
     ],
 )
-def test_tts_load_warns_when_mlx_came_first_and_kept_its_reference_blas(tiny, first, env, warned):
+def test_tts_load_warns_when_mlx_came_first_and_kept_its_reference_blas(tiny, first, env, status, warned):
     run = run_python(
         f"""
         {first}
-        from mlx_chatterbox import TTS
+        from mlx_chatterbox import TTS, _backend
         TTS.load({str(tiny[0])!r})
+        print(_backend.STATUS["blas"])
         """,
         **env,
     )
     assert run.returncode == 0, run.stderr
+    assert status in run.stdout
     assert (SLOW_BLAS in run.stderr) == warned, run.stderr
     if warned:
         assert "Import mlx_chatterbox before mlx.core" in run.stderr
         assert "LD_PRELOAD=libopenblas.so.0" in run.stderr and "MLX_CHATTERBOX_BLAS=off" in run.stderr
 
 
-@pytest.mark.skipif(
-    sys.platform != "linux" or ctypes.util.find_library("openblas") is None,
-    reason="the preload is for Linux with OpenBLAS installed",
-)
+@needs_openblas
 def test_bench_warns_when_mlx_came_first(tiny):
     model, voice = tiny
     args = ["bench", "--model", str(model), "--voice", str(voice), "--repeats", "1", "--max-new-tokens", "2"]
