@@ -19,10 +19,10 @@ from . import _backend
 from .convert import DEFAULT_REPO, prepare
 from .generation import vc
 from .generation.multilingual import MultilingualParams
-from .generation.pieces import TOKENS_PER_SECOND, split_pieces, token_budget
+from .generation.pieces import TOKENS_PER_SECOND, Plan, join_audio, plan_text, token_budget
 from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
 from .generation.vc import check_decoder as check_vc_decoder
-from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, crossfade_join
+from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens
 from .generation.voice import S3_SR, S3GEN_SR, Voice, VoiceCloner, check_recording, read_recording
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams, seed_keys
@@ -337,6 +337,13 @@ class TTS:
         text, ``generate(text, seed=s)`` equals ``vocode(speech_tokens(text, seed=s, max_new_tokens=b), seed=s)``
         with b its budget.
 
+        Pause tags in the text, ``[pause:500ms]``, ``[pause:1.5s]`` or ``<break time="500ms"/>`` (at most 10 s
+        each; tags in a row add up), become exactly that much silence (rounded to the nearest sample): the
+        words on either side are spoken as separate pieces, joined to the silence without a crossfade
+        (``generation.pieces.plan_text``; a malformed tag is an error naming it). A text of tags alone is
+        silence (unmarked: Perth would only cut its end). Seeds count spoken pieces only: ``"A [pause:1s] B"``
+        with seed s is ``"A"`` with seed s, one second of zeros and ``"B"`` with seed s + 1.
+
         language: the text's language, for the multilingual models (required there; see ``text_ids``). Multilingual
             v3 cuts each piece's last token's 960 samples after vocoding, as upstream HEAD.
         progress: called with a ``Progress`` after every speech token and around every piece's vocoding.
@@ -344,7 +351,8 @@ class TTS:
         params = self._params(params, knobs)
         self.speech.check(params)  # a cap above the model's limit is an error, even where budgets are lower
         check_cfm_steps(cfm_steps)
-        pieces = split_pieces(text, lambda t: self._fits(t, language))  # an empty text is refused here
+        plan = self._plan(text, language)
+        pieces = plan.pieces
         voice = self._voice(voice)
         if len(pieces) > 1:
             logger.info("speaking the text in %d pieces", len(pieces))
@@ -375,8 +383,8 @@ class TTS:
             wavs.append(wav[: len(wav) - self.speech.cut_samples(tokens.size)])
             if progress is not None:
                 progress(Progress(i, len(pieces), "vocode", 1, 1))
-        wav = crossfade_join(wavs, CROSSFADE)
-        return self._mark(wav) if watermark else wav
+        wav = join_audio(wavs, plan, CROSSFADE)
+        return self._mark(wav) if watermark and pieces else wav  # silence alone: nothing to mark
 
     def stream(
         self,
@@ -397,7 +405,8 @@ class TTS:
         S3Gen re-decodes the utterance so far after ``first_chunk`` speech tokens, ``chunk`` tokens later,
         then after chunks that double up to 8 s, and at the end (``generation.stream.StreamVocoder``: the
         first audio after 10 tokens, then 1 s, 2 s, 4 s, 8 s, 8 s, ... of audio). Long text is split into pieces as ``generate`` does, with
-        the same budgets, seed s + i for piece i and 40 ms crossfades between pieces. Concatenated, the chunks
+        the same budgets, seed s + i for piece i, 40 ms crossfades between pieces and pause tags' silences (a
+        chunk of zeros each). Concatenated, the chunks
         have the length of ``generate``'s output for the same seed (the same speech tokens) and sound alike,
         but are not equal: the chunked decoding draws its own noise tables.
         watermark: Perth's watermark is applied to each chunk on its own as it is yielded (each chunk keeps
@@ -409,12 +418,12 @@ class TTS:
         check_chunks(first_chunk, chunk, self.s3gen.flow.config.pre_lookahead_len)
         if self.torch_s3gen is not None:
             raise ValueError("streaming runs our MLX S3Gen; load the model with s3gen='mlx' to stream")
-        texts = split_pieces(text, lambda t: self._fits(t, language))  # an empty text is refused here
+        plan = self._plan(text, language)
         voice = self._voice(voice)
         if watermark:
             self.watermarker()  # loaded now, so that a missing asset fails before any work
         pieces = []
-        for i, piece in enumerate(texts):
+        for i, piece in enumerate(plan.pieces):
             keys = (None, None) if seed is None else seed_keys(seed + i)
             budget = min(params.max_new_tokens, token_budget(piece))
             piece_params = dataclasses.replace(params, max_new_tokens=budget)
@@ -423,7 +432,7 @@ class TTS:
         streams = [
             stream_piece(self.speech, self.s3gen, voice, p, **settings) for p in pieces
         ]  # lazy: no work yet
-        chunks = join_pieces(streams, CROSSFADE)
+        chunks = join_pieces(streams, CROSSFADE, plan.pauses)
         return (self._mark_chunk(c) for c in chunks) if watermark else chunks
 
     def _mark_chunk(self, chunk: np.ndarray) -> np.ndarray:
@@ -445,6 +454,10 @@ class TTS:
                 f"{', '.join(kind.__dataclass_fields__)}"
             )
         return dataclasses.replace(params or kind(), **knobs)
+
+    def _plan(self, text: str, language: str | None = None) -> Plan:
+        """``text`` as pieces T3 takes and the pause tags' silences; an empty text or a bad tag is refused."""
+        return plan_text(text, lambda t: self._fits(t, language), self.sample_rate)
 
     def _fits(self, text: str, language: str | None = None) -> bool:
         """Whether T3 takes ``text`` in one pass."""

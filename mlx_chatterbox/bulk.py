@@ -32,7 +32,6 @@ import numpy as np
 import soundfile as sf
 
 from .api import TTS, MultilingualParams, Voice, check_language
-from .generation.pieces import split_pieces
 from .generation.vocode import check_cfm_steps
 from .sampling import SEED_LIMIT, SamplingParams, TurboParams
 from .server.worker import SpeechJob, Worker
@@ -465,7 +464,7 @@ def _job(tts: TTS, item: Item, settings: Settings, voices: dict[str | None, Voic
     (ValueError or TypeError naming the problem)."""
     params = tts._params(None, dict(item.knobs))
     tts.speech.check(params)
-    split_pieces(item.text, lambda t: tts._fits(t, item.language))  # the language, and that T3 takes the text
+    tts._plan(item.text, item.language)  # the language, pause tags, and that T3 takes the text
     path = item.voice if item.voice is not None else settings.voice
     if path not in voices:
         try:

@@ -134,6 +134,25 @@ def test_batch_writes_each_item_and_records_bad_lines_as_failed(folder, tts, tmp
     assert sorted(p.name for p in out.iterdir()) == ["000001.wav", "long.wav", "manifest.jsonl", "sub"]
 
 
+def test_batch_pause_tags_are_exact_silence_and_bad_tags_fail_their_item(folder, tts, tmp_path, capsys):
+    job = {"text": "Hello there. [pause:250ms] How are you?", "seed": 1, "max_new_tokens": 6, "cfm_steps": 1}
+    lines = [job, {"text": "[pause:1s]"}, {"text": "Too long [pause:10.5s] a pause."}]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    out = tmp_path / "out"
+    assert batch(folder, jobs, out, "--no-watermark") == 1
+    assert "jobs.jsonl:3 (000003.wav): pause tag '[pause:10.5s]' is 10.5 s long" in capsys.readouterr().err
+    assert {n: e["status"] for n, e in latest(out).items()} == {1: "done", 2: "done", 3: "failed"}
+    got = sf.read(out / "000001.wav", dtype="float32")[0]
+    a, b = (
+        expected(tts, folder, {**job, "text": t, "seed": s}, False)
+        for t, s in (("Hello there.", 1), ("How are you?", 2))
+    )
+    assert len(got) == len(a) + 6000 + len(b)
+    assert not got[len(a) : len(a) + 6000].any()
+    assert np.abs(got - np.concatenate([a, np.zeros(6000), b])).max() <= PCM_STEP
+    np.testing.assert_array_equal(sf.read(out / "000002.wav", dtype="float32")[0], np.zeros(24000))
+
+
 def test_resume_skips_what_is_done_and_redoes_what_changed(folder, tmp_path, capsys):
     lines = [GOOD[0], GOOD[2], {"text": "Bad.", "top_k": 3}]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)

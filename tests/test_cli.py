@@ -167,6 +167,30 @@ def test_say_errors_are_one_line_and_write_nothing(model, capsys, tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_say_pause_tags_are_exact_silence(model, capsys, tmp_path):
+    import soundfile as sf
+
+    args = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--max-new-tokens", "6"]
+    args += ["--cfm-steps", "1", "--no-watermark"]
+
+    def say(text: str, seed: int) -> np.ndarray:
+        out = tmp_path / f"{seed}-{len(text)}.wav"
+        assert main(["say", text, *args, "--seed", str(seed), "-o", str(out)]) == 0
+        return sf.read(out, dtype="int16")[0]
+
+    wav = say('Hello there. [pause:250ms] How are you? <break time="1.5s"/>', 3)
+    a, b = say("Hello there.", 3), say("How are you?", 4)  # seed s + i for spoken piece i
+    # 250 ms and 1.5 s at 24 kHz: 6000 and 36000 samples of exact zeros between and after the pieces' audio.
+    np.testing.assert_array_equal(
+        wav, np.concatenate([a, np.zeros(6000, np.int16), b, np.zeros(36000, np.int16)])
+    )
+    capsys.readouterr()
+    assert main(["say", "Hi. [pause:12s] There.", *args, "-o", str(tmp_path / "no.wav")]) == 1
+    err = capsys.readouterr().err
+    assert "pause tag '[pause:12s]' is 12 s long; a pause is at most 10 s" in err and err.count("\n") == 1
+    assert not (tmp_path / "no.wav").exists()
+
+
 def test_say_reads_text_from_a_file(model, tmp_path):
     (tmp_path / "text.txt").write_text("Hello there.\n", encoding="utf-8")
     args = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--seed", "2"]

@@ -245,6 +245,47 @@ def test_concurrent_requests(client, reference):
     assert len({out[s] for s in seeds}) == 4
 
 
+def test_pause_tags_are_exact_silence_whole_and_streamed(server, tts, monkeypatch):
+    worker, voices = server[1], server[2]
+    # The server always watermarks; Perth over the whole would blur the silences' edges (test_pauses.py covers
+    # the watermark), so here the audio goes out unmarked, to be compared sample for sample.
+    monkeypatch.setattr(tts, "_mark", lambda wav: wav)
+    monkeypatch.setattr(tts, "_mark_chunk", lambda chunk: chunk)
+    text = "[pause:20ms] Hello there. [pause:250ms] How are you? <break time='1.5s'/>"
+    extra = {"seed": 3, "max_new_tokens": TOKENS}
+
+    def alone(stream: bool) -> list[np.ndarray]:
+        """Each piece's own audio (seed 3 + i for piece i), unmarked, made on the worker's thread."""
+        params = SamplingParams(max_new_tokens=TOKENS)
+        if stream:
+            make = lambda t, s: np.concatenate(
+                list(tts.stream(t, voices.builtin, params, seed=s, watermark=False))
+            )  # noqa: E731
+        else:
+            make = lambda t, s: tts.generate(t, voices.builtin, params, seed=s, watermark=False)  # noqa: E731
+        return [
+            worker.run(make, t, s).result(timeout=60) for t, s in (("Hello there.", 3), ("How are you?", 4))
+        ]
+
+    for stream in (False, True):
+        a, b = alone(stream)
+        want = np.concatenate([np.zeros(480), a, np.zeros(6000), b, np.zeros(36000)])
+        body = {"model": "tiny", "input": text, "response_format": "pcm", "stream": stream}
+        r = post(server, body | extra)
+        assert r.status_code == 200, r.text
+        pcm = np.frombuffer(r.content, "<i2")
+        assert len(pcm) == len(want)
+        np.testing.assert_array_equal(pcm, np.clip(np.round(want * 32768), -32768, 32767).astype(np.int16))
+        assert not pcm[:480].any() and not pcm[-36000:].any()
+    # Tags alone: silence, with no T3 work.
+    r = post(server, {"model": "tiny", "input": "[pause:1s]", "response_format": "pcm", "stream": False})
+    assert r.status_code == 200 and np.frombuffer(r.content, "<i2").tolist() == [0] * 24000
+    err = error_of(post(server, {"model": "tiny", "input": "Hi [pause:11s] there."}))
+    assert err["param"] == "input" and "pause tag '[pause:11s]' is 11 s long" in err["message"]
+    err = error_of(post(server, {"model": "tiny", "input": "Hi [pause:1 minute] there.", "stream": True}))
+    assert err["param"] == "input" and "malformed pause tag '[pause:1 minute]'" in err["message"]
+
+
 # Errors: OpenAI's shape, naming the field.
 
 

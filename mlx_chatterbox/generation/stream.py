@@ -347,11 +347,21 @@ class PieceJoiner:
         self._held, self._head = crossfade_join([self._held, head], len(self._held)), None
 
 
-def join_pieces(pieces: Sequence[Iterator[np.ndarray]], overlap: int) -> Iterator[np.ndarray]:
-    """``PieceJoiner`` over the chunk iterators of a text's pieces: the non-empty joined chunks."""
+def join_pieces(
+    pieces: Sequence[Iterator[np.ndarray]], overlap: int, pauses: Sequence[int | None] | None = None
+) -> Iterator[np.ndarray]:
+    """``PieceJoiner`` over the chunk iterators of a text's pieces: the non-empty joined chunks. ``pauses``
+    (``pieces.Plan.pauses``; default: none, every piece crossfaded onto the one before) puts silences between
+    pieces: a piece followed by one is not held back for a crossfade, and the silence comes as a chunk of
+    zeros. Concatenated, the output equals ``pieces.join_audio`` of the whole pieces."""
+    pauses = [0, *[None] * (len(pieces) - 1), 0] if pauses is None else pauses
+    if len(pauses) != len(pieces) + 1:
+        raise ValueError(f"{len(pauses)} pauses for {len(pieces)} pieces: pass one more pause than pieces")
     joiner = PieceJoiner(overlap)
+    if pauses[0]:
+        yield np.zeros(pauses[0], np.float32)
     for i, chunks in enumerate(pieces):
-        more = i + 1 < len(pieces)
+        more = pauses[i + 1] is None  # the next piece crossfades onto this one
         for chunk in chunks:
             out = joiner.push(chunk, more)
             if len(out):
@@ -359,3 +369,5 @@ def join_pieces(pieces: Sequence[Iterator[np.ndarray]], overlap: int) -> Iterato
         out = joiner.end_piece(more)
         if len(out):
             yield out
+        if pauses[i + 1]:
+            yield np.zeros(pauses[i + 1], np.float32)

@@ -5,9 +5,9 @@ get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time
 steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
 jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). A job's audio is what ``TTS.generate``
 gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk for chunk): pieces, budgets,
-seeds per piece, crossfades and watermark as there; exactly, except that whole pieces T3 finishes in the same
-step are vocoded together (``S3Gen.batch``, up to ``vocode_batch``), equal up to float error. All MLX work happens on this one thread, so that no two threads ever build
-MLX graphs at once.
+seeds per piece, crossfades, pause tags' silences and watermark as there; exactly, except that whole pieces
+T3 finishes in the same step are vocoded together (``S3Gen.batch``, up to ``vocode_batch``), equal up to float
+error. All MLX work happens on this one thread, so that no two threads ever build MLX graphs at once.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import numpy as np
 
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
-from ..generation.pieces import split_pieces, token_budget
+from ..generation.pieces import Plan, join_audio, token_budget
 from ..generation.stream import PieceJoiner, StreamVocoder, finish_stream
 from ..generation.turbo import TurboSpeech
 from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
-from ..generation.vocode import check_cfm_steps, crossfade_join
+from ..generation.vocode import check_cfm_steps
 from ..generation.voice import Voice
 from ..sampling import SamplingParams, TurboParams, seed_keys
 
@@ -116,11 +116,12 @@ class Ticket:
 
 @dataclasses.dataclass
 class _Job:
-    """A job on the worker thread: its pieces, the piece in T3 now and its raw tokens, and the audio so far."""
+    """A job on the worker thread: its pieces and pauses, the piece in T3 now and its raw tokens, and the
+    audio so far."""
 
     job: SpeechJob
     ticket: Ticket
-    pieces: list[str]
+    plan: Plan
     piece_ids: list[list[int]]  # each piece's text token ids, tokenized once at submit
     piece: int = 0
     uid: int | None = None  # its request in the batch
@@ -213,8 +214,8 @@ class Worker:
         check_cfm_steps(job.cfm_steps)
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
-        pieces = split_pieces(job.text, lambda t: tts._fits(t, job.language))  # an empty text is refused here
-        piece_ids = [tts.text_ids(p, job.language) for p in pieces]
+        plan = tts._plan(job.text, job.language)  # an empty text or a bad pause tag is refused here
+        piece_ids = [tts.text_ids(p, job.language) for p in plan.pieces]
         ticket = Ticket(self.sample_rate, sum(len(ids) for ids in piece_ids))
         with self._lock:
             if self._thread is None:
@@ -222,7 +223,7 @@ class Worker:
             if self._jobs >= self.max_queue:
                 raise QueueFull(f"{self._jobs} requests are already queued (the limit is {self.max_queue})")
             self._jobs += 1
-        self._inbox.put(_Job(job, ticket, pieces, piece_ids))
+        self._inbox.put(_Job(job, ticket, plan, piece_ids))
         return ticket
 
     def warm_up(self, voice: Voice, language: str | None = None) -> None:
@@ -275,8 +276,12 @@ class Worker:
                     self._stop(list(running.values()) + list(waiting))
                     return
                 if isinstance(item, _Job):
-                    if self._guard(item, _check_voice, item.job.voice):
+                    if not self._guard(item, _check_voice, item.job.voice):
+                        pass
+                    elif item.plan.pieces:
                         waiting.append(item)
+                    elif self._guard(item, self._silence, item):  # a text of pause tags alone
+                        self._done(item, None)
                 else:
                     self._call(*item)
                 try:
@@ -344,7 +349,7 @@ class Worker:
 
     def _admit(self, j: _Job, batch: SpeechTokenBatch | TurboTokenBatch) -> None:
         """Put the job's next piece into T3's batch."""
-        job, piece = j.job, j.pieces[j.piece]
+        job, piece = j.job, j.plan.pieces[j.piece]
         params = dataclasses.replace(
             job.params, max_new_tokens=min(job.params.max_new_tokens, token_budget(piece))
         )
@@ -353,6 +358,8 @@ class Worker:
         j.raw = []
         j.uid = batch.add(BatchRequest(j.piece_ids[j.piece], job.voice, params, key=key))
         if job.stream:
+            if j.piece == 0 and j.plan.pauses[0]:
+                self._emit_silence(j, j.plan.pauses[0])
             s3gen_key = None if seed is None else seed_keys(seed)[1]
             j.vocoder = StreamVocoder(self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key)
 
@@ -366,7 +373,7 @@ class Worker:
             return
         if speech.stop_token not in j.raw:
             logger.warning(
-                "piece %d of %d stopped at its budget without the stop token", j.piece + 1, len(j.pieces)
+                "piece %d of %d stopped at its budget without the stop token", j.piece + 1, len(j.plan.pieces)
             )
         j.raw = speech.finish(j.raw)  # the variant's tail (Turbo's silence) included
         if len(j.raw) == len(speech.tail):
@@ -403,9 +410,9 @@ class Worker:
         for j in ended:
             if id(j) in failed:
                 continue
-            last = j.piece == len(j.pieces) - 1
+            last = j.piece == len(j.plan.pieces) - 1
             if last and not j.job.stream:
-                wav = crossfade_join(j.wavs, CROSSFADE)
+                wav = join_audio(j.wavs, j.plan, CROSSFADE)
                 j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
             j.piece += 1
             if last:
@@ -431,12 +438,26 @@ class Worker:
 
     def _emit(self, j: _Job, samples: np.ndarray, end: bool = False) -> None:
         """Hand a streamed job's samples to its reader, the pieces joined and each chunk watermarked exactly as
-        ``TTS.stream`` does (``PieceJoiner``)."""
-        more = j.piece < len(j.pieces) - 1  # pieces follow this one
+        ``TTS.stream`` does (``PieceJoiner``, ``join_pieces``: the pause after the piece comes after its end).
+        """
+        more = j.plan.crossfades(j.piece)  # the next piece crossfades onto this one
         outs = [j.joiner.push(samples, more)] + ([j.joiner.end_piece(more)] if end else [])
         for out in outs:
             if out.size:
                 j.ticket._put(self.tts._mark_chunk(out) if j.job.watermark else out)
+        if end and j.plan.pauses[j.piece + 1]:
+            self._emit_silence(j, j.plan.pauses[j.piece + 1])
+
+    def _emit_silence(self, j: _Job, samples: int) -> None:
+        silence = np.zeros(samples, np.float32)
+        j.ticket._put(self.tts._mark_chunk(silence) if j.job.watermark else silence)
+
+    def _silence(self, j: _Job) -> None:
+        """A job whose text is pause tags alone: its silence, as ``TTS.generate`` / ``TTS.stream`` give it."""
+        if j.job.stream:
+            self._emit_silence(j, j.plan.pauses[0])
+        else:
+            j.ticket._put(np.zeros(j.plan.pauses[0], np.float32))  # unmarked, as TTS.generate
 
     def _done(self, j: _Job, error: BaseException | None) -> None:
         j.ticket._put(_END if error is None else error)
