@@ -34,7 +34,7 @@ from .bulk import AUDIO_FORMATS, write_atomic
 from .convert import DEFAULT_REPO, DTYPES, convert, source_variant
 from .quantize import BITS, GROUP_SIZES
 from .sampling import SamplingParams, TurboParams, check_seed
-from .variants import CHECKPOINTS, MULTILINGUAL, PRESETS
+from .variants import CHECKPOINTS, MULTILINGUAL, PACK_LANGUAGES, PRESETS
 
 PROG = "mlx-chatterbox"
 APLAY = "aplay -f S16_LE -r 24000 -c 1"  # a player for --stream's output
@@ -60,6 +60,7 @@ VARIANT_KNOBS = {
     "multilingual": "Multilingual v2",
     "turbo": "Turbo/Nano",
     "nano": "Turbo/Nano",
+    **{variant: "English, Multilingual v3" for variant in PACK_LANGUAGES},  # the language packs run v3's code
 }
 
 
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variant",
         choices=list(CHECKPOINTS),
         help="english, multilingual or multilingual-v3 (ResembleAI/chatterbox), turbo "
-        "(ResembleAI/chatterbox-turbo) or nano (ResembleAI/chatterbox-nano); default: found from the files "
+        "(ResembleAI/chatterbox-turbo), nano (ResembleAI/chatterbox-nano) or a language pack "
+        "(multilingual-v3-pt-br: ResembleAI/Chatterbox-Multilingual-pt-br, ...); default: found from the files "
         "(a repo id: its first, english for ResembleAI/chatterbox)",
     )
     p.add_argument(
@@ -373,6 +375,13 @@ def _language(args: argparse.Namespace) -> str | None:
     if args.language is not None:
         check_language(args.language)
     variant = args.variant or source_variant(args.model)
+    if variant in PACK_LANGUAGES:  # a language pack speaks its language, by default
+        if args.language not in (None, PACK_LANGUAGES[variant]):
+            raise ValueError(
+                f"--language {args.language}: the {variant} model is a finetune for "
+                f"{PACK_LANGUAGES[variant]!r} only; leave --language out, or use multilingual-v3"
+            )
+        return args.language
     if variant is not None and (args.language is not None) != (variant in MULTILINGUAL):
         if args.language is None:
             raise ValueError(f"the {variant} model needs --language: one of {', '.join(LANGUAGES)}")
@@ -744,7 +753,8 @@ def _bench(args: argparse.Namespace) -> None:
         tokens = tts.speech_tokens(
             BENCH_TEXT,
             voice,
-            language="en" if tts.speech.variant in MULTILINGUAL else None,  # BENCH_TEXT is English
+            # BENCH_TEXT is English; a language pack speaks its own language only.
+            language="en" if tts.speech.variant in MULTILINGUAL and tts.speech.language is None else None,
             seed=run,
             progress=lambda p: steps.append(p.done),
             max_new_tokens=args.max_new_tokens,

@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,7 +52,7 @@ from .models.voice_encoder import VoiceEncoder
 from .quantize import quantization_record, quantize_t3
 from .text import EnTokenizer, GPT2Tokenizer, MtlTokenizer
 from .torchfile import TorchFileError, load_torch_file
-from .variants import CHECKPOINTS, MULTILINGUAL, PRESETS, REPOS, ModelConfig
+from .variants import CHECKPOINTS, COMPANION_REPO, MULTILINGUAL, PRESETS, REPOS, ModelConfig
 
 FORMAT = "mlx-chatterbox"
 FORMAT_VERSION = 5  # 2: S3Gen, the S3 tokenizer and CAM++ converted too; 3: the voice encoder too;
@@ -114,7 +115,8 @@ def convert(
     src: a folder in upstream layout, or a Hugging Face repo id (e.g. ``ResembleAI/chatterbox``,
         ``ResembleAI/chatterbox-turbo``).
     dst: the folder to create; it must not exist (or be empty) unless ``overwrite``.
-    variant: "english", "turbo", "nano", "multilingual" (v2) or "multilingual-v3"; None finds it from the files
+    variant: "english", "turbo", "nano", "multilingual" (v2), "multilingual-v3" or a language pack
+        ("multilingual-v3-pt-br", ...: ``variants.PACKS``); None finds it from the files
         (``variants.CHECKPOINTS``), or for a repo id takes the repo's first model (``variants.REPOS``:
         ``ResembleAI/chatterbox`` is English).
     dtype: T3's weight precision: float32 (upstream's), bfloat16 or float16; None means float32, or bfloat16
@@ -150,6 +152,12 @@ def convert(
             f"quantization is implemented for the Llama T3s (English, Multilingual), not {variant}"
         )
     files_in = CHECKPOINTS[variant]
+    for name in files_in.companions:
+        if name != files_in.conds and not (src_dir / name).is_file():
+            raise ConversionError(
+                f"{name} not found in {src_dir}; the {variant} model's repo does not hold it: copy it from "
+                f"{COMPANION_REPO} (the repo id {REPOS[variant]} downloads both)"
+            )
 
     tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -544,8 +552,13 @@ def _resolve_source(
     # Exact names: a repo also holds files the variant does not read (ResembleAI/chatterbox holds the English
     # and the multilingual models; Turbo's repo an unused s3gen.safetensors). An unknown repo: every variant's.
     wanted = CHECKPOINTS[variant].files if variant else {f for c in CHECKPOINTS.values() for f in c.files}
+    companions = CHECKPOINTS[variant].companions if variant else ()
     try:
-        local = snapshot_download(text, revision=revision, allow_patterns=sorted(wanted))
+        local = snapshot_download(
+            text, revision=revision, allow_patterns=sorted(set(wanted) - set(companions))
+        )
+        # A language pack's repo lacks the voice encoder, the built-in voice and the Cangjie map: upstream's.
+        shared = snapshot_download(COMPANION_REPO, allow_patterns=sorted(companions)) if companions else None
     except Exception as e:  # the hub client raises many types (offline, 404, auth); all end here
         reason = " ".join(str(e).split())  # hub messages span lines; ours is one
         raise ConversionError(
@@ -555,7 +568,22 @@ def _resolve_source(
         ) from None
     local = Path(local)
     described = {"repo": text, "revision": local.name}
+    if shared is not None:
+        described["companion"] = f"{COMPANION_REPO}@{Path(shared).name}"
+        local = _merged_folder(local, Path(shared), companions)
     return local, described if variant is None else {**described, "variant": variant}
+
+
+def _merged_folder(pack: Path, shared: Path, companions: tuple[str, ...]) -> Path:
+    """A temporary folder of links to a language pack's downloaded files and to its companions (the Hub's
+    cache folders are left as they are), which conversion reads as one checkpoint folder."""
+    merged = Path(tempfile.mkdtemp(prefix="mlx-chatterbox-pack-"))
+    paths = [p for p in pack.iterdir() if p.is_file()] + [
+        shared / n for n in companions if (shared / n).is_file()
+    ]
+    for path in paths:
+        (merged / path.name).symlink_to(path.resolve())
+    return merged
 
 
 def _require(path: Path) -> Path:

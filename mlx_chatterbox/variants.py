@@ -7,6 +7,9 @@ networks.
 - nano: ``ResembleAI/chatterbox-nano``, Turbo with a GPT-2 small T3 (variants.md §4).
 - multilingual, multilingual-v3: the 23-language T3s of ``ResembleAI/chatterbox`` (v2 and v3 weights; the
   English T3 with a 2454-id text vocabulary), English's S3Gen and voice encoder as torch pickles (§5).
+- multilingual-v3-<pack>: upstream's Single Language Pack (``PACKS``; docs/language-packs.md): v3 finetunes
+  for one language each, in repos of their own that hold the T3, a v3 S3Gen and the grapheme tokenizer; the
+  voice encoder, the built-in voice and the Cangjie map come from ``ResembleAI/chatterbox``.
 
 Tests build tiny ones.
 """
@@ -37,6 +40,8 @@ class Checkpoint:
     tokenizer: tuple[str, ...]  # the text tokenizer's files, all required and copied as they are
     voice_encoder: str = "ve.safetensors"
     conds: str = "conds.pt"  # the built-in voice, optional
+    # Files the variant's repo lacks, downloaded from ``COMPANION_REPO`` (a local folder holds them all).
+    companions: tuple[str, ...] = ()
 
     @property
     def torch_pickles(self) -> bool:
@@ -59,6 +64,24 @@ GPT2_TOKENIZER_FILES = (
 )
 # The multilingual grapheme BPE and Chinese's Cangjie map (text/multilingual.py reads the two by these names).
 MTL_TOKENIZER_FILES = ("grapheme_mtl_merged_expanded_v1.json", "Cangjie5_TC.json")
+# The Single Language Pack (upstream README, 65b1843, 2026-06-10): variant -> (Hub repo, T3 file, language).
+# Each repo holds its T3 (T3Config.multilingual()'s layout), s3gen_v3.pt (S3Gen's, without the two s3tokenizer
+# buffers upstream computes at init) and the grapheme tokenizer; upstream loads them with HEAD's
+# ChatterboxMultilingualTTS.from_local (t3_model= the T3 file), the v3 code path.
+PACKS = {
+    "multilingual-v3-zh-cmn": ("ResembleAI/Chatterbox-Multilingual-zh-cmn", "t3_zh_cmn.safetensors", "zh"),
+    "multilingual-v3-es-mx-latam": (
+        "ResembleAI/Chatterbox-Multilingual-es-mx-latam",
+        "t3_es_mx_latam.safetensors",
+        "es",
+    ),
+    "multilingual-v3-pt-br": ("ResembleAI/Chatterbox-Multilingual-pt-br", "t3_pt_br.safetensors", "pt"),
+    "multilingual-v3-es-es": ("ResembleAI/Chatterbox-Multilingual-es-es", "t3_es_es.safetensors", "es"),
+    "multilingual-v3-pt-pt": ("ResembleAI/Chatterbox-Multilingual-pt-pt", "t3_pt_pt.safetensors", "pt"),
+    "multilingual-v3-hi": ("ResembleAI/Chatterbox-Multilingual-hi", "t3_hi.safetensors", "hi"),
+}
+COMPANION_REPO = "ResembleAI/chatterbox"  # upstream's REPO_ID: ve.pt, conds.pt, and Cangjie5_TC.json always
+PACK_LANGUAGES = {variant: language for variant, (_, _, language) in PACKS.items()}
 CHECKPOINTS = {
     "english": Checkpoint("t3_cfg.safetensors", "s3gen.safetensors", ("tokenizer.json",)),
     "turbo": Checkpoint("t3_turbo_v1.safetensors", "s3gen_meanflow.safetensors", GPT2_TOKENIZER_FILES),
@@ -66,6 +89,16 @@ CHECKPOINTS = {
     # mtl_tts.py; v3 at upstream HEAD 3f35dfc. The Cangjie map is for Chinese (upstream downloads it always).
     "multilingual": Checkpoint("t3_mtl23ls_v2.safetensors", "s3gen.pt", MTL_TOKENIZER_FILES, "ve.pt"),
     "multilingual-v3": Checkpoint("t3_mtl23ls_v3.safetensors", "s3gen.pt", MTL_TOKENIZER_FILES, "ve.pt"),
+    **{
+        variant: Checkpoint(
+            t3,
+            "s3gen_v3.pt",
+            MTL_TOKENIZER_FILES,
+            "ve.pt",
+            companions=("ve.pt", "conds.pt", MTL_TOKENIZER_FILES[1]),
+        )
+        for variant, (_, t3, _) in PACKS.items()
+    },
 }
 REPOS = {
     "english": "ResembleAI/chatterbox",
@@ -73,6 +106,7 @@ REPOS = {
     "nano": "ResembleAI/chatterbox-nano",
     "multilingual": "ResembleAI/chatterbox",  # the English model's repo: a repo id alone means English
     "multilingual-v3": "ResembleAI/chatterbox",
+    **{variant: repo for variant, (repo, _, _) in PACKS.items()},
 }
 T3_CONFIGS = {
     "english": T3Config,
@@ -80,8 +114,9 @@ T3_CONFIGS = {
     "nano": T3TurboConfig,
     "multilingual": T3Config,
     "multilingual-v3": T3Config,
+    **{variant: T3Config for variant in PACKS},
 }
-MULTILINGUAL = ("multilingual", "multilingual-v3")
+MULTILINGUAL = ("multilingual", "multilingual-v3", *PACKS)
 
 
 @dataclass(frozen=True)
@@ -132,6 +167,7 @@ PRESETS = {
     "nano": NANO,
     "multilingual": ModelConfig("multilingual", MTL_T3),
     "multilingual-v3": ModelConfig("multilingual-v3", MTL_T3),
+    **{variant: ModelConfig(variant, MTL_T3) for variant in PACKS},
 }
 
 

@@ -17,14 +17,14 @@ from .generation.turbo import TurboSpeech
 from .generation.vocode import S3Gen
 from .generation.voice import Voice
 from .models.gpt2 import T3Turbo
-from .models.t3 import T3
+from .models.t3 import T3, T3Config
 from .models.voice_encoder import VoiceEncoder
 from .quantize import quantize_t3, read_quantization_record
 from .text import EnTokenizer, GPT2Tokenizer, MtlTokenizer
-from .variants import CHECKPOINTS, MULTILINGUAL, ModelConfig
+from .variants import CHECKPOINTS, MULTILINGUAL, PACK_LANGUAGES, T3_CONFIGS, ModelConfig
 
 NETWORKS = {"voice_encoder": VoiceEncoder, **{name: network for _, name, network in S3GEN_PARTS}}
-T3_NETWORKS = {"english": T3, "turbo": T3Turbo, "nano": T3Turbo, "multilingual": T3, "multilingual-v3": T3}
+T3_NETWORKS = {variant: T3 if config is T3Config else T3Turbo for variant, config in T3_CONFIGS.items()}
 
 
 @dataclass
@@ -95,7 +95,7 @@ def load_folder(path: str | Path) -> ModelFolder:
         speech = EnglishSpeech(t3, tokenizer)
     elif networks.variant in MULTILINGUAL:
         tokenizer = MtlTokenizer.from_folder(path / files["tokenizer"])
-        speech = MultilingualSpeech(t3, tokenizer, networks.variant)
+        speech = MultilingualSpeech(t3, tokenizer, networks.variant, PACK_LANGUAGES.get(networks.variant))
     else:
         tokenizer = GPT2Tokenizer.from_folder(path / files["tokenizer"])
         speech = TurboSpeech(t3, tokenizer, networks.variant)

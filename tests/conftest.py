@@ -113,8 +113,9 @@ def write_upstream_checkpoint(folder: Path, cfg: ModelConfig = TINY_MODEL, seed:
     """An upstream-layout folder of ``cfg``'s variant (English: t3_cfg.safetensors, s3gen.safetensors,
     ve.safetensors, tokenizer.json; Turbo/Nano: t3_turbo_v1 / t3_nano_v1.safetensors,
     s3gen_meanflow.safetensors, ve.safetensors and the five GPT-2 tokenizer files; Multilingual:
-    t3_mtl23ls_v2 / v3.safetensors, s3gen.pt, ve.pt, the grapheme tokenizer and the Cangjie map; no conds.pt),
-    written without torch except the multilingual ``.pt`` state dicts (``torch.save``, as upstream's)."""
+    t3_mtl23ls_v2 / v3.safetensors, s3gen.pt, ve.pt, the grapheme tokenizer and the Cangjie map; a language
+    pack: its t3_<lang>.safetensors and s3gen_v3.pt instead, the companions beside; no conds.pt), written
+    without torch except the multilingual ``.pt`` state dicts (``torch.save``, as upstream's)."""
     folder.mkdir(parents=True, exist_ok=True)
     names = CHECKPOINTS[cfg.variant]
     if cfg.variant == "english":

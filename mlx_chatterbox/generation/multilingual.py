@@ -7,6 +7,8 @@ English decode and its batch serve it. The two checkpoints follow the upstream c
   the stop token (``generate_aligned_speech_tokens``), and the repetition penalty defaults to 2.0.
 - ``multilingual-v3`` (``t3_mtl23ls_v3``): upstream HEAD (3f35dfc): no analyzer, the penalty defaults to 1.2,
   and the last token's 960 samples are cut from the audio (upstream calls them an artifact).
+- the Single Language Pack (``multilingual-v3-pt-br``, ...: ``variants.PACKS``): v3 finetunes that upstream runs
+  through the same HEAD code; each speaks one language, which is their default and the only one accepted.
 
 Where upstream breaks we do not follow it: ids >= 6561 are dropped before S3Gen as English does (upstream
 passes them on, and S3Gen fails on them), and a text of 5 tokens or fewer does not crash the analyzer.
@@ -41,18 +43,26 @@ class MultilingualParams(SamplingParams):
 class MultilingualSpeech(EnglishSpeech):
     """The multilingual models' text -> speech tokens: upstream's multilingual ``punc_norm`` and tokenizer
     (``language`` required: one of the 23 codes), then English's T3 decode and post-processing; v2 with the
-    alignment analyzer, v3 with its audio trim (module docstring)."""
+    alignment analyzer, v3 with its audio trim (module docstring); ``language``: a language pack's."""
 
-    def __init__(self, t3: T3, tokenizer: MtlTokenizer, variant: str):
+    def __init__(self, t3: T3, tokenizer: MtlTokenizer, variant: str, language: str | None = None):
         super().__init__(t3, tokenizer)
         self.variant = variant
         self.analyzer = variant == "multilingual"  # v2: upstream 0.1.7's behaviour
         self.params_type = MultilingualParams if self.analyzer else SamplingParams
         # The analyzer reads one request's attention step by step: it cannot run in the server's batch.
         self.batchable = not self.analyzer
+        self.language = language  # a language pack's one language (variants.PACK_LANGUAGES)
 
     def text_ids(self, text: str, language: str | None = None) -> list[int]:
-        """Normalised and tokenized ``text`` in ``language`` (its ``[xx]`` tag first), without SOT/EOT."""
+        """Normalised and tokenized ``text`` in ``language`` (its ``[xx]`` tag first), without SOT/EOT. A
+        language pack takes its own language only, and by default."""
+        if self.language is not None and language not in (None, self.language):
+            raise ValueError(
+                f"language={language!r}: the {self.variant} model is a finetune for {self.language!r} only; "
+                f"leave the language out (or give {self.language!r}), or use multilingual-v3 for other languages"
+            )
+        language = language or self.language
         if language is None:
             raise ValueError(
                 f"the {self.variant} model needs a language (language=, --language): one of "

@@ -1,6 +1,8 @@
 """Multilingual end to end, text -> waveform: ours against upstream ``ChatterboxMultilingualTTS.generate``,
-before the watermark, for v2 (upstream 0.1.7, the alignment analyzer on) and v3 (upstream HEAD 3f35dfc, built
-from 0.1.7 by HEAD's three differences, below).
+before the watermark, for v2 (upstream 0.1.7, the alignment analyzer on), v3 (upstream HEAD 3f35dfc, built
+from 0.1.7 by HEAD's three differences, below) and two of the Single Language Pack (pt-br, zh-cmn), which
+upstream runs through the same HEAD code (``from_local(..., t3_model="t3_pt_br.safetensors")``; HEAD 5de7a54
+changed nothing there).
 
 The multilingual counterpart of test_e2e_parity. Upstream's ``ChatterboxMultilingualTTS`` is built from
 modules as ``from_local`` builds it, every network at a tiny size: T3 with 14 layers of 16 heads (so that the
@@ -42,6 +44,14 @@ analyzer T3 stops at once (checked on ours), and with it the analyzer's EOS supp
 (until the tapped heads' argmax reaches the last 3 text columns). The v3 T3 leaves EOS's row random: it runs
 to the bound.
 
+A pack is written in its own layout beside the others: its T3 under the pack's name (``t3_pt_br.safetensors``,
+``t3_zh_cmn.safetensors``) and its own S3Gen as ``s3gen_v3.pt``, a state dict without the s3tokenizer's two
+buffers (``tokenizer._mel_filters``, ``tokenizer.window``; absent at this tiny size anyway), which upstream's
+S3Gen then loads with ``strict=False`` allowing those two only, as the packs' users load them (upstream's strict
+``from_local`` refuses the file). Its voice encoder, conds and Cangjie map are ResembleAI/chatterbox's, as the
+pack lacks them. Ours converts the same folder with ``variant=`` the pack and leaves the language out: the pack's
+is the default.
+
 Random weights rarely stop by themselves, so both sides are bounded: upstream ``generate`` hard-codes
 ``max_new_tokens=1000``, so that call is wrapped to pass ``MAX_NEW_TOKENS``; ours takes it in the params.
 """
@@ -68,6 +78,7 @@ from mlx_chatterbox.generation.aligned import generate_aligned_speech_tokens
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 from mlx_chatterbox.models.s3tokenizer import S3TokenizerConfig
 from mlx_chatterbox.text import multilingual
+from mlx_chatterbox.variants import CHECKPOINTS
 from tests.conftest import TINY_MTL, TINY_MTL_V3
 from tests.toy_mtl_tokenizer import write_toy_cangjie, write_toy_mtl_tokenizer, write_toy_pkuseg_home
 
@@ -87,11 +98,15 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 # conftest's tiny multilingual sizes; upstream's tokenizer takes heads of 64 channels only.
 V2 = dataclasses.replace(TINY_MTL, s3tokenizer=S3TokenizerConfig(n_state=128, n_heads=2, n_layers=1))
 V3 = dataclasses.replace(V2, variant=TINY_MTL_V3.variant)
-T3_FILES = {"multilingual": "t3_mtl23ls_v2.safetensors", "multilingual-v3": "t3_mtl23ls_v3.safetensors"}
+PACKS = ("multilingual-v3-pt-br", "multilingual-v3-zh-cmn")
+CONFIGS = {cfg.variant: cfg for cfg in (V2, V3, *(dataclasses.replace(V2, variant=v) for v in PACKS))}
+T3_FILES = {variant: CHECKPOINTS[variant].t3 for variant in CONFIGS}
+PACK_S3GEN = CHECKPOINTS[PACKS[0]].s3gen  # s3gen_v3.pt
+NOT_IN_PACK_S3GEN = {"tokenizer._mel_filters", "tokenizer.window"}
 EOS = V2.t3.stop_speech_token
 SOS = V2.t3.start_speech_token
 MARK = 0  # the hidden dimension of the T3 edits (module docstring)
-MAX_NEW_TOKENS = {"multilingual": 48, "multilingual-v3": 24}
+MAX_NEW_TOKENS = {"multilingual": 48, **{variant: 24 for variant in CONFIGS if variant != "multilingual"}}
 S3GEN_PROMPT_TOKENS = 20  # the built-in voice's S3Gen prompt
 # (variant, language, text, knobs): punc_norm has work to do in each (lower-case start, a colon, double
 # spaces, no final stop); ja and zh go through their transforms (pykakasi; pkuseg + Cangjie).
@@ -112,6 +127,8 @@ CASES = {
             exaggeration=0.3, cfg_weight=0.8, temperature=0.9, repetition_penalty=1.6, min_p=0.02, top_p=0.95
         ),
     ),
+    "pack-pt-br": ("multilingual-v3-pt-br", "pt", "olá: tudo bem  com você", dict(cfg_weight=0.7)),
+    "pack-zh-cmn": ("multilingual-v3-zh-cmn", "zh", "天安门  我爱北京", {}),
 }
 # Bounds as test_e2e_parity (test_s3gen_parity's waveform bounds; its module docstring says why the waveform
 # ones are loose): the mel S3Gen hands HiFT, our vocoder against upstream's on the same mel, the waveform.
@@ -176,11 +193,14 @@ def models(tmp_path_factory):
     pytest.importorskip("pykakasi")
     pytest.importorskip("spacy_pkuseg")
     src = tmp_path_factory.mktemp("upstream")
-    for (variant, name), seed, eos in zip(T3_FILES.items(), (41, 42), (True, False)):
-        t3 = edited_t3(V2.t3, seed, eos)
+    for (variant, name), seed in zip(T3_FILES.items(), (41, 42, 46, 47)):
+        t3 = edited_t3(V2.t3, seed, eos=variant == "multilingual")
         save_file({k: v.contiguous() for k, v in t3.state_dict().items()}, str(src / name))
-    # from_local loads s3gen.pt and ve.pt strictly: the whole state dicts.
+    # from_local loads s3gen.pt and ve.pt strictly: the whole state dicts. The packs' s3gen_v3.pt lacks two
+    # buffers (module docstring).
     torch.save(tiny_upstream_s3gen(V2, seed=43).state_dict(), src / "s3gen.pt")
+    pack_s3gen = tiny_upstream_s3gen(V2, seed=48).state_dict()
+    torch.save({k: v for k, v in pack_s3gen.items() if k not in NOT_IN_PACK_S3GEN}, src / PACK_S3GEN)
     torch.save(upstream_voice_encoder(V2.voice_encoder, seed=44).state_dict(), src / "ve.pt")
     write_toy_mtl_tokenizer(src)
     write_toy_cangjie(src)
@@ -190,18 +210,26 @@ def models(tmp_path_factory):
     with local_text_files(src, pkuseg_home):
         s3gen = tiny_upstream_s3gen(V2, seed=0)
         s3gen.load_state_dict(torch.load(src / "s3gen.pt", weights_only=True))
+        pack_s3gen = tiny_upstream_s3gen(V2, seed=0)
+        loaded = pack_s3gen.load_state_dict(torch.load(src / PACK_S3GEN, weights_only=True), strict=False)
+        assert set(loaded.missing_keys) <= NOT_IN_PACK_S3GEN and not loaded.unexpected_keys
         ve = upstream_voice_encoder(V2.voice_encoder, seed=0)
         ve.load_state_dict(torch.load(src / "ve.pt", weights_only=True))
         tokenizer = upstream_tokenizer.MTLTokenizer(str(src / "grapheme_mtl_merged_expanded_v1.json"))
         assert tokenizer.cangjie_converter.word2cj and tokenizer.cangjie_converter.segmenter is not None
-        # The T3 and the conds are set per case (run_upstream).
-        upstream = ChatterboxMultilingualTTS(None, s3gen.eval(), ve.eval(), tokenizer, device="cpu")
-        upstream.watermarker = _NoWatermark()
-        ours = {
-            cfg.variant: TTS.load(
-                convert(src, tmp_path_factory.mktemp("mlx") / "model", variant=cfg.variant, config=cfg)
+        # The T3 and the conds are set per case (run_upstream); the packs run with their own S3Gen.
+        upstream = {}
+        for variant in CONFIGS:
+            decoder = pack_s3gen if variant in PACKS else s3gen
+            upstream[variant] = ChatterboxMultilingualTTS(
+                None, decoder.eval(), ve.eval(), tokenizer, device="cpu"
             )
-            for cfg in (V2, V3)
+            upstream[variant].watermarker = _NoWatermark()
+        ours = {
+            variant: TTS.load(
+                convert(src, tmp_path_factory.mktemp("mlx") / "model", variant=variant, config=cfg)
+            )
+            for variant, cfg in CONFIGS.items()
         }
         yield upstream, ours, src
 
@@ -250,7 +278,7 @@ def bounded_and_injected(upstream, variant: str, uniforms: np.ndarray, draws_see
             stack.enter_context(
                 oracle.injected_multinomial_tie_safe(uniforms, seen.setdefault("ours_uniforms", []))
             )
-            if variant == "multilingual-v3":  # HEAD: T3.inference builds no alignment analyzer
+            if variant != "multilingual":  # HEAD (v3, the packs): T3.inference builds no alignment analyzer
                 patch = stack.enter_context(pytest.MonkeyPatch.context())
                 patch.setattr(UpstreamT3Config, "is_multilingual", property(lambda hp: False))
             yield
@@ -263,7 +291,7 @@ def run_upstream(upstream, src, variant, language, text, knobs, uniforms, draws_
     (``bounded_and_injected``) and the (1, samples) waveform, before v3's trim."""
     upstream.t3 = fresh_upstream_t3(src, variant)
     upstream.conds = Conditionals.load(src / "conds.pt")  # T3Cond caches the prompt embedding of its T3
-    if variant == "multilingual-v3":
+    if variant != "multilingual":
         knobs = {"repetition_penalty": 1.2, **knobs}  # HEAD's default
     seen = {}
     with bounded_and_injected(upstream, variant, uniforms, draws_seed, seen):
@@ -298,9 +326,9 @@ def run_ours(tts: TTS, language, text, knobs, uniforms: np.ndarray, draws):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_text_to_waveform_matches_upstream_generate(models, case):
-    upstream, ours, src = models
+    upstreams, ours, src = models
     variant, language, text, knobs = CASES[case]
-    tts = ours[variant]
+    tts, upstream = ours[variant], upstreams[variant]
     bound = MAX_NEW_TOKENS[variant]
     seed = list(CASES).index(case)
     uniforms = np.random.default_rng(seed).random(bound).astype(np.float32)
@@ -314,7 +342,11 @@ def test_text_to_waveform_matches_upstream_generate(models, case):
         seen["ours_uniforms"] + uniforms[len(seen["ours_uniforms"]) :].tolist(), np.float32
     )
     ties = int((ours_uniforms != uniforms).sum())
-    ids, params, raw, tokens, mel, full = run_ours(tts, language, text, knobs, ours_uniforms, seen["draws"])
+    # A pack speaks its language by default: ours is not told it.
+    ours_language = None if variant in PACKS else language
+    ids, params, raw, tokens, mel, full = run_ours(
+        tts, ours_language, text, knobs, ours_uniforms, seen["draws"]
+    )
     ours_s = time.perf_counter() - start
 
     t3 = tts.t3.config
@@ -335,7 +367,7 @@ def test_text_to_waveform_matches_upstream_generate(models, case):
         assert len(raw) == bound and EOS not in raw
     # v3: HEAD's trim of upstream's waveform, and ours as TTS.generate cuts each piece.
     n = len(tokens)
-    ref_wav = ref_full[:, : max(1, n - 1) * 960] if variant == "multilingual-v3" else ref_full
+    ref_wav = ref_full[:, : max(1, n - 1) * 960] if variant != "multilingual" else ref_full
     wav = full[:, : full.shape[1] - tts.speech.cut_samples(n)]
     assert mel.shape == seen["mel"].shape and full.shape == ref_full.shape == (1, 960 * n)
     assert wav.shape == ref_wav.shape
