@@ -27,13 +27,15 @@ from .generation.voice import S3_SR, S3GEN_SR, Voice, VoiceCloner, check_recordi
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams, seed_keys
 from .text import LANGUAGES, check_language
+from .text.pauses import split_pauses
 from .variants import ModelConfig
 from .weights import ModelFolder, load_folder
 
 if TYPE_CHECKING:
     from .hybrid import TorchS3Gen
 
-# The public surface; the multilingual names are re-exported for the CLI and for users (``language=``).
+# The public surface; the multilingual names are re-exported for the CLI and for users (``language=``), and
+# ``split_pauses`` for the CLI's check of pause tags before the model loads.
 __all__ = [
     "TTS",
     "Progress",
@@ -46,6 +48,7 @@ __all__ = [
     "CFM_DTYPES",
     "TOKENS_PER_SECOND",
     "VOICE_SUFFIX",
+    "split_pauses",
 ]
 VOICE_SUFFIX = ".safetensors"
 CFM_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}  # float16 overflowed (ADR 6)
@@ -238,6 +241,10 @@ class TTS:
         """
         params = self._params(params, knobs)
         self.speech.check(params)
+        if any(isinstance(part, int) for part in split_pauses(text, self.sample_rate)):
+            raise ValueError(
+                "the text has pause tags, which are silences in audio: speak it with generate or stream"
+            )
         ids = self.text_ids(text, language)
         tokens, stopped = self._speech_tokens(ids, self._voice(voice), params, seed, progress, 1, 1)
         if not stopped:

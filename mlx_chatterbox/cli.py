@@ -29,6 +29,7 @@ from .api import (
     Voice,
     check_language,
     check_vc_decoder,
+    split_pauses,
 )
 from .bulk import AUDIO_FORMATS, write_atomic
 from .convert import DEFAULT_REPO, DTYPES, convert, source_variant
@@ -549,6 +550,7 @@ def _text(args: argparse.Namespace) -> str:
         text = sys.stdin.read() if args.text == "-" else args.text
     if not text.strip():
         raise ValueError("the text is empty; give some words to speak")
+    split_pauses(text, TTS.sample_rate)  # a malformed or too long pause tag fails before the model loads
     return text
 
 

@@ -167,11 +167,11 @@ def test_say_errors_are_one_line_and_write_nothing(model, capsys, tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_say_pause_tags_are_exact_silence(model, capsys, tmp_path):
+def test_say_pause_tags_are_exact_silence(model, capsys, tmp_path, monkeypatch):
     import soundfile as sf
 
-    args = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--max-new-tokens", "6"]
-    args += ["--cfm-steps", "1", "--no-watermark"]
+    base = ["--model", str(model), "--voice", str(tmp_path / "voice.safetensors"), "--max-new-tokens", "6"]
+    args = [*base, "--cfm-steps", "1", "--no-watermark"]
 
     def say(text: str, seed: int) -> np.ndarray:
         out = tmp_path / f"{seed}-{len(text)}.wav"
@@ -185,9 +185,15 @@ def test_say_pause_tags_are_exact_silence(model, capsys, tmp_path):
         wav, np.concatenate([a, np.zeros(6000, np.int16), b, np.zeros(36000, np.int16)])
     )
     capsys.readouterr()
-    assert main(["say", "Hi. [pause:12s] There.", *args, "-o", str(tmp_path / "no.wav")]) == 1
-    err = capsys.readouterr().err
-    assert "pause tag '[pause:12s]' is 12 s long; a pause is at most 10 s" in err and err.count("\n") == 1
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the text was checked")
+
+    monkeypatch.setattr(cli.TTS, "load", no_load)
+    for command in ("say", "tokens"):
+        assert main([command, "Hi. [pause:12s] There.", *base, "-o", str(tmp_path / "no.wav")]) == 1
+        err = capsys.readouterr().err
+        assert "pause tag '[pause:12s]' is 12 s long; a pause is at most 10 s" in err and err.count("\n") == 1
     assert not (tmp_path / "no.wav").exists()
 
 

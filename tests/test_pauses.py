@@ -159,7 +159,9 @@ def test_tags_alone_are_silence_and_bad_tags_fail_before_any_work(model, monkeyp
         np.testing.assert_array_equal(wav, np.zeros(36024, np.float32))
     chunks = list(tts.stream("[pause:1.5s]", voice, language=language))
     assert len(chunks) == 1 and len(chunks[0]) == 36000 and not chunks[0].any()
-    for call in (tts.generate, tts.stream):
+    with pytest.raises(ValueError, match="the text has pause tags, which are silences in audio"):
+        tts.speech_tokens("Hello. [pause:1s] There.", voice, language=language)
+    for call in (tts.generate, tts.stream, tts.speech_tokens):
         with pytest.raises(ValueError, match=r"pause tag '\[pause:11s\]' is 11 s long"):
             call("Hello. [pause:11s] There.", voice, language=language)
         with pytest.raises(ValueError, match="malformed pause tag"):
