@@ -14,6 +14,7 @@ from mlx_chatterbox.convert import convert
 from mlx_chatterbox.generation.pieces import Plan, join_audio, plan_text
 from mlx_chatterbox.text.pauses import pause_samples, split_pauses
 from tests.conftest import TINY_MODEL, TINY_MTL_V3, TINY_TURBO, random_voice, write_upstream_checkpoint
+from tests.test_turbo import TINY_NANO
 
 SR = 24000
 
@@ -108,7 +109,9 @@ TEXT = "[pause:20ms] Hello there. [pause:250ms] How are you? [pause:0.1s]<break 
 SILENCES = (480, 6000, 2400 + 1200)  # before the first piece, between the two, after the last
 
 
-@pytest.fixture(scope="module", params=[TINY_MODEL, TINY_TURBO, TINY_MTL_V3], ids=lambda c: c.variant)
+@pytest.fixture(
+    scope="module", params=[TINY_MODEL, TINY_TURBO, TINY_NANO, TINY_MTL_V3], ids=lambda c: c.variant
+)
 def model(request, tmp_path_factory):
     if request.param.variant.startswith("multilingual"):
         pytest.importorskip("torch")  # writes the .pt files
