@@ -413,9 +413,9 @@ class TTS:
         then after chunks that double up to 8 s, and at the end (``generation.stream.StreamVocoder``: the
         first audio after 10 tokens, then 1 s, 2 s, 4 s, 8 s, 8 s, ... of audio). Long text is split into pieces as ``generate`` does, with
         the same budgets, seed s + i for piece i, 40 ms crossfades between pieces and pause tags' silences (a
-        chunk of zeros each). Concatenated, the chunks
-        have the length of ``generate``'s output for the same seed (the same speech tokens) and sound alike,
-        but are not equal: the chunked decoding draws its own noise tables.
+        chunk of zeros each). Concatenated, the chunks have the length of ``generate``'s output for the same
+        seed (the same speech tokens) and sound alike, but are not equal: the chunked decoding draws its own
+        noise tables.
         watermark: Perth's watermark is applied to each chunk on its own as it is yielded (each chunk keeps
             its length), not once over the whole as ``generate`` does.
         Every argument is checked before any work; the work starts with the first ``next()``."""

@@ -276,12 +276,7 @@ class Worker:
                     self._stop(list(running.values()) + list(waiting))
                     return
                 if isinstance(item, _Job):
-                    if not self._guard(item, _check_voice, item.job.voice):
-                        pass
-                    elif item.plan.pieces:
-                        waiting.append(item)
-                    elif self._guard(item, self._silence, item):  # a text of pause tags alone
-                        self._done(item, None)
+                    self._receive(item, waiting)
                 else:
                     self._call(*item)
                 try:
@@ -323,6 +318,15 @@ class Worker:
                     elif ok:
                         ended.append(j)
             waiting.extendleft(reversed(self._end_pieces(ended)))  # their next pieces go in first
+
+    def _receive(self, j: _Job, waiting: deque[_Job]) -> None:
+        """A new job: queued for T3, or answered at once when its text is pause tags alone."""
+        if not self._guard(j, _check_voice, j.job.voice):
+            return
+        if j.plan.pieces:
+            waiting.append(j)
+        elif self._guard(j, self._silence, j):
+            self._done(j, None)
 
     def _call(self, fn: Callable, args: tuple, future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
