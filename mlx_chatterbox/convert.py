@@ -392,6 +392,8 @@ def prepare(
     )
     if "repo" in described:
         key = f"{described['repo']}@{described['revision']}"
+        if "companion" in described:  # a language pack: its companions' revision too
+            key += f"+{described['companion']}"
     else:
         stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(src_dir.iterdir())]
         key = f"{described['path']}#{hashlib.sha256(' '.join(stats).encode()).hexdigest()[:16]}"
@@ -575,14 +577,25 @@ def _resolve_source(
 
 
 def _merged_folder(pack: Path, shared: Path, companions: tuple[str, ...]) -> Path:
-    """A temporary folder of links to a language pack's downloaded files and to its companions (the Hub's
-    cache folders are left as they are), which conversion reads as one checkpoint folder."""
-    merged = Path(tempfile.mkdtemp(prefix="mlx-chatterbox-pack-"))
+    """A folder of links to a language pack's downloaded files and to its companions (the Hub's cache folders
+    are left as they are), which conversion reads as one checkpoint folder: one per pair of download folders,
+    in the system's temporary folder, made whole before it gets its name."""
+    pair = hashlib.sha256(f"{pack.resolve()}\n{shared.resolve()}".encode()).hexdigest()[:16]
+    merged = Path(tempfile.gettempdir()) / "mlx-chatterbox-packs" / pair
+    if merged.is_dir() and all(p.exists() for p in merged.iterdir()):  # every link still leads to its file
+        return merged
+    shutil.rmtree(merged, ignore_errors=True)  # links to files that have gone
+    merged.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=merged.parent))
     paths = [p for p in pack.iterdir() if p.is_file()] + [
         shared / n for n in companions if (shared / n).is_file()
     ]
     for path in paths:
-        (merged / path.name).symlink_to(path.resolve())
+        (tmp / path.name).symlink_to(path.resolve())
+    try:
+        os.replace(tmp, merged)
+    except OSError:  # another process made it meanwhile
+        shutil.rmtree(tmp)
     return merged
 
 

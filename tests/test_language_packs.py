@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.cli import main
-from mlx_chatterbox.convert import ConversionError, _resolve_source, convert, source_variant
+from mlx_chatterbox.convert import ConversionError, _resolve_source, convert, prepare, source_variant
 from mlx_chatterbox.server.app import create_app
 from mlx_chatterbox.server.voices import VoiceStore
 from mlx_chatterbox.server.worker import Worker
@@ -90,6 +91,7 @@ def test_a_pack_repo_id_downloads_the_pack_and_the_companions(monkeypatch, tmp_p
         return str(folder)
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", fake_download)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the folder of links goes
     local, described = _resolve_source(REPOS["multilingual-v3-pt-br"], "v1", None)
     companions = CHECKPOINTS["multilingual-v3-pt-br"].companions
     assert asked == [
@@ -106,9 +108,15 @@ def test_a_pack_repo_id_downloads_the_pack_and_the_companions(monkeypatch, tmp_p
         "companion": "ResembleAI/chatterbox@baserev",
         "variant": "multilingual-v3-pt-br",
     }
+    assert local.parent == tmp_path / "mlx-chatterbox-packs"
     assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in src.iterdir())
-    tts = TTS.load(convert(local, tmp_path / "mlx", config=TINY_PACKS["multilingual-v3-pt-br"]))
-    assert tts.speech.variant == "multilingual-v3-pt-br"
+    # Converted once into the cache, under both revisions.
+    cfg = TINY_PACKS["multilingual-v3-pt-br"]
+    dst = prepare(REPOS["multilingual-v3-pt-br"], revision="v1", config=cfg, cache_dir=tmp_path / "cache")
+    assert dst.name == (
+        "ResembleAI--Chatterbox-Multilingual-pt-br--packrev--ResembleAI--chatterbox--baserev--multilingual-v3-pt-br"
+    )
+    assert TTS.load(dst).speech.variant == "multilingual-v3-pt-br"
 
 
 def test_say_and_serve_a_pack_without_a_language(pt_br, tmp_path, capsys):
