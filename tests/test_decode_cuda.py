@@ -159,3 +159,34 @@ def test_window_attention_kernel_equals_composed(dtype, tol, position):
         got, want = got.astype(mx.float32), want.astype(mx.float32)
         err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
         assert err <= tol, err
+
+
+def test_add_to_and_swiglu_composed():
+    rng = np.random.default_rng(5)
+    lin = layers.Linear(128, 256, bias=False)
+    lin.update({"weight": mx.array(rng.standard_normal((256, 128)), mx.float32)})
+    x, res = mx.array(rng.standard_normal((2, 1, 128)), mx.float32), mx.array(
+        rng.standard_normal((2, 1, 256)), mx.float32
+    )
+    np.testing.assert_allclose(
+        np.array(lin.add_to(x, res)), np.array(res + x @ lin.weight.T), rtol=1e-5, atol=1e-5
+    )
+    gate, up = np.split(np.array(x @ lin.weight.T), 2, axis=-1)
+    np.testing.assert_allclose(np.array(lin.swiglu(x)), gate / (1 + np.exp(-gate)) * up, rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-6), (mx.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_fused_gemv_kernel_equals_composed(dtype, tol, rows, monkeypatch):
+    lin = layers.Linear(1024, 2048)
+    lin.set_dtype(dtype)
+    x = mx.random.normal((rows, 1, 1024)).astype(dtype)
+    res = mx.random.normal((rows, 1, 2048)).astype(dtype)
+    calls = {"add_to": lambda: lin.add_to(x, res), "swiglu": lambda: lin.swiglu(x), "plain": lambda: lin(x)}
+    fused = {name: f() for name, f in calls.items()}
+    monkeypatch.setattr(layers, "CUDA_DECODE", False)
+    for name, f in calls.items():
+        want = f().astype(mx.float32)
+        err = (mx.linalg.norm(fused[name].astype(mx.float32) - want) / mx.linalg.norm(want)).item()
+        assert err <= tol, (name, err)
