@@ -20,6 +20,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 
 import argparse
 import collections
+import gc
 import io
 import json
 import re
@@ -223,6 +224,62 @@ def english_primitives(dtype: mx.Dtype) -> int:
     return sum(primitives(out[0], out[1], *out[2]).values())
 
 
+def host_split(dtype_name: str, tokens: int) -> dict:
+    """English decode as generate_speech_tokens runs it, with the host's time in building a step, in queueing
+    it (mx.async_eval) and in waiting for the token one step behind (.item()): a wait near 0 means the host
+    is the bound, a long wait the device."""
+    import bench_t3
+    from mlx_chatterbox.generation import speech_tokens as st
+    from mlx_chatterbox.models.t3 import T3
+    from mlx_chatterbox.sampling import SamplingParams
+
+    dtype = getattr(mx, dtype_name)
+    model = T3(bench_t3.CFG)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    text, prompt = bench_t3.fixed_inputs()
+    from mlx_chatterbox.generation.voice import Voice
+
+    voice = Voice(
+        speaker_emb=mx.random.normal((1, 256)).astype(dtype),
+        t3_prompt_tokens=mx.array([prompt], dtype=mx.int32),
+        s3gen_prompt_tokens=mx.zeros((1, 4), dtype=mx.int32),
+        s3gen_prompt_mel=mx.zeros((1, 8, 80)),
+        xvector=mx.zeros((1, 192)),
+    )
+    params = SamplingParams(max_new_tokens=tokens)
+    result = {}
+    for run in range(2):  # the first traces every capacity
+        mx.reset_peak_memory()
+        draws = st.make_draws(params, mx.random.key(0), None)
+        token, seen, cache = st.start(model, voice, text, params, draws, False)
+        step = st.decode_step(model, params, False)
+        mx.async_eval(token)
+        build = queue = wait = 0.0
+        t_start = time.perf_counter()
+        for i in range(tokens - 1):
+            t0 = time.perf_counter()
+            position = mx.array([i + 1, cache.claim()], dtype=mx.int32)
+            nxt, seen, cache.kv = step(token, position, seen, draws[i + 1], cache.kv)
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            token.item()
+            t3 = time.perf_counter()
+            build, queue, wait = build + t1 - t0, queue + t2 - t1, wait + t3 - t2
+            token = nxt
+        total = time.perf_counter() - t_start
+        n = tokens - 1
+        result = dict(
+            ms_step=1000 * total / n,
+            build_ms=1000 * build / n,
+            queue_ms=1000 * queue / n,
+            wait_ms=1000 * wait / n,
+            peak_mb=mx.get_peak_memory() / 2**20,
+        )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", default="micro,step")
@@ -245,6 +302,22 @@ def main() -> None:
             print(f"\n| {dn}: primitive | us each |\n|---|---|")
             for name, us in micro(dtype):
                 print(f"| {name} | {us:.1f} |", flush=True)
+    if "split" in parts:
+        print(
+            "\n| dtype | system | ms/step | build ms | queue ms | wait ms | peak MiB |\n|---|---|---|---|---|---|---|"
+        )
+        for dn in dtypes:
+            for system in ("mlx-ops", "ours"):
+                layers.CUDA_DECODE = system == "ours"
+                r = host_split(dn, args.tokens)
+                gc.collect()
+                mx.clear_cache()
+                layers.CUDA_DECODE = True
+                print(
+                    f"| {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} | {r['queue_ms']:.2f} | "
+                    f"{r['wait_ms']:.2f} | {r['peak_mb']:.0f} |",
+                    flush=True,
+                )
     if "step" in parts:
         rows = []
         for model in args.models.split(","):
@@ -265,6 +338,7 @@ def main() -> None:
                     if args.out:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(row) + "\n")
+                    gc.collect()  # a model's compiled steps hold it in a cycle: free it before the next row
                     mx.clear_cache()
         print(
             "\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step |\n|---|---|---|---|---|---|---|"

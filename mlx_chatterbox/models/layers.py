@@ -339,27 +339,32 @@ def _use_cuda_paths() -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and keys) whose few-row calls on CUDA (decode steps: CFG's 2 rows, Turbo's
-    1) take a matrix-vector kernel: MLX's, as a batch of ``W @ row`` products with the bias added apart, or ours
-    where a residual add or SwiGLU is fused in (``add_to``, ``swiglu``)."""
+    1) take a matrix-vector kernel: ours, or MLX's (as a batch of ``W @ row`` products, the bias added apart)
+    where ours does not fit. ``add_to`` and ``swiglu`` fuse a residual add or SwiGLU into ours."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if _fused_gemv_fits(x, self.weight):
+            return _gemv(x, self.weight, self.get("bias"), None, swiglu=False)
         if not _few_rows(x):
             return super().__call__(x)
         return few_rows_linear(x, self.weight, self.get("bias"))
 
-    def add_to(self, x: mx.array, residual: mx.array) -> mx.array:
-        """``residual + self(x)``, one primitive on CUDA."""
-        if not _fused_gemv_fits(x, self.weight):
-            return residual + self(x)
-        return _gemv(x, self.weight, self.get("bias"), residual, swiglu=False)
 
-    def swiglu(self, x: mx.array) -> mx.array:
-        """``silu(gate) * up`` where ``gate`` and ``up`` are the two halves of ``self(x)`` (Llama's fused
-        gate/up projection), one primitive on CUDA."""
-        if not _fused_gemv_fits(x, self.weight) or "bias" in self:
-            gate, up = mx.split(self(x), 2, axis=-1)
-            return nn.silu(gate) * up
-        return _gemv(x, self.weight, None, None, swiglu=True)
+def add_to(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + layer(x)``: one primitive on CUDA for a few-row ``Linear`` (a quantized layer, or many
+    rows, or another device: the plain ops)."""
+    if not (isinstance(layer, Linear) and _fused_gemv_fits(x, layer.weight)):
+        return residual + layer(x)
+    return _gemv(x, layer.weight, layer.get("bias"), residual, swiglu=False)
+
+
+def swiglu(layer: nn.Module, x: mx.array) -> mx.array:
+    """``silu(gate) * up`` where ``gate`` and ``up`` are the two halves of ``layer(x)`` (Llama's fused gate/up
+    projection): one primitive on CUDA for a few-row ``Linear`` without bias, the plain ops otherwise."""
+    if not (isinstance(layer, Linear) and "bias" not in layer and _fused_gemv_fits(x, layer.weight)):
+        gate, up = mx.split(layer(x), 2, axis=-1)
+        return nn.silu(gate) * up
+    return _gemv(x, layer.weight, None, None, swiglu=True)
 
 
 def _few_rows(x: mx.array) -> bool:
@@ -473,7 +478,7 @@ _DECODE_ATTENTION = """
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int capacity = keys_shape[2];
     int last = at[0];
-    int first = HAS_PAD ? pad[bh / H] : 0;
+    int first = %(first)s;
     const T* kb = keys + (size_t)bh * capacity * D + lane * PER;
     const T* vb = values + (size_t)bh * capacity * D + lane * PER;
     %(window)s
@@ -543,9 +548,15 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
                 window=_WINDOW_SETUP,
                 key_row="j >= base ? wkb + (size_t)(j - base) * D : kb + (size_t)j * D",
                 value_row="j >= base ? wvb + (size_t)(j - base) * D : vb + (size_t)j * D",
+                first="pad[bh / H]",
             )
             if window
-            else dict(window="", key_row="kb + (size_t)j * D", value_row="vb + (size_t)j * D")
+            else dict(
+                window="",
+                key_row="kb + (size_t)j * D",
+                value_row="vb + (size_t)j * D",
+                first="pad[bh / H]" if has_pad else "0",
+            )
         )
         name = "decode_attention" + ("_pad" if has_pad else "") + ("_window" if window else "")
         _decode_attention_kernels[has_pad, window] = mx.fast.cuda_kernel(
@@ -554,7 +565,7 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
     b, h, _, hd = q.shape
     return _decode_attention_kernels[has_pad, window](
         inputs=inputs,
-        template=[("T", q.dtype), ("D", hd), ("H", h), ("HAS_PAD", has_pad)],
+        template=[("T", q.dtype), ("D", hd), ("H", h)],
         grid=(b * h * 128, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[q.shape],

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import Linear, decode_attention, left_pad_mask, visible_mask, window_attention
+from .layers import Linear, add_to, decode_attention, left_pad_mask, swiglu, visible_mask, window_attention
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class Attention(nn.Module):
         if tap is not None:
             tap(qk[:, 0], keys, visible_mask(keys.shape[2], position, pad), hd**-0.5)
         out = decode_attention(qk[:, 0], keys, values, position, pad).reshape(b, 1, h * hd)
-        return self.o_proj.add_to(out, residual), keys, values
+        return add_to(self.o_proj, out, residual), keys, values
 
     def decode_window(
         self,
@@ -246,8 +246,8 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """down(silu(gate) * up), plus ``residual`` when given (fused into the products on CUDA)."""
-        h = self.gate_up_proj.swiglu(x)
-        return self.down_proj(h) if residual is None else self.down_proj.add_to(h, residual)
+        h = swiglu(self.gate_up_proj, x)
+        return self.down_proj(h) if residual is None else add_to(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
