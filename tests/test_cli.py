@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import io
 import subprocess
 import sys
@@ -12,8 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_chatterbox import cli
+from mlx_chatterbox.api import TTS
+from mlx_chatterbox.bulk import write_atomic
+from mlx_chatterbox.cli import convert as convert_command
 from mlx_chatterbox.cli import main
+from mlx_chatterbox.cli.progress import log_format
 from mlx_chatterbox.convert import convert
 from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
@@ -88,7 +92,7 @@ def test_empty_text_and_missing_model(model, capsys, tmp_path):
 
 def test_convert_command(tmp_path, capsys, monkeypatch):
     # The command converts default-size models; give it tiny ones.
-    monkeypatch.setattr(cli, "convert", functools.partial(convert, config=TINY_MODEL))
+    monkeypatch.setattr(convert_command, "convert", functools.partial(convert, config=TINY_MODEL))
     src = write_upstream_checkpoint(tmp_path / "up")
     assert main(["convert", str(src), str(tmp_path / "mlx"), "--dtype", "bfloat16"]) == 0
     assert (tmp_path / "mlx" / "config.json").is_file()
@@ -189,7 +193,7 @@ def test_say_pause_tags_are_exact_silence(model, capsys, tmp_path, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model loaded before the text was checked")
 
-    monkeypatch.setattr(cli.TTS, "load", no_load)
+    monkeypatch.setattr(TTS, "load", no_load)
     for command in ("say", "tokens"):
         assert main([command, "Hi. [pause:12s] There.", *base, "-o", str(tmp_path / "no.wav")]) == 1
         err = capsys.readouterr().err
@@ -247,8 +251,6 @@ def test_bench_prints_a_table(model, capsys, tmp_path):
 
 
 def test_bench_uses_the_voice_it_is_given(model, capsys, tmp_path, monkeypatch):
-    from mlx_chatterbox.api import TTS
-
     used = []
     speech_tokens = TTS.speech_tokens
 
@@ -322,7 +324,7 @@ def test_bad_arguments_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(cli.TTS, "load", load)
+    monkeypatch.setattr(TTS, "load", load)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ref.wav").write_bytes(b"")
     (tmp_path / "folder.wav").mkdir()
@@ -339,7 +341,7 @@ def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match=f"cannot write {tmp_path / 'out.txt'}: No space left on device"):
-        cli.write_atomic(tmp_path / "out.txt", fail)
+        write_atomic(tmp_path / "out.txt", fail)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -371,7 +373,7 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     assert screens[-1] == f"[{'#' * 24}] piece 2/2: done"
     assert terminal.getvalue().endswith("\n")
     # A warning in the middle (a piece cut at its budget) first erases the progress line it interrupts.
-    assert cli._log_format(terminal).startswith("\r\x1b[K") and cli._log_format(io.StringIO())[0] == "%"
+    assert log_format(terminal).startswith("\r\x1b[K") and log_format(io.StringIO())[0] == "%"
     # Not a terminal (a pipe, a log file): no progress line.
     quiet = io.StringIO()
     monkeypatch.setattr(sys, "stderr", quiet)
@@ -471,7 +473,7 @@ def test_stream_and_play_errors_come_before_the_model_loads(tmp_path, capsys, mo
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(cli.TTS, "load", load)
+    monkeypatch.setattr(TTS, "load", load)
     monkeypatch.setitem(sys.modules, "sounddevice", _FakeSoundDevice())
     monkeypatch.chdir(tmp_path)
     assert main(["say", "Hi.", *extra]) == 1
@@ -487,7 +489,7 @@ def test_stream_and_play_errors_come_before_the_model_loads(tmp_path, capsys, mo
 
 
 def test_stream_refuses_a_terminal(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli.TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
     monkeypatch.setattr(sys, "stdout", _Terminal())
     assert main(["say", "Hi.", "--stream"]) == 1
     err = capsys.readouterr().err
@@ -521,13 +523,13 @@ def test_say_needs_an_output_a_stream_or_play(capsys):
     ],
 )
 def test_play_without_sounddevice_portaudio_or_a_device(capsys, monkeypatch, module, message):
-    monkeypatch.setattr(cli.TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
     if isinstance(module, OSError):  # what importing sounddevice raises when PortAudio is missing
 
         def import_module(name, *args):
             raise module
 
-        monkeypatch.setattr(cli.importlib, "import_module", import_module)
+        monkeypatch.setattr(importlib, "import_module", import_module)
     else:
         monkeypatch.setitem(sys.modules, "sounddevice", module)  # None: import raises ImportError
     assert main(["say", "Hi.", "--play"]) == 1

@@ -33,6 +33,7 @@ ALLOWED = {
         "_backend",
     },
     "cli": {
+        "cli",
         "api",
         "convert",
         "sampling",

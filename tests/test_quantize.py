@@ -18,6 +18,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_chatterbox import cli
+from mlx_chatterbox.cli import convert as convert_command
 from mlx_chatterbox.convert import ConversionError, convert, prepare, sanitize
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 from mlx_chatterbox.models.t3 import T3, T3Cond, T3Config
@@ -261,7 +262,7 @@ def test_prepare_caches_each_precision_apart(tmp_path):
 
 
 def test_convert_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "convert", lambda *a, **k: convert(*a, **k, config=TINY_MODEL))
+    monkeypatch.setattr(convert_command, "convert", lambda *a, **k: convert(*a, **k, config=TINY_MODEL))
     src = write_upstream_checkpoint(tmp_path / "up")
     args = ["convert", str(src), str(tmp_path / "q4"), "--quantize", "4", "--q-group-size", "32"]
     assert cli.main(args) == 0

@@ -1,0 +1,149 @@
+"""``mlx-chatterbox serve``: the OpenAI-compatible speech server."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from ..api import TTS
+from . import common
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible speech server",
+        description="Serve POST /v1/audio/speech (OpenAI's text-to-speech API, plus Chatterbox's knobs) and a "
+        "voice library under /v1/audio/voices over HTTP, batching concurrent requests through one model "
+        "(needs mlx-chatterbox[serve]; README: Server).",
+    )
+    common.model_arguments(p)  # here --voice is the voice named "default" (instead of the built-in one)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument(
+        "--max-batch",
+        type=common.at_least_1,
+        default=32,
+        help="requests whose speech tokens are drawn together, at most (default: 32)",
+    )
+    p.add_argument(
+        "--vocode-batch",
+        type=common.at_least_1,
+        default=8,
+        help="whole (not streamed) requests whose speech tokens are vocoded together when T3 finishes them "
+        "in the same step, at most (default: 8; S3Gen's memory grows with it)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=common.at_least_1,
+        default=128,
+        help="requests running or waiting, at most; more are answered 429 (default: 128)",
+    )
+    p.add_argument(
+        "--voices",
+        type=Path,
+        metavar="DIR",
+        help="folder of the stored voices (<name>.safetensors; uploads go there); default: "
+        "$XDG_CACHE_HOME/mlx-chatterbox/voices or ~/.cache/mlx-chatterbox/voices",
+    )
+    p.add_argument(
+        "--cfm-steps",
+        type=common.at_least_1,
+        help="Euler steps of the flow-matching decoder for requests that give none (default: the model's, 10; Turbo/Nano 2)",
+    )
+    common.cfm_dtype_argument(p)
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GB",
+        help="cap MLX's memory (mx.set_memory_limit) and its buffer cache at this many GB (default: no cap)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
+        "(new ones are refused with 503; a second signal exits at once; default: 10)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every path but /health and / (repeatable; "
+        "$MLX_CHATTERBOX_API_KEY adds comma-separated keys)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        metavar="ORIGINS",
+        help="web origins whose pages may call the server (CORS), comma-separated, e.g. "
+        "https://app.example.com, or * (default: none, same origin only)",
+    )
+    p.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 1-65535."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: a port is in 1-65535")
+    return value
+
+
+_port.__name__ = "port"
+
+
+def run(args: argparse.Namespace) -> None:
+    # Fail before the model loads when the server's packages are missing.
+    missing = [m for m in ("fastapi", "uvicorn", "python_multipart") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"the server needs {', '.join(missing)}, which is not installed: pip install 'mlx-chatterbox[serve]'"
+        )
+    import mlx.core as mx
+
+    from ..server import gate
+    from ..server.app import create_app
+    from ..server.run import check_shutdown_timeout, serve
+    from ..server.voices import VoiceStore, default_voices_dir
+    from ..server.worker import Worker
+
+    common.check_voice(args.voice)
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        raise ValueError(f"--memory-limit {args.memory_limit}: give a positive number of GB")
+    check_shutdown_timeout(args.shutdown_timeout, "--shutdown-timeout")
+    keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
+    folder = args.voices if args.voices is not None else default_voices_dir()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--voices {folder}: not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--voices {folder}: the folder is not writable (uploaded voices are saved there)")
+    tts = TTS.load(args.model, variant=args.variant, cfm_dtype=args.cfm_dtype)
+    if args.memory_limit is not None:
+        limit = int(args.memory_limit * 2**30)
+        mx.set_memory_limit(limit)
+        mx.set_cache_limit(limit)
+    voices = VoiceStore(folder, common.load_voice(tts, args.voice) or tts.builtin_voice)
+    model_name = Path(args.model).name or str(args.model)
+    with Worker(
+        tts, max_batch=args.max_batch, max_queue=args.max_queue, vocode_batch=args.vocode_batch
+    ) as worker:
+        app = create_app(
+            worker,
+            voices,
+            model_name=model_name,
+            cfm_steps=args.cfm_steps,
+            api_keys=keys,
+            allowed_origins=origins,
+            ui=not args.no_ui,
+        )
+        log_level = "info" if args.verbose else "warning"
+        print(f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder})", file=sys.stderr)
+        serve(
+            app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=log_level
+        )
