@@ -23,7 +23,15 @@ from .generation.pieces import TOKENS_PER_SECOND, Plan, join_audio, plan_text, t
 from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
 from .generation.vc import check_decoder as check_vc_decoder
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens
-from .generation.voice import S3_SR, S3GEN_SR, Voice, VoiceCloner, check_recording, read_recording
+from .generation.voice import (
+    REFERENCE_HINT,
+    S3_SR,
+    S3GEN_SR,
+    Voice,
+    VoiceCloner,
+    check_recording,
+    read_recording,
+)
 from .generation.watermark import Watermarker
 from .sampling import SamplingParams, seed_keys
 from .text import LANGUAGES, check_language
@@ -45,6 +53,8 @@ __all__ = [
     "LANGUAGES",
     "check_language",
     "check_vc_decoder",
+    "read_reference",
+    "read_source",
     "CFM_DTYPES",
     "TOKENS_PER_SECOND",
     "VOICE_SUFFIX",
@@ -54,6 +64,23 @@ VOICE_SUFFIX = ".safetensors"
 CFM_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}  # float16 overflowed (ADR 6)
 CROSSFADE = 960  # samples (40 ms) shared by consecutive pieces of a long text
 logger = logging.getLogger(__name__)
+
+
+def read_reference(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """A reference recording read and checked as ``TTS.voice`` reads one, before any model loads: its (L,)
+    float32 samples and their rate (24 kHz), for ``tts.voice(*read_reference(path))``. (Turbo's and Nano's
+    longer minimum is the model's to check.)"""
+    wav = read_recording(path, None, S3GEN_SR)
+    check_recording(wav, S3GEN_SR, "the reference", REFERENCE_HINT)
+    return wav, S3GEN_SR
+
+
+def read_source(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """A voice conversion source read and checked as ``TTS.convert_voice`` reads one, before any model loads:
+    its (L,) float32 samples and their rate (16 kHz), for ``convert_voice(wav, voice, sample_rate=rate)``."""
+    wav = read_recording(path, None, S3_SR)
+    check_recording(wav, S3_SR, "the source")
+    return wav, S3_SR
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,6 +250,20 @@ def source_variant(source: str | os.PathLike) -> str | None:
     return next((v for v, repo in REPOS.items() if repo == str(source)), None)
 
 
+def source_config(source: str | os.PathLike, variant: str | None = None) -> ModelConfig | None:
+    """The network sizes a model source loads with, without loading it: a converted folder's (its config.json),
+    else the preset of its variant (``variant``, or ``source_variant``'s), as ``prepare`` converts it; None when
+    that cannot be told (loading says why)."""
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        try:
+            return ModelConfig.from_dict(json.loads((path / "config.json").read_text())["networks"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    variant = variant or source_variant(source)
+    return None if variant is None else PRESETS.get(variant)
+
+
 def _copy_tokenizer(src_dir: Path, tmp: Path, variant: str, cfg) -> str:
     """Check the text tokenizer's files against T3 and copy them; returns their name in the folder."""
     names = CHECKPOINTS[variant].tokenizer

@@ -73,6 +73,12 @@ def check_seed(seed: int | None) -> None:
         raise ValueError(f"seed={seed!r} is out of range: it must be an integer in [0, 2**63)")
 
 
+def check_max_new_tokens(max_new_tokens: int, most: int) -> None:
+    """``max_new_tokens`` against the most a model takes (its T3 config's ``most_new_tokens``)."""
+    if max_new_tokens > most:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is out of range: at most {most}")
+
+
 def seed_keys(seed: int) -> tuple[mx.array, mx.array]:
     """Independent PRNG keys for T3's draws and S3Gen's noise from one user seed."""
     check_seed(seed)

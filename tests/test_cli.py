@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile as sf
 
 from mlx_chatterbox.api import TTS
 from mlx_chatterbox.bulk import write_atomic
 from mlx_chatterbox.cli import convert as convert_command
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.cli.progress import log_format
-from mlx_chatterbox.convert import convert
+from mlx_chatterbox.convert import convert, source_config
+from mlx_chatterbox.variants import PRESETS
 from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
 
@@ -318,6 +320,21 @@ def test_usage_errors_are_one_line(capsys, argv, message):
         (["tokens", "Hi.", "-o", "missing/t.txt"], "the folder missing does not exist"),
         (["tokens", "", "-o", "t.txt"], "the text is empty"),
         (["bench", "--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
+        # Knob ranges the model sets, from its variant's sizes (the default model is English: 4096 tokens).
+        (["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"], "max_new_tokens=5000 is out of range"),
+        (["say", "Hi.", "-o", "o.wav", "--max-new-tokens", "0"], "max_new_tokens=0 is out of range"),
+        (["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"], "9000 is out of range: at most 8193"),
+        # Recordings and voice files are read and checked before the model loads.
+        (["say", "Hi.", "--voice", "ref.wav", "-o", "out.wav"], "ref.wav: not an audio file libsndfile can read"),
+        (["say", "Hi.", "--voice", "silent.wav", "-o", "out.wav"], "the reference is silent"),
+        (["say", "Hi.", "--voice", "bad.safetensors", "-o", "o.wav"], "is not a readable safetensors voice file"),
+        (["voice", "ref.wav", "-o", "v.safetensors"], "ref.wav: not an audio file libsndfile can read"),
+        (["voice", "silent.wav", "-o", "v.safetensors"], "the reference is silent"),
+        (["vc", "silent.wav", "-o", "out.wav"], "the source is silent"),
+        (["vc", "ref.wav", "-o", "out.wav"], "ref.wav: not an audio file libsndfile can read"),
+        (["vc", "short.wav", "-o", "out.wav", "--voice", "ref.wav"], "the source is 0.10 s long"),
+        (["vc", "silent.wav", "-o", "out.wav", "--voice", "short.wav"], "the source is silent"),
+        (["batch", "jobs.jsonl", "--out-dir", "d", "--voice", "silent.wav"], "the reference is silent"),
     ],
 )
 def test_bad_arguments_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, argv, message):
@@ -328,6 +345,10 @@ def test_bad_arguments_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ref.wav").write_bytes(b"")
     (tmp_path / "folder.wav").mkdir()
+    sf.write(tmp_path / "silent.wav", np.zeros(24000, np.float32), 24000)
+    sf.write(tmp_path / "short.wav", np.full(1600, 0.1, np.float32), 16000)
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    (tmp_path / "jobs.jsonl").write_text('{"text": "Hi."}\n')
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 1
     err = capsys.readouterr().err
@@ -535,3 +556,11 @@ def test_play_without_sounddevice_portaudio_or_a_device(capsys, monkeypatch, mod
     assert main(["say", "Hi.", "--play"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_models_sizes_are_told_without_loading_it(model, tmp_path):
+    """What the knob checks before loading read: a converted folder's sizes, else its variant's upstream ones."""
+    assert source_config(model) == TINY_MODEL
+    assert source_config("ResembleAI/chatterbox-turbo") == PRESETS["turbo"]
+    assert source_config("ResembleAI/chatterbox", "multilingual") == PRESETS["multilingual"]
+    assert source_config(tmp_path / "nothing") is None

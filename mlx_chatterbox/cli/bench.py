@@ -37,9 +37,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    common.check_voice(args.voice)
+    given_voice = common.read_voice(args.voice)
     tts = TTS.load(args.model, variant=args.variant, cfm_dtype=args.cfm_dtype)
-    voice = common.load_voice(tts, args.voice)
+    voice = common.voice(tts, given_voice)
     rows = []
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         steps = []  # T3 decode steps, the stop token and dropped ids included: what the time was spent on

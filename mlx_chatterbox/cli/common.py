@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .. import _backend
 from ..api import (
     CFM_DTYPES,
@@ -18,10 +20,11 @@ from ..api import (
     MultilingualParams,
     Voice,
     check_language,
+    read_reference,
     split_pauses,
 )
-from ..convert import DEFAULT_REPO, source_variant
-from ..sampling import SamplingParams, TurboParams, check_seed
+from ..convert import DEFAULT_REPO, source_config, source_variant
+from ..sampling import SamplingParams, TurboParams, check_max_new_tokens, check_seed
 from ..variants import CHECKPOINTS, MULTILINGUAL, PACK_LANGUAGES
 
 PROG = "mlx-chatterbox"
@@ -187,8 +190,9 @@ def language(args: argparse.Namespace) -> str | None:
 
 def knobs(args: argparse.Namespace) -> dict:
     """The knobs given, checked now, before the model loads: against the model's own knobs when its variant
-    can be told from --model (``source_variant``), else each value by every model kind that has the knob (the
-    model checks the rest once loaded)."""
+    can be told from --model (``source_variant``), else each value by every model kind that has the knob; and
+    --max-new-tokens against the model's limit when its sizes can be told (``source_config``: a converted
+    folder's, else the variant's upstream sizes). The model checks the rest once loaded."""
     given = {n: getattr(args, n) for n in KNOBS if getattr(args, n) is not None}
     variant = args.variant or source_variant(args.model)
     if variant is not None:
@@ -199,17 +203,20 @@ def knobs(args: argparse.Namespace) -> dict:
                 f"--{unknown[0].replace('_', '-')} is not a knob of the {variant} model {args.model}"
             )
         dataclasses.replace(KNOB_DEFAULTS[kind], **given)
-        return given
-    for name, value in given.items():
-        errors = []
-        for params in KNOB_DEFAULTS.values():
-            if hasattr(params, name):
-                try:
-                    dataclasses.replace(params, **{name: value})
-                except ValueError as e:
-                    errors.append(e)
-        if len(errors) == sum(hasattr(p, name) for p in KNOB_DEFAULTS.values()):
-            raise errors[0]
+    else:
+        for name, value in given.items():
+            errors = []
+            for params in KNOB_DEFAULTS.values():
+                if hasattr(params, name):
+                    try:
+                        dataclasses.replace(params, **{name: value})
+                    except ValueError as e:
+                        errors.append(e)
+            if len(errors) == sum(hasattr(p, name) for p in KNOB_DEFAULTS.values()):
+                raise errors[0]
+    config = source_config(args.model, args.variant)
+    if config is not None and "max_new_tokens" in given:
+        check_max_new_tokens(given["max_new_tokens"], config.t3.most_new_tokens)
     return given
 
 
@@ -243,16 +250,19 @@ def check_output(path: Path, suffixes: tuple[str, ...] | None = None) -> None:
         raise ValueError(f"{path}: the folder {folder} is not writable")
 
 
-def check_voice(path: Path | None) -> None:
-    if path is not None and not path.is_file():
-        raise ValueError(f"--voice {path}: no such file")
-
-
-def load_voice(tts: TTS, path: Path | None) -> Voice | None:
-    """The voice file, or the clone of a recording, once (not per call); None for the built-in voice."""
+def read_voice(path: Path | None) -> Voice | tuple[np.ndarray, int] | None:
+    """--voice read and checked before the model loads: a voice file as its Voice, a recording as its samples and
+    their rate (``read_reference``; cloned once the model is loaded, by ``voice``), None for the built-in voice."""
     if path is None:
         return None
-    return Voice.load(path) if path.suffix.lower() == VOICE_SUFFIX else tts.voice(path)
+    if not path.is_file():
+        raise ValueError(f"--voice {path}: no such file")
+    return Voice.load(path) if path.suffix.lower() == VOICE_SUFFIX else read_reference(path)
+
+
+def voice(tts: TTS, read: Voice | tuple[np.ndarray, int] | None) -> Voice | None:
+    """What ``read_voice`` read as a Voice: a recording cloned now, once (not per call)."""
+    return tts.voice(*read) if isinstance(read, tuple) else read
 
 
 def backend_lines() -> str:

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
         if str(args.output) == "-":
             raise ValueError("-o - writes raw PCM to standard output: add --stream")
         common.check_output(args.output, tuple(AUDIO_FORMATS))
-    common.check_voice(args.voice)
+    given_voice = common.read_voice(args.voice)
     if args.tokens is not None:
         given = [n for n in (*KNOBS, "language") if getattr(args, n) is not None]
         if given:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tts = TTS.load(args.model, variant=args.variant, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
     loaded = time.perf_counter()
-    voice = common.load_voice(tts, args.voice)
+    voice = common.voice(tts, given_voice)
     watermark = not args.no_watermark
     if live:
         chunks = tts.stream(

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
     from ..server.voices import VoiceStore, default_voices_dir
     from ..server.worker import Worker
 
-    common.check_voice(args.voice)
+    given_voice = common.read_voice(args.voice)
     if args.memory_limit is not None and not args.memory_limit > 0:
         raise ValueError(f"--memory-limit {args.memory_limit}: give a positive number of GB")
     check_shutdown_timeout(args.shutdown_timeout, "--shutdown-timeout")
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> None:
         limit = int(args.memory_limit * 2**30)
         mx.set_memory_limit(limit)
         mx.set_cache_limit(limit)
-    voices = VoiceStore(folder, common.load_voice(tts, args.voice) or tts.builtin_voice)
+    voices = VoiceStore(folder, common.voice(tts, given_voice) or tts.builtin_voice)
     model_name = Path(args.model).name or str(args.model)
     with Worker(
         tts, max_batch=args.max_batch, max_queue=args.max_queue, vocode_batch=args.vocode_batch

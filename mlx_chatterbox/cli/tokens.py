@@ -30,12 +30,12 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.output is not None:
         common.check_output(args.output)
-    common.check_voice(args.voice)
+    given_voice = common.read_voice(args.voice)
     text, knobs, language = common.text(args), common.knobs(args), common.language(args)
     start = time.perf_counter()
     tts = TTS.load(args.model, variant=args.variant)
     loaded = time.perf_counter()
-    voice = common.load_voice(tts, args.voice)
+    voice = common.voice(tts, given_voice)
     with progress() as line:
         tokens = tts.speech_tokens(text, voice, language=language, seed=args.seed, progress=line, **knobs)
     done = time.perf_counter()

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .. import bulk
-from ..api import TTS, check_vc_decoder
+from ..api import TTS, check_vc_decoder, read_source
 from ..bulk import AUDIO_FORMATS
 from ..convert import source_variant
 from ..variants import PRESETS
@@ -43,18 +43,21 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     # Every argument is checked before the model loads.
     common.check_output(args.output, tuple(AUDIO_FORMATS))
-    if not args.source.is_file():
-        raise ValueError(f"{args.source}: no such file")
-    common.check_voice(args.voice)
     variant = args.variant or source_variant(args.model)
     if variant is not None:
         check_vc_decoder(variant, PRESETS[variant].cfm.meanflow)
+    source, rate = read_source(args.source)
+    given_voice = common.read_voice(args.voice)
     start = time.perf_counter()
     tts = TTS.load(args.model, variant=args.variant)
     loaded = time.perf_counter()
-    # The voice goes as a path: the source is read (and refused if unusable) before a recording is cloned.
     wav = tts.convert_voice(
-        args.source, args.voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=not args.no_watermark
+        source,
+        common.voice(tts, given_voice),
+        sample_rate=rate,
+        cfm_steps=args.cfm_steps,
+        seed=args.seed,
+        watermark=not args.no_watermark,
     )
     done = time.perf_counter()
     bulk.write_audio(args.output, wav, tts.sample_rate)

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..api import TTS, VOICE_SUFFIX
+from ..api import TTS, VOICE_SUFFIX, read_reference
 from ..convert import DEFAULT_REPO
 from . import common
 
@@ -32,12 +32,11 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     common.check_output(args.output, (VOICE_SUFFIX,))
-    if not args.reference.is_file():
-        raise ValueError(f"{args.reference}: no such file")
+    reference = read_reference(args.reference)  # a bad recording is refused before the model loads
     start = time.perf_counter()
     tts = TTS.load(args.model, variant=args.variant)
     loaded = time.perf_counter()
-    voice = tts.voice(args.reference)
+    voice = tts.voice(*reference)
     done = time.perf_counter()
     voice.save(args.output)  # atomic too
     if args.verbose:

@@ -17,7 +17,7 @@ from ..models.campplus import CAMPPlus
 from ..models.s3tokenizer import S3Tokenizer
 from ..models.t3 import T3, T3Cond
 from ..models.voice_encoder import VoiceEncoder
-from ..sampling import SamplingParams, draw, process_logits
+from ..sampling import SamplingParams, check_max_new_tokens, draw, process_logits
 from ..text import EnTokenizer, punc_norm
 from .voice import Voice, VoiceCloner
 
@@ -38,10 +38,7 @@ def check_request(model: T3, text_ids: Sequence[int], params: SamplingParams) ->
 
 def check_params(model: T3, params: SamplingParams) -> None:
     """Knob values that this model cannot take (the rest are checked by ``SamplingParams`` itself)."""
-    if params.max_new_tokens > model.config.max_speech_tokens:
-        raise ValueError(
-            f"max_new_tokens={params.max_new_tokens} is out of range: at most {model.config.max_speech_tokens}"
-        )
+    check_max_new_tokens(params.max_new_tokens, model.config.most_new_tokens)
 
 
 def prefill_embeds(model: T3, cond: T3Cond, text_ids: Sequence[int], cfg_weight: float) -> mx.array:

@@ -17,7 +17,7 @@ from ..models.campplus import CAMPPlus
 from ..models.gpt2 import T3Turbo
 from ..models.s3tokenizer import S3Tokenizer
 from ..models.voice_encoder import VoiceEncoder
-from ..sampling import TurboParams, draw_turbo, process_turbo_logits
+from ..sampling import TurboParams, check_max_new_tokens, draw_turbo, process_turbo_logits
 from ..text import GPT2Tokenizer, turbo_punc_norm
 from .speech_tokens import compiled, refuse_language, speech_ids
 from .voice import Voice, VoiceCloner
@@ -202,9 +202,7 @@ class TurboSpeech:
 
     def check(self, params: TurboParams) -> None:
         """Knob values this model cannot take whatever the text (``check_request`` checks the exact length)."""
-        n = self.t3.config.n_positions
-        if params.max_new_tokens + 3 > n:  # speaker + 1 text id + start, then one position per fed token
-            raise ValueError(f"max_new_tokens={params.max_new_tokens} is out of range: at most {n - 3}")
+        check_max_new_tokens(params.max_new_tokens, self.t3.config.most_new_tokens)
 
     def tokens(
         self, voice: Voice, ids: Sequence[int], params: TurboParams, key: mx.array | None = None

@@ -104,6 +104,7 @@ class Voice:
 
 S3GEN_SR = 24000  # the reference is read at S3Gen's rate
 S3_SR = 16000  # the S3 tokenizer's, CAM++'s and the voice encoder's rate
+REFERENCE_HINT = " (5 to 10 s works best)"  # ends the message for a reference too short
 T3_PROMPT_SAMPLES = 6 * S3_SR  # tts.py ENC_COND_LEN: English T3's prompt tokens come from the first 6 s
 S3GEN_PROMPT_SAMPLES = 10 * S3GEN_SR  # tts.py DEC_COND_LEN: S3Gen's prompt is the first 10 s
 MIN_SECONDS = 0.5
@@ -217,7 +218,7 @@ class VoiceCloner:
                 f"the reference is {wav.shape[0] / S3GEN_SR:.2f} s long; this model needs a recording longer "
                 f"than {self.longer_than_seconds:g} s (it uses up to {self.t3_prompt_seconds:g} s)"
             )
-        check_recording(wav, S3GEN_SR, "the reference", " (5 to 10 s works best)")
+        check_recording(wav, S3GEN_SR, "the reference", REFERENCE_HINT)
         if self.target_lufs is not None:
             gain = loudness_gain(wav, S3GEN_SR, self.target_lufs)
             if gain is None:

@@ -50,6 +50,12 @@ class T3TurboConfig:
     def intermediate_size(self) -> int:
         return 4 * self.hidden_size  # GPT-2 with n_inner=None
 
+    @property
+    def most_new_tokens(self) -> int:
+        """The largest ``max_new_tokens`` whatever the text: speaker + 1 text id + start, then one position per
+        fed token."""
+        return self.n_positions - 3
+
 
 TURBO = T3TurboConfig()
 NANO = T3TurboConfig(hidden_size=768, num_layers=12, num_heads=12)  # upstream HEAD ``GPT2_SMALL_CONFIG``

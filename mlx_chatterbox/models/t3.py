@@ -57,6 +57,11 @@ class T3Config:
     def speech_positions(self) -> int:
         return self.max_speech_tokens + 4
 
+    @property
+    def most_new_tokens(self) -> int:
+        """The largest ``max_new_tokens`` this T3 takes (upstream asserts it against max_speech_tokens)."""
+        return self.max_speech_tokens
+
 
 @dataclass
 class T3Cond:
