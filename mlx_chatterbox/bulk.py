@@ -162,9 +162,10 @@ def run(
     report: Callable[[Result, BulkProgress], None] | None = None,
 ) -> BulkProgress:
     """Synthesise the jobs file into ``out_dir``; returns the final counts. ``report`` is called after each
-    item's manifest line is written (bad lines and skipped items first). ``ray_address`` ("" starts a local Ray
-    instance, "auto" or "ray://host:10001" joins a cluster) spreads the items over ``actors`` Ray actors, each
-    with ``actor_gpus`` GPUs; None runs here."""
+    item's manifest line is written (bad lines and skipped items first). Nothing is written until the jobs file
+    is read, ``out_dir`` is found writable (or can be made) and, locally, the model has loaded. ``ray_address``
+    ("" starts a local Ray instance, "auto" or "ray://host:10001" joins a cluster) spreads the items over
+    ``actors`` Ray actors, each with ``actor_gpus`` GPUs; None runs here."""
     if actors < 1:
         raise ValueError(f"actors={actors} must be at least 1")
     if not actor_gpus >= 0:
@@ -172,30 +173,46 @@ def run(
     if ray_address is not None:
         _import_ray()  # a missing extra fails before any work
     items = read_jobs(jobs, settings)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_out_dir(out_dir)
     previous = read_manifest(out_dir / MANIFEST)
-    todo = []
+    known, todo = [], []  # known: the bad lines' and the skipped items' results, in line order
+    for item in items:
+        entry = previous.get(item.output)
+        if item.error is not None:
+            known.append(item.result("failed", item.error))
+        elif (
+            entry is not None
+            and entry.get("status") in ("done", "skipped")
+            and entry.get("inputs") == item.inputs
+            and (out_dir / item.output).is_file()
+        ):
+            known.append(item.result("skipped", audio=entry.get("audio_seconds") or 0.0))
+        else:
+            todo.append(item)
+    # The model loads before anything is written: a model that cannot load leaves no folder and no manifest.
+    tts = _load(settings) if todo and ray_address is None else None
+    out_dir.mkdir(parents=True, exist_ok=True)
     with _Recorder(out_dir / MANIFEST, len(items), report) as recorder:
-        for item in items:
-            if item.error is not None:
-                recorder(item.result("failed", item.error))
-                continue
-            entry = previous.get(item.output)
-            if (
-                entry is not None
-                and entry.get("status") in ("done", "skipped")
-                and entry.get("inputs") == item.inputs
-                and (out_dir / item.output).is_file()
-            ):
-                recorder(item.result("skipped", audio=entry.get("audio_seconds") or 0.0))
-            else:
-                todo.append(item)
+        for result in known:
+            recorder(result)
         recorder.start()
-        if todo and ray_address is None:
-            synthesize(_load(settings), todo, out_dir, settings, {}, recorder)
+        if tts is not None:
+            synthesize(tts, todo, out_dir, settings, {}, recorder)
         elif todo:
             _run_ray(todo, out_dir, settings, ray_address, actors, actor_gpus, recorder)
         return recorder.progress()
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """``out_dir`` is a writable folder, or can be made: the nearest folder above it that exists is writable."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is not a folder; give a folder for the audio and the manifest")
+    existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{out_dir} cannot be made: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == out_dir.absolute() else f" cannot be made: {existing}"
+        raise ValueError(f"{out_dir}{where} is not writable")
 
 
 def read_manifest(path: Path) -> dict[str, dict[str, Any]]:

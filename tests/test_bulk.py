@@ -310,6 +310,26 @@ def test_argument_errors_come_first(tmp_path, capsys, monkeypatch, extra, messag
     assert message in err and err.count("\n") == 1
 
 
+def test_a_model_that_cannot_load_writes_nothing(folder, tmp_path, capsys, monkeypatch):
+    """The model loads before the manifest is written: a bad model leaves no folder, and a resumed run's
+    folder as it was."""
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [{"text": "Hi."}, {"text": 3}])
+    for out in (tmp_path / "new", tmp_path / "old"):
+        if out.name == "old":
+            out.mkdir()
+            (out / "manifest.jsonl").write_text("")
+        argv = ["batch", str(jobs), "--out-dir", str(out), "--model", str(tmp_path / "nonexistent")]
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "is neither a folder nor a Hugging Face repo id" in err and err.count("\n") == 1
+    assert not (tmp_path / "new").exists() and (tmp_path / "old" / "manifest.jsonl").read_text() == ""
+    # An output folder that cannot be made is refused before the model loads, too.
+    monkeypatch.setattr(TTS, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "file.txt").write_text("")
+    assert batch(folder, jobs, tmp_path / "file.txt" / "out") == 1
+    assert "out cannot be made: " in capsys.readouterr().err
+
+
 def test_ray_missing_names_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it raises ImportError
     write_jobs(tmp_path / "jobs.jsonl", [{"text": "Hi."}])

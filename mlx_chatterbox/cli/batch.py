@@ -66,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
     if args.actor_gpus is not None and not args.actor_gpus >= 0:
         raise ValueError(f"--actor-gpus {args.actor_gpus}: give a number of GPUs >= 0")
     common.read_voice(args.voice)  # refused now, not by every line that names no voice
-    if args.out_dir.exists() and not args.out_dir.is_dir():
-        raise ValueError(f"--out-dir {args.out_dir} is not a folder")
     # Local paths made absolute: the manifest's inputs stay the same from any folder, and Ray actors find them.
     model = Path(args.model).expanduser()
     settings = bulk.Settings(
