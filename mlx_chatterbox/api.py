@@ -204,6 +204,7 @@ class TTS:
         cfm_steps: int | None = None,
         seed: int | None = None,
         watermark: bool = True,
+        progress: Callable[[Progress], None] | None = None,
     ) -> np.ndarray:
         """Voice conversion, upstream ``ChatterboxVC.generate``: the speech of ``source`` re-synthesised in
         ``voice`` -> float32 mono waveform at ``sample_rate`` (24 kHz), 960 samples per 40 ms of source,
@@ -214,6 +215,7 @@ class TTS:
         voice: the target, as for ``vocode``; its S3Gen prompt (tokens, mel, x-vector) sets the timbre.
         cfm_steps, seed: as for ``vocode``. A source over 40 s is vocoded in pieces with seed s + i for piece i
             (``generation.vc``); up to 40 s this is ``vocode(tokens, voice, ...)`` of the source's S3 tokens.
+        progress: called with a ``Progress`` ("vocode" stage) around every piece's vocoding.
         English and multilingual models only: Turbo/Nano's meanflow S3Gen has no voice conversion upstream."""
         check_vc_decoder(self.speech.variant, self.s3gen.estimator.config.meanflow)
         check_cfm_steps(cfm_steps)
@@ -224,16 +226,14 @@ class TTS:
         spans = vc.pieces(len(tokens))
         if len(spans) > 1:
             logger.info("vocoding the source's %d speech tokens in %d pieces", len(tokens), len(spans))
-        wavs = [
-            self.vocode(
-                tokens[a:b],
-                voice,
-                cfm_steps=cfm_steps,
-                seed=None if seed is None else seed + i,
-                watermark=False,
-            )
-            for i, (a, b) in enumerate(spans)
-        ]
+        wavs = []
+        for i, (a, b) in enumerate(spans):
+            if progress is not None:
+                progress(Progress(i + 1, len(spans), "vocode", 0, 1))
+            piece_seed = None if seed is None else seed + i
+            wavs.append(self.vocode(tokens[a:b], voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False))
+            if progress is not None:
+                progress(Progress(i + 1, len(spans), "vocode", 1, 1))
         wav = vc.join(wavs, spans)
         return self._mark(wav) if watermark else wav
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -31,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 import soundfile as sf
 
-from .api import TTS, MultilingualParams, Voice, check_language
+from .api import TOKENS_PER_SECOND, TTS, MultilingualParams, Voice, check_language
 from .generation.vocode import check_cfm_steps
 from .sampling import SEED_LIMIT, SamplingParams, TurboParams
 from .server.worker import SpeechJob, Worker
@@ -503,6 +504,23 @@ def _job(tts: TTS, item: Item, settings: Settings, voices: dict[str | None, Voic
         seed=item.seed,
         watermark=settings.watermark,
         language=item.language,
+        on_cut=functools.partial(_warn_cut, item, params.max_new_tokens),
+    )
+
+
+def _warn_cut(item: Item, max_new_tokens: int, piece: int, pieces: int, budget: int) -> None:
+    """The engine's warning for a piece cut at its budget, naming the item."""
+    fix = "raise max_new_tokens" if budget == max_new_tokens else "try another seed"
+    logger.warning(
+        "line %d (%s): piece %d of %d stopped at its budget of %d speech tokens (%.1f s) without the stop "
+        "token: its end may be cut off (%s)",
+        item.line,
+        item.output,
+        piece,
+        pieces,
+        budget,
+        budget / TOKENS_PER_SECOND,
+        fix,
     )
 
 

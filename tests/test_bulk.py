@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -363,15 +365,36 @@ def test_progress_line_on_a_terminal(folder, tmp_path, monkeypatch):
     text = terminal.getvalue()
     assert text.startswith(f"{jobs}:1 (000001.wav): unknown field 'colour'")  # a line of its own
     bars = [s.split("\x1b[K")[0] for s in text.split("\r") if s.startswith("[")]
-    assert bars[0] == f"[{'#' * 8}{'-' * 16}] 1/3 items, 1 failed"  # no estimate before an item is made
-    assert bars[1].startswith(f"[{'#' * 16}{'-' * 8}] 2/3 items, 1 failed, 0:0") and bars[1].endswith(" left")
-    assert bars[2] == f"[{'#' * 24}] 3/3 items, 1 failed, 0:00 left"
+    assert bars[0] == f"[{'#' * 8}{'-' * 16}] 1/3 items, 1 failed [0:00<?]"  # no estimate before an item is made
+    assert re.fullmatch(rf"\[{'#' * 16}{'-' * 8}\] 2/3 items, 1 failed \[0:\d\d<0:\d\d\]", bars[1])
+    assert re.fullmatch(rf"\[{'#' * 24}\] 3/3 items, 1 failed \[0:\d\d<0:00\]", bars[2])
     assert text.endswith("\n") and "2 done, 1 failed, 0 skipped" in text.splitlines()[-1]
-    # Not a terminal: the failed lines and the summary only.
+    # Not a terminal: the failed line, a line per item finished, and the summary.
     quiet = io.StringIO()
     monkeypatch.setattr(sys, "stderr", quiet)
     assert batch(folder, jobs, tmp_path / "out2", "--no-watermark") == 1
-    assert "[" not in quiet.getvalue() and len(quiet.getvalue().splitlines()) == 2
+    lines = quiet.getvalue().splitlines()
+    assert lines[0].startswith(f"{jobs}:1 (000001.wav): unknown field 'colour'") and len(lines) == 5
+    assert [line.split(" [")[0] for line in lines[1:4]] == [
+        "1/3 items, 1 failed",
+        "2/3 items, 1 failed",
+        "3/3 items, 1 failed",
+    ]
+
+
+def test_a_piece_cut_at_its_budget_is_reported_with_its_item(folder, tmp_path, caplog):
+    """The engine's warning names the jobs line and the output, and comes from bulk synthesis."""
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [{"text": "Hello there.", "max_new_tokens": 2, "output": "a.wav"}])
+    with caplog.at_level(logging.WARNING):
+        assert batch(folder, jobs, tmp_path / "out", "--no-watermark") == 0
+    cuts = [(r.name, r.getMessage()) for r in caplog.records if "budget" in r.getMessage()]
+    assert cuts == [
+        (
+            "mlx_chatterbox.bulk",
+            "line 1 (a.wav): piece 1 of 1 stopped at its budget of 2 speech tokens (0.1 s) without the stop "
+            "token: its end may be cut off (raise max_new_tokens)",
+        )
+    ]
 
 
 def test_ray_spreads_the_items_over_actors(folder, tts, tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import io
+import re
 import subprocess
 import sys
 import types
@@ -81,8 +82,10 @@ def test_text_from_stdin(model, capsys, tmp_path, monkeypatch):
 )
 def test_errors_are_one_line_with_exit_code_1(model, capsys, extra, message):
     assert main(["tokens", "Hi.", "--model", str(model), *extra]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("mlx-chatterbox: error: ") and message in err and err.count("\n") == 1
+    # An error found once the model has loaded follows the progress line of the loading (not on a terminal).
+    *progress, error = capsys.readouterr().err.splitlines()
+    assert error.startswith("mlx-chatterbox: error: ") and message in error
+    assert progress in ([], [f"loading the model {model} [0:00<?]"])
 
 
 def test_empty_text_and_missing_model(model, capsys, tmp_path):
@@ -387,19 +390,32 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     ]
     assert main([*args, "--max-new-tokens", "3", "--cfm-steps", "1", "-o", str(tmp_path / "a.wav")]) == 0
     screens = [line.split("\x1b[K")[0] for line in terminal.getvalue().split("\r") if line]
-    assert screens[0] == f"[{'-' * 24}] piece 1/2: speech tokens 1 (0.0 s)"
-    assert f"[{'-' * 24}] piece 1/2: speech tokens 3 (0.1 s)" in screens
-    assert f"[{'-' * 24}] piece 1/2: vocoding" in screens
-    assert f"[{'#' * 12}{'-' * 12}] piece 2/2: speech tokens 2 (0.1 s)" in screens
-    assert screens[-1] == f"[{'#' * 24}] piece 2/2: done"
+    # Each screen ends in tqdm's [elapsed<left]; left is ? until a piece has begun.
+    assert all(re.search(r" \[\d+:\d\d<(\?|\d+:\d\d)\]$", screen) for screen in screens)
+    screens = [screen.rsplit(" [", 1)[0] for screen in screens]
+    assert screens[0] == f"loading the model {model}"
+    # The bar: a piece's speech tokens are the first half of its share, its vocoding the second.
+    assert screens[1] == f"[##{'-' * 22}] piece 1/2: speech tokens 1/3 (0.0 s)"
+    assert f"[{'#' * 6}{'-' * 18}] piece 1/2: speech tokens 3/3 (0.1 s)" in screens
+    assert f"[{'#' * 6}{'-' * 18}] piece 1/2: vocoding" in screens
+    assert f"[{'#' * 16}{'-' * 8}] piece 2/2: speech tokens 2/3 (0.1 s)" in screens
+    assert screens[-1] == f"[{'#' * 24}] done"
     assert terminal.getvalue().endswith("\n")
     # A warning in the middle (a piece cut at its budget) first erases the progress line it interrupts.
     assert log_format(terminal).startswith("\r\x1b[K") and log_format(io.StringIO())[0] == "%"
-    # Not a terminal (a pipe, a log file): no progress line.
+    # Not a terminal (a pipe, a log file): a line per stage, with the piece's budget.
     quiet = io.StringIO()
     monkeypatch.setattr(sys, "stderr", quiet)
     assert main([*args, "--max-new-tokens", "3", "--cfm-steps", "1", "-o", str(tmp_path / "b.wav")]) == 0
-    assert "piece" not in quiet.getvalue()
+    lines = [line.rsplit(" [", 1)[0] for line in quiet.getvalue().splitlines() if "budget" not in line]
+    assert lines == [
+        f"loading the model {model}",
+        "piece 1/2: speech tokens (at most 3)",
+        "piece 1/2: vocoding",
+        "piece 2/2: speech tokens (at most 3)",
+        "piece 2/2: vocoding",
+        "done",
+    ]
     # An error before any progress: the error line alone.
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)

@@ -79,6 +79,8 @@ def test_cli_voice_then_say(tts, tmp_path, capsys):
     sf.write(ref, speechlike(4.0, 16000, seed=2), 16000)
     model = str(tts.path)
     assert main(["voice", str(ref), "--model", model, "-o", str(tmp_path / "me.safetensors")]) == 0
+    stages = [line.rsplit(" [", 1)[0] for line in capsys.readouterr().err.splitlines()]  # not a terminal
+    assert stages == [f"loading the model {model}", "cloning the voice"]
     args = ["say", "Hello.", "--model", model, "--seed", "1", "--max-new-tokens", "4", "--cfm-steps", "1"]
     assert main([*args, "--voice", str(tmp_path / "me.safetensors"), "-o", str(tmp_path / "a.wav")]) == 0
     assert main([*args, "--voice", str(ref), "-o", str(tmp_path / "b.wav")]) == 0  # cloned on the fly

@@ -236,6 +236,17 @@ def test_cli_writes_the_conversion(tts, files, tmp_path, capsys):
     np.testing.assert_array_equal(sf.read(tmp_path / "b1.wav")[0], sf.read(tmp_path / "b2.wav")[0])
 
 
+def test_cli_reports_its_stages(tts, files, tmp_path, capsys, monkeypatch):
+    # Pieces of at most 1.2 s overlapping by 0.4 s: the 2 s source in two.
+    monkeypatch.setattr(vc, "PASS_TOKENS", 30)
+    monkeypatch.setattr(vc, "OVERLAP_TOKENS", 10)
+    target = ["--voice", str(files / "target.wav"), "--cfm-steps", "1"]
+    assert vc_cli(tts, files, tmp_path / "a.wav", *target) == 0
+    stages = [line.rsplit(" [", 1)[0] for line in capsys.readouterr().err.splitlines()]  # not a terminal
+    assert stages[:3] == [f"loading the model {tts.path}", "cloning the voice", "speech tokens of the source"]
+    assert stages[3:] == ["piece 1/2: vocoding", "piece 2/2: vocoding", "done"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -26,6 +26,7 @@ from ..api import (
 from ..convert import DEFAULT_REPO, source_config, source_variant
 from ..sampling import SamplingParams, TurboParams, check_max_new_tokens, check_seed
 from ..variants import CHECKPOINTS, MULTILINGUAL, PACK_LANGUAGES
+from .progress import Stages
 
 PROG = "mlx-chatterbox"
 KNOBS = {  # SamplingParams / TurboParams field -> help
@@ -260,9 +261,19 @@ def read_voice(path: Path | None) -> Voice | tuple[np.ndarray, int] | None:
     return Voice.load(path) if path.suffix.lower() == VOICE_SUFFIX else read_reference(path)
 
 
-def voice(tts: TTS, read: Voice | tuple[np.ndarray, int] | None) -> Voice | None:
+def load(line: Stages, args: argparse.Namespace, **options) -> TTS:
+    """--model (and --variant), loaded as a stage of the command's progress."""
+    line.stage(f"loading the model {args.model}")
+    return TTS.load(args.model, variant=args.variant, **options)
+
+
+def voice(tts: TTS, read: Voice | tuple[np.ndarray, int] | None, line: Stages | None = None) -> Voice | None:
     """What ``read_voice`` read as a Voice: a recording cloned now, once (not per call)."""
-    return tts.voice(*read) if isinstance(read, tuple) else read
+    if not isinstance(read, tuple):
+        return read
+    if line is not None:
+        line.stage("cloning the voice")
+    return tts.voice(*read)
 
 
 def backend_lines() -> str:

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from .. import bulk
-from ..api import TTS
 from ..bulk import AUDIO_FORMATS
 from . import common
 from .common import KNOBS, UsageError
-from .progress import progress
+from .progress import stages
 
 APLAY = "aplay -f S16_LE -r 24000 -c 1"  # a player for --stream's output
 
@@ -89,51 +88,47 @@ def run(args: argparse.Namespace) -> None:
         tokens = _read_tokens(args.tokens)
     else:
         text, knobs, language = common.text(args), common.knobs(args), common.language(args)
-    start = time.perf_counter()
-    tts = TTS.load(args.model, variant=args.variant, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
-    loaded = time.perf_counter()
-    voice = common.voice(tts, given_voice)
     watermark = not args.no_watermark
-    if live:
-        chunks = tts.stream(
-            text,
-            voice,
-            language=language,
-            cfm_steps=args.cfm_steps,
-            seed=args.seed,
-            watermark=watermark,
-            **knobs,
-        )
-        if args.stream:
-            seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
-        else:
-            seconds = _play(sd, chunks, tts.sample_rate)
-        if args.verbose:
-            spent = time.perf_counter() - loaded
-            print(
-                f"load {loaded - start:.2f} s, speech {spent:.2f} s for {seconds:.2f} s of audio "
-                f"(real-time factor {spent / max(seconds, 1e-9):.2f})\n" + common.backend_lines(),
-                file=sys.stderr,
-            )
-        return
-    if args.tokens is not None:
-        wav = tts.vocode(tokens, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark)
-    else:
-        with progress() as line:
-            wav = tts.generate(
+    with stages() as line:
+        start = time.perf_counter()
+        tts = common.load(line, args, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
+        loaded = time.perf_counter()
+        voice = common.voice(tts, given_voice, line)
+        if live:
+            line.stage("speaking")
+            chunks = tts.stream(
                 text,
                 voice,
                 language=language,
                 cfm_steps=args.cfm_steps,
                 seed=args.seed,
                 watermark=watermark,
-                progress=line,
                 **knobs,
             )
+            if args.stream:
+                seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
+            else:
+                seconds = _play(sd, chunks, tts.sample_rate)
+        else:
+            if args.tokens is not None:
+                line.stage(f"vocoding {len(tokens)} speech tokens")
+                wav = tts.vocode(tokens, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark)
+            else:
+                wav = tts.generate(
+                    text,
+                    voice,
+                    language=language,
+                    cfm_steps=args.cfm_steps,
+                    seed=args.seed,
+                    watermark=watermark,
+                    progress=line,
+                    **knobs,
+                )
+            seconds = len(wav) / tts.sample_rate
     done = time.perf_counter()
-    bulk.write_audio(args.output, wav, tts.sample_rate)
+    if not live:
+        bulk.write_audio(args.output, wav, tts.sample_rate)
     if args.verbose:
-        seconds = len(wav) / tts.sample_rate
         print(
             f"load {loaded - start:.2f} s, speech {done - loaded:.2f} s for {seconds:.2f} s of audio "
             f"(real-time factor {(done - loaded) / max(seconds, 1e-9):.2f})\n" + common.backend_lines(),

@@ -7,10 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..api import TTS
 from ..bulk import write_atomic
 from . import common
-from .progress import progress
+from .progress import stages
 
 
 def add_parser(sub) -> None:
@@ -32,11 +31,11 @@ def run(args: argparse.Namespace) -> None:
         common.check_output(args.output)
     given_voice = common.read_voice(args.voice)
     text, knobs, language = common.text(args), common.knobs(args), common.language(args)
-    start = time.perf_counter()
-    tts = TTS.load(args.model, variant=args.variant)
-    loaded = time.perf_counter()
-    voice = common.voice(tts, given_voice)
-    with progress() as line:
+    with stages(vocode_share=0.0) as line:  # speech tokens only
+        start = time.perf_counter()
+        tts = common.load(line, args)
+        loaded = time.perf_counter()
+        voice = common.voice(tts, given_voice, line)
         tokens = tts.speech_tokens(text, voice, language=language, seed=args.seed, progress=line, **knobs)
     done = time.perf_counter()
     out = " ".join(map(str, tokens.tolist())) + "\n"

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 from .. import bulk
-from ..api import TTS, check_vc_decoder, read_source
+from ..api import check_vc_decoder, read_source
 from ..bulk import AUDIO_FORMATS
 from ..convert import source_variant
 from ..variants import PRESETS
 from . import common
+from .progress import stages
 
 
 def add_parser(sub) -> None:
@@ -48,17 +49,21 @@ def run(args: argparse.Namespace) -> None:
         check_vc_decoder(variant, PRESETS[variant].cfm.meanflow)
     source, rate = read_source(args.source)
     given_voice = common.read_voice(args.voice)
-    start = time.perf_counter()
-    tts = TTS.load(args.model, variant=args.variant)
-    loaded = time.perf_counter()
-    wav = tts.convert_voice(
-        source,
-        common.voice(tts, given_voice),
-        sample_rate=rate,
-        cfm_steps=args.cfm_steps,
-        seed=args.seed,
-        watermark=not args.no_watermark,
-    )
+    with stages(vocode_share=1.0) as line:  # the source's speech tokens take little time
+        start = time.perf_counter()
+        tts = common.load(line, args)
+        loaded = time.perf_counter()
+        voice = common.voice(tts, given_voice, line)
+        line.stage("speech tokens of the source")
+        wav = tts.convert_voice(
+            source,
+            voice,
+            sample_rate=rate,
+            cfm_steps=args.cfm_steps,
+            seed=args.seed,
+            watermark=not args.no_watermark,
+            progress=line,
+        )
     done = time.perf_counter()
     bulk.write_audio(args.output, wav, tts.sample_rate)
     if args.verbose:

@@ -7,9 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..api import TTS, VOICE_SUFFIX, read_reference
+from ..api import VOICE_SUFFIX, read_reference
 from ..convert import DEFAULT_REPO
 from . import common
+from .progress import stages
 
 
 def add_parser(sub) -> None:
@@ -33,10 +34,12 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     common.check_output(args.output, (VOICE_SUFFIX,))
     reference = read_reference(args.reference)  # a bad recording is refused before the model loads
-    start = time.perf_counter()
-    tts = TTS.load(args.model, variant=args.variant)
-    loaded = time.perf_counter()
-    voice = tts.voice(*reference)
+    with stages() as line:
+        start = time.perf_counter()
+        tts = common.load(line, args)
+        loaded = time.perf_counter()
+        line.stage("cloning the voice")
+        voice = tts.voice(*reference)
     done = time.perf_counter()
     voice.save(args.output)  # atomic too
     if args.verbose:

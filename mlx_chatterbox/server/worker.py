@@ -55,6 +55,9 @@ class SpeechJob:
     watermark: bool = True
     stream: bool = False  # chunks as T3's tokens arrive; else one chunk, the whole audio
     language: str | None = None  # the multilingual models' (required there)
+    # Called with (piece, pieces, budget), 1-based, for a piece that stops at its budget without the stop token,
+    # instead of the worker's warning (bulk synthesis names the item in its own).
+    on_cut: Callable[[int, int, int], None] | None = None
 
 
 class QueueFull(Exception):
@@ -376,9 +379,15 @@ class Worker:
         if not finished:
             return
         if speech.stop_token not in j.raw:
-            logger.warning(
-                "piece %d of %d stopped at its budget without the stop token", j.piece + 1, len(j.plan.pieces)
-            )
+            if j.job.on_cut is not None:
+                budget = min(j.job.params.max_new_tokens, token_budget(j.plan.pieces[j.piece]))
+                j.job.on_cut(j.piece + 1, len(j.plan.pieces), budget)
+            else:
+                logger.warning(
+                    "piece %d of %d stopped at its budget without the stop token",
+                    j.piece + 1,
+                    len(j.plan.pieces),
+                )
         j.raw = speech.finish(j.raw)  # the variant's tail (Turbo's silence) included
         if len(j.raw) == len(speech.tail):
             raise ValueError("T3 stopped before producing any speech token; try another seed or text")
