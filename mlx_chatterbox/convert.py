@@ -133,7 +133,7 @@ def convert(
     dst = Path(dst).expanduser()
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())) and not overwrite:
         raise ConversionError(
-            f"{dst} already exists; choose a new folder or pass overwrite=True (--overwrite)"
+            f"{dst} already exists; choose a new folder or pass overwrite=True"
         )
     src_dir, source = _resolve_source(src, revision, variant or (None if config is None else config.variant))
     variant = detect_variant(
@@ -232,7 +232,7 @@ def detect_variant(src_dir: Path, variant: str | None = None, expected: str | No
         what = "none" if not found else " and ".join(CHECKPOINTS[v].t3 for v in found)
         raise ConversionError(
             f"{src_dir} holds {what} of the T3 files {names}; a Chatterbox checkpoint holds exactly one "
-            "(pass variant= / --variant to choose)"
+            "(pass variant= to choose)"
         )
     return found[0]
 

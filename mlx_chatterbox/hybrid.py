@@ -16,7 +16,7 @@ import numpy as np
 from .generation.voice import Voice
 
 INSTALL_HINT = (
-    "hybrid mode (--s3gen torch) needs PyTorch and upstream chatterbox-tts: "
+    "hybrid mode (s3gen='torch') needs PyTorch and upstream chatterbox-tts: "
     "pip install 'mlx-chatterbox[hybrid]' (then chatterbox-tts==0.1.7 --no-deps, as scripts/install_oracle.sh does)"
 )
 S3GEN_FILE = "s3gen.safetensors"

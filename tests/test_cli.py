@@ -19,10 +19,13 @@ from mlx_chatterbox.api import TTS
 from mlx_chatterbox.bulk import write_atomic
 from mlx_chatterbox.cli import convert as convert_command
 from mlx_chatterbox.cli import main
+from mlx_chatterbox.cli.common import flags
 from mlx_chatterbox.cli.progress import log_format
-from mlx_chatterbox.convert import convert, source_config
+from mlx_chatterbox.convert import ConversionError, convert, source_config
+from mlx_chatterbox.generation.speech_tokens import refuse_language
+from mlx_chatterbox.hybrid import INSTALL_HINT
 from mlx_chatterbox.variants import PRESETS
-from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
 
 
 @pytest.fixture
@@ -580,3 +583,31 @@ def test_a_models_sizes_are_told_without_loading_it(model, tmp_path):
     assert source_config("ResembleAI/chatterbox-turbo") == PRESETS["turbo"]
     assert source_config("ResembleAI/chatterbox", "multilingual") == PRESETS["multilingual"]
     assert source_config(tmp_path / "nothing") is None
+
+
+def test_cli_messages_name_flags_api_messages_arguments(tmp_path, capsys):
+    src = write_upstream_checkpoint(tmp_path / "up")
+    write_upstream_checkpoint(src, TINY_TURBO)  # two T3 files: which one is meant?
+    with pytest.raises(ConversionError, match=r"\(pass variant= to choose\)$"):
+        convert(src, tmp_path / "x")
+    assert main(["convert", str(src), str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("(pass --variant to choose)\n") and "variant=" not in err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("")
+    with pytest.raises(ConversionError, match="pass overwrite=True$"):
+        convert(src, tmp_path / "full")
+    assert main(["convert", str(src), str(tmp_path / "full")]) == 1
+    assert capsys.readouterr().err.endswith("choose a new folder or pass --overwrite\n")
+    # The other arguments the library's messages name, as it words them.
+    assert flags("the multilingual model needs a language (language=): one of ar, da") == (
+        "the multilingual model needs a language (--language): one of ar, da"
+    )
+    with pytest.raises(ValueError) as refused:
+        refuse_language("english", "fr")
+    assert flags(str(refused.value)) == (
+        "--language fr: the english model speaks English only; the multilingual models (--variant multilingual "
+        "or multilingual-v3 of ResembleAI/chatterbox) take a language"
+    )
+    assert INSTALL_HINT.startswith("hybrid mode (s3gen='torch') needs")
+    assert flags(INSTALL_HINT).startswith("hybrid mode (--s3gen torch) needs")

@@ -221,7 +221,7 @@ def test_destination_rules(tmp_path):
     dst = tmp_path / "mlx"
     dst.mkdir()
     convert(src, dst, config=TINY_MODEL)  # an empty folder is fine
-    with pytest.raises(ConversionError, match="already exists.*overwrite"):
+    with pytest.raises(ConversionError, match="already exists; choose a new folder or pass overwrite=True$"):
         convert(src, dst, config=TINY_MODEL)
     (dst / "stale.txt").write_text("x")
     convert(src, dst, config=TINY_MODEL, overwrite=True)

@@ -11,7 +11,7 @@ import sys
 
 from .. import __version__
 from . import batch, bench, convert, say, serve, tokens, vc, voice
-from .common import PROG, Parser, UsageError
+from .common import PROG, Parser, UsageError, flags
 from .progress import log_format
 
 COMMANDS = {  # in the order --help lists them
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         parser.exit(2, f"{PROG} {args.command}: error: {e} (see {PROG} {args.command} --help)\n")
     except (ValueError, OSError, ImportError) as e:  # our errors say what is wrong and how to fix it
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {flags(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

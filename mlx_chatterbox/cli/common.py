@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -53,6 +54,24 @@ VARIANT_KNOBS = {
     "nano": "Turbo/Nano",
     **{variant: "English, Multilingual v3" for variant in PACK_LANGUAGES},  # the language packs run v3's code
 }
+
+
+# The library's messages name its arguments (pass overwrite=True); a CLI user reads the flags instead.
+FLAGS = {
+    r"overwrite=True": "--overwrite",
+    r"variant= ": "--variant ",
+    r"variant='multilingual' or 'multilingual-v3'": "--variant multilingual or multilingual-v3",
+    r"\(language=\)": "(--language)",
+    r"^language='([^']*)'": r"--language \1",
+    r"s3gen='torch'": "--s3gen torch",
+}
+
+
+def flags(message: str) -> str:
+    """A library error message as a CLI user should read it: ``FLAGS``' flags for the arguments."""
+    for pattern, flag in FLAGS.items():
+        message = re.sub(pattern, flag, message)
+    return message
 
 
 class Parser(argparse.ArgumentParser):

@@ -210,7 +210,7 @@ def refuse_language(variant: str, language: str | None) -> None:
     if language is not None:
         raise ValueError(
             f"language={language!r}: the {variant} model speaks English only; the multilingual models "
-            "(--variant multilingual or multilingual-v3 of ResembleAI/chatterbox) take a language"
+            "(variant='multilingual' or 'multilingual-v3' of ResembleAI/chatterbox) take a language"
         )
 
 
