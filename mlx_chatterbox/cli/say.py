@@ -88,42 +88,25 @@ def run(args: argparse.Namespace) -> None:
         tokens = _read_tokens(args.tokens)
     else:
         text, knobs, language = common.text(args), common.knobs(args), common.language(args)
-    watermark = not args.no_watermark
+    vocoding = {"cfm_steps": args.cfm_steps, "seed": args.seed, "watermark": not args.no_watermark}
     with stages() as line:
         start = time.perf_counter()
         tts = common.load(line, args, s3gen=args.s3gen, cfm_dtype=args.cfm_dtype)
         loaded = time.perf_counter()
         voice = common.voice(tts, given_voice, line)
-        if live:
+        if args.tokens is not None:
+            line.stage(f"vocoding {len(tokens)} speech tokens")
+            wav = tts.vocode(tokens, voice, **vocoding)
+        elif live:
             line.stage("speaking")
-            chunks = tts.stream(
-                text,
-                voice,
-                language=language,
-                cfm_steps=args.cfm_steps,
-                seed=args.seed,
-                watermark=watermark,
-                **knobs,
-            )
+            chunks = tts.stream(text, voice, language=language, **vocoding, **knobs)
             if args.stream:
                 seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
             else:
                 seconds = _play(sd, chunks, tts.sample_rate)
         else:
-            if args.tokens is not None:
-                line.stage(f"vocoding {len(tokens)} speech tokens")
-                wav = tts.vocode(tokens, voice, cfm_steps=args.cfm_steps, seed=args.seed, watermark=watermark)
-            else:
-                wav = tts.generate(
-                    text,
-                    voice,
-                    language=language,
-                    cfm_steps=args.cfm_steps,
-                    seed=args.seed,
-                    watermark=watermark,
-                    progress=line,
-                    **knobs,
-                )
+            wav = tts.generate(text, voice, language=language, progress=line, **vocoding, **knobs)
+        if not live:
             seconds = len(wav) / tts.sample_rate
     done = time.perf_counter()
     if not live:
