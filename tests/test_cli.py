@@ -77,8 +77,8 @@ def test_text_from_stdin(model, capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--top-p", "1.5"], "top_p=1.5 is out of range: it must be in (0, 1]"),
-        (["--max-new-tokens", "0"], "max_new_tokens=0 is out of range"),
+        (["--top-p", "1.5"], "--top-p 1.5 is out of range: it must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
         (["--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
         ([], "has no built-in voice"),
     ],
@@ -318,7 +318,7 @@ def test_usage_errors_are_one_line(capsys, argv, message):
         (["say", "--file", "missing.txt", "-o", "out.wav"], "--file missing.txt: no such file"),
         (["say", " \n", "-o", "out.wav"], "the text is empty"),
         (["say", "Hi.", "--voice", "missing.wav", "-o", "out.wav"], "--voice missing.wav: no such file"),
-        (["say", "Hi.", "--top-p", "0", "-o", "out.wav"], "top_p=0.0 is out of range"),
+        (["say", "Hi.", "--top-p", "0", "-o", "out.wav"], "--top-p 0.0 is out of range"),
         (["say", "--tokens", "missing.txt", "-o", "out.wav"], "--tokens missing.txt: no such file"),
         (["voice", "ref.wav", "-o", "missing/v.safetensors"], "the folder missing does not exist"),
         (["voice", "missing.wav", "-o", "v.safetensors"], "missing.wav: no such file"),
@@ -327,9 +327,9 @@ def test_usage_errors_are_one_line(capsys, argv, message):
         (["tokens", "", "-o", "t.txt"], "the text is empty"),
         (["bench", "--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
         # Knob ranges the model sets, from its variant's sizes (the default model is English: 4096 tokens).
-        (["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"], "max_new_tokens=5000 is out of range"),
-        (["say", "Hi.", "-o", "o.wav", "--max-new-tokens", "0"], "max_new_tokens=0 is out of range"),
-        (["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"], "9000 is out of range: at most 8193"),
+        (["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"], "--max-new-tokens 5000 is out of range: at most 4096"),
+        (["say", "Hi.", "-o", "o.wav", "--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
+        (["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"], "--max-new-tokens 9000 is out of range: at most 8193"),
         # Recordings and voice files are read and checked before the model loads.
         (["say", "Hi.", "--voice", "ref.wav", "-o", "out.wav"], "ref.wav: not an audio file libsndfile can read"),
         (["say", "Hi.", "--voice", "silent.wav", "-o", "out.wav"], "the reference is silent"),
@@ -424,7 +424,7 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main([*args, "--max-new-tokens", "5000", "-o", str(tmp_path / "c.wav")]) == 1
     assert (
-        terminal.getvalue().count("\n") == 1 and "max_new_tokens=5000 is out of range" in terminal.getvalue()
+        terminal.getvalue().count("\n") == 1 and "--max-new-tokens 5000 is out of range" in terminal.getvalue()
     )
 
 

@@ -286,7 +286,7 @@ def test_cli_bad_source_and_usage_errors(tts, files, tmp_path, capsys):
     for argv, message in (
         (["--cfm-steps", "0"], "0 is out of range"),
         (["--seed", "x"], "invalid integer value"),
-        (["--seed", "-1"], "seed=-1 is out of range: it must be an integer in [0, 2**63)"),
+        (["--seed", "-1"], "argument --seed: -1 is out of range: it must be an integer in [0, 2**63)"),
         ([], "required: -o/--output"),
     ):
         with pytest.raises(SystemExit) as e:

@@ -58,6 +58,8 @@ VARIANT_KNOBS = {
 
 # The library's messages name its arguments (pass overwrite=True); a CLI user reads the flags instead.
 FLAGS = {
+    # A knob's value out of range (top_p=1.5 is out of range: ...).
+    rf"^({'|'.join(KNOBS)}|seed)=": lambda m: f"--{m[1].replace('_', '-')} ",
     r"overwrite=True": "--overwrite",
     r"variant= ": "--variant ",
     r"variant='multilingual' or 'multilingual-v3'": "--variant multilingual or multilingual-v3",
@@ -101,8 +103,8 @@ def seed(text: str) -> int:
     value = int(text)
     try:
         check_seed(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError as e:  # argparse names the flag: "argument --seed: -1 is out of range: ..."
+        raise argparse.ArgumentTypeError(str(e).replace(f"seed={value!r} ", f"{value} ")) from None
     return value
 
 
