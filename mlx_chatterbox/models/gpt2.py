@@ -52,8 +52,8 @@ class T3TurboConfig:
 
     @property
     def most_new_tokens(self) -> int:
-        """The largest ``max_new_tokens`` whatever the text: speaker + 1 text id + start, then one position per
-        fed token."""
+        """The largest ``max_new_tokens`` whatever the text: speaker + 1 text id + start, then one position
+        per fed token."""
         return self.n_positions - 3
 
 
