@@ -611,3 +611,16 @@ def test_cli_messages_name_flags_api_messages_arguments(tmp_path, capsys):
     )
     assert INSTALL_HINT.startswith("hybrid mode (s3gen='torch') needs")
     assert flags(INSTALL_HINT).startswith("hybrid mode (--s3gen torch) needs")
+
+
+def test_serve_warms_the_worker_up_before_it_listens(model, tmp_path, monkeypatch):
+    from mlx_chatterbox.server import run
+    from mlx_chatterbox.server.worker import Worker
+
+    calls = []
+    monkeypatch.setattr(Worker, "warm_up", lambda self, voice, language=None: calls.append(("warm_up", language)))
+    monkeypatch.setattr(run, "serve", lambda app, **kwargs: calls.append(("serve", kwargs["port"])))
+    voice = str(tmp_path / "voice.safetensors")
+    argv = ["serve", "--model", str(model), "--voice", voice, "--voices", str(tmp_path / "v"), "--port", "8123"]
+    assert main(argv) == 0
+    assert calls == [("warm_up", None), ("serve", 8123)]

@@ -7,7 +7,6 @@ import sys
 import time
 
 from ..api import TTS
-from ..variants import MULTILINGUAL
 from . import common
 
 BENCH_TEXT = (
@@ -47,8 +46,7 @@ def run(args: argparse.Namespace) -> None:
         tokens = tts.speech_tokens(
             BENCH_TEXT,
             voice,
-            # BENCH_TEXT is English; a language pack speaks its own language only.
-            language="en" if tts.speech.variant in MULTILINGUAL and tts.speech.language is None else None,
+            language=common.english(tts),
             seed=repeat,
             progress=lambda p: steps.append(p.done),
             max_new_tokens=args.max_new_tokens,

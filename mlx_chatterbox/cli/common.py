@@ -297,5 +297,11 @@ def voice(tts: TTS, read: Voice | tuple[np.ndarray, int] | None, line: Stages | 
     return tts.voice(*read)
 
 
+def english(tts: TTS) -> str | None:
+    """``language=`` for an English text (bench's, the server's warm-up): "en" for the multilingual models,
+    None for the English-only ones and the language packs, which speak their own language only."""
+    return "en" if tts.speech.variant in MULTILINGUAL and tts.speech.language is None else None
+
+
 def backend_lines() -> str:
     return "\n".join(f"{k}: {v}" for k, v in _backend.STATUS.items())

@@ -128,11 +128,14 @@ def run(args: argparse.Namespace) -> None:
         limit = int(args.memory_limit * 2**30)
         mx.set_memory_limit(limit)
         mx.set_cache_limit(limit)
-    voices = VoiceStore(folder, common.voice(tts, given_voice) or tts.builtin_voice)
+    default = common.voice(tts, given_voice) or tts.builtin_voice
+    voices = VoiceStore(folder, default)
     model_name = Path(args.model).name or str(args.model)
     with Worker(
         tts, max_batch=args.max_batch, max_queue=args.max_queue, vocode_batch=args.vocode_batch
     ) as worker:
+        if default is not None:  # so that the first request pays no kernel compilation nor step tracing
+            worker.warm_up(default, common.english(tts))
         app = create_app(
             worker,
             voices,
