@@ -31,52 +31,9 @@ import mlx.core as mx
 
 from mlx_chatterbox.models import layers
 
-_GEMV_SOURCE = """
-    constexpr int V = 16 / sizeof(T);
-    int lane = threadIdx.x & 31;
-    int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (n >= N) return;
-    const T* wr = w + (size_t)n * K;
-    float acc[M];
-    #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-    for (int k = lane * V; k < K; k += 32 * V) {
-        uint4 wraw = *reinterpret_cast<const uint4*>(wr + k);
-        const T* wv = reinterpret_cast<const T*>(&wraw);
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            uint4 xraw = *reinterpret_cast<const uint4*>(x + m * K + k);
-            const T* xv = reinterpret_cast<const T*>(&xraw);
-            #pragma unroll
-            for (int j = 0; j < V; ++j) acc[m] += static_cast<float>(wv[j]) * static_cast<float>(xv[j]);
-        }
-    }
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        float a = acc[m];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
-        if (lane == 0) out[m * N + n] = static_cast<T>(a);
-    }
-"""
-_gemv_kernel = None
-
-
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
-    """x (M, K) @ w (N, K).T by one warp per output column: w read once for all M rows."""
-    global _gemv_kernel
-    if _gemv_kernel is None:
-        _gemv_kernel = mx.fast.cuda_kernel("probe_gemv", ["x", "w"], ["out"], _GEMV_SOURCE)
-    m, k = x.shape
-    n = w.shape[0]
-    return _gemv_kernel(
-        inputs=[x, w],
-        template=[("T", x.dtype), ("M", m), ("N", n), ("K", k)],
-        grid=(n * 32, 1, 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+    """x (M, K) @ w (N, K).T through our matrix-vector kernel (models/layers.py)."""
+    return layers._gemv(x, w, None, None, swiglu=False)
 
 
 def primitives(*outputs: mx.array) -> collections.Counter:

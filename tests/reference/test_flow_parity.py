@@ -136,18 +136,20 @@ def test_rel_position_table(dim, length):
 @pytest.mark.parametrize("dim", [64, 512])
 def test_rel_position_frequencies_within_one_ulp_of_torch(dim):
     """Ours are exp(fp32 exponent) correctly rounded; torch's CPU exp (SLEEF, 1-ulp accuracy) rounds a few
-    near-ties the other way (d 512: 2 of 256, d 64: 1 of 32), which is the only source of table differences.
+    near-ties the other way, which is the only source of table differences. How many depends on torch's SIMD
+    path: d 512: 2 of 256 with AVX2, 5 of 256 with AVX-512; d 64: 1 of 32 with both.
     """
     from mlx_chatterbox.models.flow import _inverse_timescales
 
     exponents = torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim)
     ref = torch.exp(exponents).numpy()
     ours = np.asarray(_inverse_timescales(dim))
+    assert np.array_equal(ours, np.exp(exponents.numpy().astype(np.float64)).astype(np.float32))
     ulps = np.abs(ours.view(np.int32) - ref.view(np.int32))
     print(
         f"inverse timescales d={dim}: {int((ulps > 0).sum())} of {ref.size} differ from torch, max {ulps.max()} ulp"
     )
-    assert ulps.max() <= 1 and (ulps > 0).sum() <= 2
+    assert ulps.max() <= 1
 
 
 @pytest.mark.parametrize("length", [1, 2, 9])
