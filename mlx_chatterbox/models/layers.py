@@ -333,8 +333,12 @@ GEMV_ROWS = 4
 CUDA_DECODE = True
 
 
+# Whether MLX runs on CUDA here, asked once (``mx.cuda`` is absent from MLX builds older than the CUDA backend).
+_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def _use_cuda_paths() -> bool:
-    return CUDA_DECODE and mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return CUDA_DECODE and _CUDA and mx.default_device() == mx.gpu
 
 
 class Linear(nn.Linear):
