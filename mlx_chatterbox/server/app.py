@@ -93,7 +93,9 @@ def create_app(
             return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(memory: bool = False) -> dict:
+        # memory: asked for, not always, since it waits for the worker's current step (or vocoding) to end.
+        extra = {"memory": await asyncio.wrap_future(worker.memory())} if memory else {}
         return {
             "status": "ok",
             "model": model_name,
@@ -106,6 +108,7 @@ def create_app(
             "variant": speech_kind.variant,
             "defaults": defaults,
             "auth": bool(gate.api_keys),
+            **extra,
         }
 
     @app.get("/v1/models")

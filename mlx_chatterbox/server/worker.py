@@ -248,6 +248,11 @@ class Worker:
         self._inbox.put((fn, args, future))
         return future
 
+    def memory(self) -> concurrent.futures.Future[dict[str, int]]:
+        """MLX's active, peak and cache memory in bytes, read on the worker thread between two steps (ADR 10:
+        no MLX call on another thread while the worker runs)."""
+        return self.run(_mlx_memory)
+
     # The worker thread.
 
     def _loop(self) -> None:
@@ -480,6 +485,10 @@ class Worker:
     def _stop(self, jobs: list[_Job]) -> None:
         for j in jobs:
             self._done(j, RuntimeError("the server is shutting down"))
+
+
+def _mlx_memory() -> dict[str, int]:
+    return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
 
 
 def _check_voice(voice: Voice) -> None:

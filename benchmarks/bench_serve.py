@@ -1,0 +1,478 @@
+"""Load on the real HTTP server (``mlx-chatterbox serve``), in the metrics serving benchmarks report (vllm
+bench serve --omni style): time to first audio (first pcm byte), end-to-end latency, audio RTF (wall / seconds
+of audio), aggregate audio seconds per wall second, and audio underruns.
+
+- closed loop: ``--concurrency N`` clients, each sending its next request when its last one ends;
+- open loop: Poisson arrivals at ``--rate R`` requests/s (seeded);
+- ``--formats streamed,whole``: streamed pcm (``stream_format: audio``) or the whole body (``stream: false``);
+- ``--soak S``: a closed loop for S seconds that samples the server's RSS and MLX memory
+  (``/health?memory=true``) every ``--sample-every`` seconds and says whether either grew after
+  ``--soak-warmup`` seconds.
+
+Underruns: a listener starts playing a streamed response at its first chunk; replaying the arrival times of
+its bytes against real-time playback, a stall is a chunk that arrives after the audio before it has played
+out, and the listener waits the difference. Every request speaks the same text with a fixed
+``max_new_tokens`` (random weights never stop: 250 tokens = 10 s of audio) and its own seed. Clients are
+stdlib ``http.client``, a thread each. The server is started here (``--model DIR``, or ``--random tiny|full``
+writes a random-weight folder with the tests' checkpoint helpers) on a free local port, or is a running one
+(``--url``).
+
+    python benchmarks/bench_serve.py --random full --variant english --concurrency 64,128 --out serve.jsonl
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import argparse
+import http.client
+import json
+import os
+import random
+import shlex
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common import REPO, machine_info, write_line
+
+TEXT = "Speech synthesis turns written text into spoken words, and this voice was cloned a moment ago."
+BYTES_PER_SAMPLE = 2  # response_format pcm: 16-bit mono
+
+
+@dataclass
+class Result:
+    """One request: when it was sent, its status, and the arrival times and sizes of its body's reads."""
+
+    sent: float
+    status: int | None = None  # None: no response (connection refused or reset before the headers)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since sent, bytes)
+    end: float | None = None  # seconds since sent
+    incomplete: bool = False  # the body broke off, was empty, or held half a sample
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.incomplete and self.end is not None
+
+
+def request(url: str, body: dict, timeout: float) -> Result:
+    """POST ``body`` to ``url``/v1/audio/speech and read the response as it arrives."""
+    parts = urllib.parse.urlsplit(url)
+    data = json.dumps(body).encode()
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    r = Result(sent=time.perf_counter())
+    try:
+        conn.request("POST", "/v1/audio/speech", data, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        r.status = resp.status
+        if resp.status != 200:
+            resp.read()
+            r.end = time.perf_counter() - r.sent
+            return r
+        while chunk := resp.read1(1 << 16):
+            r.arrivals.append((time.perf_counter() - r.sent, len(chunk)))
+        r.end = time.perf_counter() - r.sent
+        total = sum(n for _, n in r.arrivals)
+        r.incomplete = total == 0 or total % BYTES_PER_SAMPLE != 0
+    except (OSError, http.client.HTTPException):
+        r.incomplete = r.status == 200
+    finally:
+        conn.close()
+    return r
+
+
+def underruns(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, float]:
+    """(stalls, seconds waited) of a listener who starts playing at the first read and plays in real time."""
+    bytes_per_s = sample_rate * BYTES_PER_SAMPLE
+    stalls, waited = 0, 0.0
+    played_out = None  # when the audio received so far has played
+    for t, n in arrivals:
+        if played_out is not None and t > played_out:
+            stalls += 1
+            waited += t - played_out
+        played_out = max(played_out or t, t) + n / bytes_per_s
+    return stalls, waited
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks; None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    x = (len(v) - 1) * q / 100
+    lo = int(x)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (x - lo)
+
+
+def spread(values: list[float], qs: tuple[int, ...]) -> dict:
+    return {f"p{q}": percentile(values, q) for q in qs}
+
+
+def summarize(results: list[Result], wall: float, sample_rate: int, streamed: bool) -> dict:
+    ok = [r for r in results if r.ok]
+    audio = [sum(n for _, n in r.arrivals) / (sample_rate * BYTES_PER_SAMPLE) for r in ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.status != 200:
+            key = str(r.status) if r.status is not None else "no_response"
+            errors[key] = errors.get(key, 0) + 1
+    row = dict(
+        requests=len(results),
+        ok=len(ok),
+        errors=errors,
+        incomplete=sum(r.incomplete for r in results),
+        wall_s=wall,
+        audio_s=sum(audio),
+        audio_per_wall=sum(audio) / wall if wall > 0 else None,
+        audio_s_per_request={"min": min(audio, default=None), "max": max(audio, default=None)},
+        ttfa_s=spread([r.arrivals[0][0] for r in ok], (50, 95, 99)),
+        e2e_s=spread([r.end for r in ok], (50, 95, 99)),
+        rtf=spread([r.end / a for r, a in zip(ok, audio)], (50, 95)),
+    )
+    if streamed:
+        stalls = [underruns(r.arrivals, sample_rate) for r in ok]
+        waits = [w for _, w in stalls]
+        row["underruns"] = dict(
+            streams_stalled=sum(n > 0 for n, _ in stalls),
+            stalls=sum(n for n, _ in stalls),
+            wait_s=sum(waits),
+            wait_s_per_stream={**spread(waits, (50, 95)), "max": max(waits, default=None)},
+        )
+    return row
+
+
+def closed_loop(
+    send: Callable[[int], Result], clients: int, requests: int | None, duration: float | None
+) -> tuple[list[Result], float]:
+    """``clients`` threads, each sending its next request when its last ends, until ``requests`` are sent or
+    ``duration`` seconds have passed."""
+    results: list[Result] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+    counter = iter(range(requests if requests is not None else 1 << 62))
+
+    def client() -> None:
+        while duration is None or time.perf_counter() - start < duration:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            r = send(i)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def open_loop(
+    send: Callable[[int], Result], rate: float, requests: int | None, duration: float | None, seed: int
+) -> tuple[list[Result], float]:
+    """Poisson arrivals at ``rate`` requests/s (seeded), each request on its own thread, until ``requests``
+    are sent or ``duration`` seconds have passed; then every request is waited for."""
+    rng = random.Random(seed)
+    results: list[Result] = []
+    lock = threading.Lock()
+    threads = []
+
+    def one(i: int) -> None:
+        r = send(i)
+        with lock:
+            results.append(r)
+
+    start = time.perf_counter()
+    at = 0.0
+    for i in range(requests if requests is not None else 1 << 62):
+        at += rng.expovariate(rate)
+        if duration is not None and at >= duration:
+            break
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        threads.append(threading.Thread(target=one, args=(i,), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def get_json(url: str, path: str, timeout: float = 30) -> dict:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {resp.status}: {body[:200]!r}")
+        return json.loads(body)
+    finally:
+        conn.close()
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def grew(curve: list[tuple[float, int | None]], warmup: float, tolerance: float) -> dict | None:
+    """Did the last sample exceed the first one at or after ``warmup`` seconds by more than ``tolerance``
+    (a fraction)? None when no sample was taken after the warm-up."""
+    after = [v for t, v in curve if t >= warmup and v is not None]
+    if len(after) < 2:
+        return None
+    grown = after[-1] > after[0] * (1 + tolerance)
+    return {"from": after[0], "to": after[-1], "max": max(after), "grew": grown}
+
+
+def soak(send: Callable[[int], Result], args: argparse.Namespace, url: str, pid: int | None) -> dict:
+    """A closed loop of ``--soak`` seconds with the server's memory sampled beside it."""
+    samples: list[dict] = []
+    stop = threading.Event()
+    start = time.perf_counter()
+
+    def sample() -> None:
+        while True:
+            s = {"t": time.perf_counter() - start, "rss": rss_bytes(pid) if pid else None}
+            try:
+                s["mlx"] = get_json(url, "/health?memory=true", timeout=args.sample_every * 4).get("memory")
+            except (OSError, RuntimeError, http.client.HTTPException):
+                s["mlx"] = None
+            samples.append(s)
+            if stop.wait(args.sample_every):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    results, wall = closed_loop(send, args.concurrency[0], None, args.soak)
+    stop.set()
+    sampler.join()
+    curves = {
+        "t": [s["t"] for s in samples],
+        "rss": [s["rss"] for s in samples],
+        **{f"mlx_{k}": [(s["mlx"] or {}).get(k) for s in samples] for k in ("active", "peak", "cache")},
+    }
+    growth = {
+        name: grew(list(zip(curves["t"], curves[name])), args.soak_warmup, args.soak_tolerance)
+        for name in ("rss", "mlx_active")
+    }
+    return dict(results=results, wall=wall, memory=curves, growth=growth)
+
+
+def write_random_model(kind: str, variant: str, dst: Path) -> tuple[Path, Path]:
+    """A converted random-weight model folder and a random voice for it, by the tests' helpers (no torch)."""
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
+
+    from mlx_chatterbox.convert import convert
+    from mlx_chatterbox.variants import ENGLISH, TURBO
+
+    cfg = {("tiny", "english"): TINY_MODEL, ("tiny", "turbo"): TINY_TURBO}.get((kind, variant))
+    cfg = cfg or {"english": ENGLISH, "turbo": TURBO}[variant]
+    voice = dst / "voice.safetensors"
+    # full: upstream's prompt sizes, a 6 s T3 prompt (Turbo: 15 s) and a 10 s S3Gen prompt; tiny: the tests'.
+    sizes = dict(prompt_len=375 if variant == "turbo" else 150, gen_tokens=250) if kind == "full" else {}
+    random_voice(seed=7, **sizes).save(voice)
+    folder = convert(write_upstream_checkpoint(dst / "upstream", cfg), dst / "mlx", config=cfg)
+    return folder, voice
+
+
+def start_server(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]:
+    """``serve`` on a free local port, its log in ``work``; returns once ``/health`` answers."""
+    if args.random:
+        model, voice = write_random_model(args.random, args.variant, work)
+        extra = ["--voice", str(voice)]
+    else:
+        model, extra = args.model, []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "mlx_chatterbox", "serve", "--model", str(model), "--port", str(port)]
+    argv += ["--voices", str(work / "voices"), *extra, *shlex.split(args.serve_args)]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    log = open(work / "serve.log", "w")
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while True:
+        if proc.poll() is not None:
+            log_tail = (work / "serve.log").read_text()[-4000:]
+            raise SystemExit(f"serve exited with {proc.returncode}:\n{log_tail}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"serve did not answer /health in {args.start_timeout} s (see {work}/serve.log)")
+        try:
+            get_json(url, "/health", timeout=1)
+            return proc, url
+        except (OSError, RuntimeError, http.client.HTTPException):
+            time.sleep(0.3)
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def errors_cell(row: dict) -> str:
+    cells = [f"{status}: {n}" for status, n in row["errors"].items()]
+    cells += [f"incomplete: {row['incomplete']}"] if row["incomplete"] else []
+    return ", ".join(cells) or "0"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| scenario | ok / sent | errors | audio/wall | TTFA p50 / p95 / p99 s | E2E p50 / p95 / p99 s "
+        "| RTF p50 / p95 | stalled streams, wait s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        under = r.get("underruns")
+        cells = [
+            r["scenario"],
+            f"{r['ok']} / {r['requests']}",
+            errors_cell(r),
+            fmt(r["audio_per_wall"], ".1f") + "x",
+            " / ".join(fmt(r["ttfa_s"][f"p{q}"]) for q in (50, 95, 99)),
+            " / ".join(fmt(r["e2e_s"][f"p{q}"]) for q in (50, 95, 99)),
+            " / ".join(fmt(r["rtf"][f"p{q}"], ".3f") for q in (50, 95)),
+            f"{under['streams_stalled']}, {under['wait_s']:.2f}" if under else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def csv(kind: type):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {kind.__name__}") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of numbers above 0")
+        return values
+
+    return parse
+
+
+def formats(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("streamed", "whole") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: streamed, whole or both (comma-separated)")
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    server = p.add_mutually_exclusive_group(required=True)
+    server.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    server.add_argument("--model", type=Path, help="a converted model folder to start `serve` on")
+    server.add_argument("--random", choices=("tiny", "full"), help="write a random-weight model and serve it")
+    p.add_argument("--variant", choices=("english", "turbo"), default="english", help="with --random")
+    p.add_argument("--serve-args", default="", help="more `serve` flags, one string, e.g. '--max-batch 128'")
+    p.add_argument("--concurrency", type=csv(int), default=[], help="closed loop: clients, comma-separated")
+    p.add_argument("--rate", type=csv(float), default=[], help="open loop: requests/s, comma-separated")
+    p.add_argument("--formats", type=formats, default=["streamed", "whole"], help="streamed,whole (default)")
+    p.add_argument("--requests", type=int, help="requests per scenario (default: 4 x clients, or 4 x rate)")
+    p.add_argument("--duration", type=float, help="seconds per scenario instead of a number of requests")
+    p.add_argument("--tokens", type=int, default=250, help="max_new_tokens of a request (25 = 1 s)")
+    p.add_argument("--text", default=TEXT)
+    p.add_argument("--seed", type=int, default=0, help="request i: seed + i; Poisson arrivals")
+    p.add_argument("--timeout", type=float, default=600, help="seconds a request may take")
+    p.add_argument("--soak", type=float, metavar="S", help="closed loop of --concurrency clients, S s")
+    p.add_argument("--sample-every", type=float, default=10, help="soak: seconds between memory samples")
+    p.add_argument("--soak-warmup", type=float, default=60, help="soak: growth is judged after this many s")
+    p.add_argument("--soak-tolerance", type=float, default=0.02, help="soak: growth above this fraction")
+    p.add_argument("--pid", type=int, help="with --url: the server's process id, for its RSS in --soak")
+    p.add_argument("--start-timeout", type=float, default=600, help="seconds `serve` may take to start")
+    p.add_argument("--out", help="append the JSON lines here")
+    args = p.parse_args(argv)
+    if args.serve_args and args.url:
+        p.error("--serve-args needs a server started here (--model or --random), not --url")
+    if args.pid and not args.url:
+        p.error("--pid is for --url; a server started here is sampled by its own pid")
+    if args.requests is not None and args.duration is not None:
+        p.error("give --requests or --duration, not both")
+    if args.soak is not None and (len(args.concurrency) != 1 or len(args.formats) != 1 or args.rate):
+        p.error("--soak needs one --concurrency value and one --formats value, and no --rate")
+    if args.soak is None and not args.concurrency and not args.rate:
+        p.error("give --concurrency (closed loop), --rate (open loop) or --soak")
+
+    with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
+        proc = None
+        url, pid = args.url, args.pid
+        if url is None:
+            proc, url = start_server(args, Path(tmp))
+            pid = proc.pid
+        try:
+            rows = run(args, url, pid)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    print()
+    print(markdown(rows))
+
+
+def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
+    """Every scenario against the server at ``url``: one JSON line each; the rows."""
+    health = get_json(url, "/health")
+    sample_rate = health["sample_rate"]
+    info = machine_info()
+    keys = ("model", "variant", "max_batch", "max_queue", "vocode_batch", "cfm_steps")
+    server = {k: health.get(k) for k in keys}
+    rows = []
+
+    def sender(fmt_: str):
+        extra = {"stream": True, "stream_format": "audio"} if fmt_ == "streamed" else {"stream": False}
+
+        def send(i: int) -> Result:
+            body = dict(model=health["model"], input=args.text, response_format="pcm", seed=args.seed + i)
+            return request(url, {**body, "max_new_tokens": args.tokens, **extra}, args.timeout)
+
+        return send
+
+    def emit(scenario: str, fmt_: str, results: list[Result], wall: float, **extra) -> None:
+        row = dict(bench="serve", scenario=scenario, format=fmt_, tokens=args.tokens, server=server, **extra)
+        row.update(summarize(results, wall, sample_rate, fmt_ == "streamed"))
+        row.update(machine_info=info)
+        write_line(row, args.out)
+        rows.append(row)
+
+    if args.soak is not None:
+        fmt_ = args.formats[0]
+        s = soak(sender(fmt_), args, url, pid)
+        extra = dict(loop="soak", concurrency=args.concurrency[0], memory=s["memory"], growth=s["growth"])
+        emit(f"soak {args.concurrency[0]} {fmt_} {args.soak:g}s", fmt_, s["results"], s["wall"], **extra)
+        return rows
+    for fmt_ in args.formats:
+        for c in args.concurrency:
+            n = args.requests if args.requests is not None or args.duration else 4 * c
+            results, wall = closed_loop(sender(fmt_), c, n, args.duration)
+            emit(f"closed {c} {fmt_}", fmt_, results, wall, loop="closed", concurrency=c)
+        for rate in args.rate:
+            n = args.requests if args.requests is not None or args.duration else max(1, round(4 * rate))
+            results, wall = open_loop(sender(fmt_), rate, n, args.duration, args.seed)
+            emit(f"open {rate:g}/s {fmt_}", fmt_, results, wall, loop="open", rate=rate)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

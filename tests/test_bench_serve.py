@@ -1,0 +1,87 @@
+"""benchmarks/bench_serve.py, the load generator, against live tiny servers: one it starts itself
+(--random tiny) for closed and open loops, streamed and whole; one started here (--url, --pid) for a short
+--soak that samples RSS and MLX memory through ``/health?memory=true``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.test_serve_process import Serve, model  # noqa: F401  (model: the fixture, a tiny converted model)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str, timeout: float = 120) -> str:
+    argv = [sys.executable, "benchmarks/bench_serve.py", *args]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def check_sane(row: dict, requests: int, streamed: bool) -> None:
+    assert row["requests"] == row["ok"] == requests and row["errors"] == {} and row["incomplete"] == 0
+    assert row["audio_s"] > 0 and row["audio_per_wall"] > 0
+    for name in ("ttfa_s", "e2e_s", "rtf"):
+        assert 0 < row[name]["p50"] <= row[name]["p95"], (name, row[name])
+    assert row["ttfa_s"]["p95"] <= row["e2e_s"]["p95"] + 1e-9
+    if streamed:
+        under = row["underruns"]
+        assert 0 <= under["streams_stalled"] <= under["stalls"] and under["wait_s"] >= 0
+        assert 0 <= under["wait_s_per_stream"]["p50"] <= under["wait_s_per_stream"]["max"] <= under["wait_s"]
+    else:
+        assert "underruns" not in row
+    assert row["machine_info"]["commit"] and row["server"]["variant"] == "english"
+
+
+def test_closed_and_open_loops_streamed_and_whole(tmp_path):
+    out = tmp_path / "serve.jsonl"
+    args = ["--random", "tiny", "--concurrency", "2", "--rate", "4", "--requests", "2", "--tokens", "20"]
+    stdout = bench(*args, "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["scenario"] for r in rows] == [
+        "closed 2 streamed",
+        "open 4/s streamed",
+        "closed 2 whole",
+        "open 4/s whole",
+    ]
+    for row in rows:
+        check_sane(row, 2, row["format"] == "streamed")
+    assert "| closed 2 whole | 2 / 2 | 0 |" in stdout  # the markdown table
+
+
+def test_soak_samples_rss_and_mlx_memory(model, tmp_path):  # noqa: F811
+    s = Serve(model, tmp_path / "voices")
+    try:
+        assert "memory" not in httpx.get(f"{s.url}/health").json()  # asked for only
+        memory = httpx.get(f"{s.url}/health", params={"memory": "true"}).json()["memory"]
+        assert memory["active"] > 0 and memory["peak"] >= memory["active"] and memory["cache"] >= 0
+        out = tmp_path / "soak.jsonl"
+        args = ["--url", s.url, "--pid", str(s.proc.pid), "--soak", "3", "--concurrency", "2"]
+        args += ["--formats", "whole", "--sample-every", "0.5", "--soak-warmup", "1", "--tokens", "20"]
+        bench(*args, "--out", str(out))
+    finally:
+        s.stop()
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    check_sane(row, row["requests"], streamed=False)
+    assert row["requests"] >= 2 and row["wall_s"] >= 3
+    curves = row["memory"]
+    assert len(curves["t"]) >= 4 and all(len(v) == len(curves["t"]) for v in curves.values())
+    assert all(v > 0 for v in curves["rss"] + curves["mlx_active"] + curves["mlx_peak"])
+    for name in ("rss", "mlx_active"):
+        assert isinstance(row["growth"][name]["grew"], bool)
+
+
+def test_underruns_replay_arrivals_against_real_time_playback():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_serve import underruns
+
+    second = 24000 * 2  # bytes of 1 s of 16-bit audio at 24 kHz
+    assert underruns([(0.0, second), (0.5, second), (1.9, second)], 24000) == (0, 0.0)
+    # Plays 0.2-2.2 s; the third second comes at 3.2 s (1 s waited) and plays to 4.2 s; the fourth at 4.7 s.
+    stalls, waited = underruns([(0.2, second), (0.5, second), (3.2, second), (4.7, second)], 24000)
+    assert stalls == 2 and abs(waited - 1.5) < 1e-9
