@@ -30,9 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import random
 import shlex
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -274,8 +276,9 @@ def soak(send: Callable[[int], Result], args: argparse.Namespace, url: str, pid:
     return dict(results=results, wall=wall, memory=curves, growth=growth)
 
 
-def write_random_model(kind: str, variant: str, dst: Path) -> tuple[Path, Path]:
-    """A converted random-weight model folder and a random voice for it, by the tests' helpers (no torch)."""
+def write_random_model(kind: str, variant: str, dst: Path) -> None:
+    """A converted random-weight model folder ``dst/mlx`` and a random voice ``dst/voice.safetensors`` for it,
+    by the tests' helpers (no torch)."""
     sys.path.insert(0, str(REPO))
     from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
 
@@ -284,18 +287,26 @@ def write_random_model(kind: str, variant: str, dst: Path) -> tuple[Path, Path]:
 
     cfg = {("tiny", "english"): TINY_MODEL, ("tiny", "turbo"): TINY_TURBO}.get((kind, variant))
     cfg = cfg or {"english": ENGLISH, "turbo": TURBO}[variant]
-    voice = dst / "voice.safetensors"
     # full: upstream's prompt sizes, a 6 s T3 prompt (Turbo: 15 s) and a 10 s S3Gen prompt; tiny: the tests'.
     sizes = dict(prompt_len=375 if variant == "turbo" else 150, gen_tokens=250) if kind == "full" else {}
-    random_voice(seed=7, **sizes).save(voice)
-    folder = convert(write_upstream_checkpoint(dst / "upstream", cfg), dst / "mlx", config=cfg)
-    return folder, voice
+    random_voice(seed=7, **sizes).save(dst / "voice.safetensors")
+    convert(write_upstream_checkpoint(dst / "upstream", cfg), dst / "mlx", config=cfg)
+    shutil.rmtree(dst / "upstream")
 
 
 def start_server(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]:
     """``serve`` on a free local port, its log in ``work``; returns once ``/health`` answers."""
     if args.random:
-        model, voice = write_random_model(args.random, args.variant, work)
+        # In a process of its own, so that the arrays it made (GBs at full size, on the GPU too) are freed
+        # before the server starts beside us.
+        writer = multiprocessing.get_context("spawn").Process(
+            target=write_random_model, args=(args.random, args.variant, work)
+        )
+        writer.start()
+        writer.join()
+        if writer.exitcode != 0:
+            raise SystemExit(f"writing the random model failed (exit code {writer.exitcode})")
+        model, voice = work / "mlx", work / "voice.safetensors"
         extra = ["--voice", str(voice)]
     else:
         model, extra = args.model, []
@@ -356,15 +367,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def csv(kind: type):
-    def parse(text: str) -> list:
+def positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a number above 0."""
+
+    def parse(text: str) -> float:
         try:
-            values = [kind(v) for v in text.split(",") if v.strip()]
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {kind.__name__}") from None
-        if not values or any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of numbers above 0")
-        return values
+            value = None
+        if value is None or value <= 0:
+            name = "whole number" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"{text!r}: a {name} above 0")
+        return value
+
+    return parse
+
+
+def csv(kind: type) -> Callable[[str], list]:
+    """An argparse type: comma-separated numbers above 0."""
+
+    def parse(text: str) -> list:
+        return [positive(kind)(v) for v in text.split(",") if v.strip()] or positive(kind)("")
 
     return parse
 
@@ -376,41 +399,57 @@ def formats(text: str) -> list[str]:
     return values
 
 
+# Flags that only apply to some runs: given elsewhere they would be ignored, so they are refused.
+SOAK_FLAGS = {"sample_every": 10.0, "soak_warmup": 60.0, "soak_tolerance": 0.02}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     server = p.add_mutually_exclusive_group(required=True)
     server.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     server.add_argument("--model", type=Path, help="a converted model folder to start `serve` on")
     server.add_argument("--random", choices=("tiny", "full"), help="write a random-weight model and serve it")
-    p.add_argument("--variant", choices=("english", "turbo"), default="english", help="with --random")
-    p.add_argument("--serve-args", default="", help="more `serve` flags, one string, e.g. '--max-batch 128'")
+    p.add_argument("--variant", choices=("english", "turbo"), help="with --random (default: english)")
+    p.add_argument("--serve-args", help="more `serve` flags, one string, e.g. '--max-batch 128'")
+    p.add_argument("--start-timeout", type=positive(float), help="seconds `serve` may take to start (600)")
     p.add_argument("--concurrency", type=csv(int), default=[], help="closed loop: clients, comma-separated")
     p.add_argument("--rate", type=csv(float), default=[], help="open loop: requests/s, comma-separated")
     p.add_argument("--formats", type=formats, default=["streamed", "whole"], help="streamed,whole (default)")
-    p.add_argument("--requests", type=int, help="requests per scenario (default: 4 x clients, or 4 x rate)")
-    p.add_argument("--duration", type=float, help="seconds per scenario instead of a number of requests")
-    p.add_argument("--tokens", type=int, default=250, help="max_new_tokens of a request (25 = 1 s)")
+    p.add_argument("--requests", type=positive(int), help="per scenario (default: 4 x clients, or 4 x rate)")
+    p.add_argument("--duration", type=positive(float), help="seconds per scenario instead of --requests")
+    p.add_argument("--tokens", type=positive(int), default=250, help="max_new_tokens of a request (25 = 1 s)")
     p.add_argument("--text", default=TEXT)
     p.add_argument("--seed", type=int, default=0, help="request i: seed + i; Poisson arrivals")
-    p.add_argument("--timeout", type=float, default=600, help="seconds a request may take")
-    p.add_argument("--soak", type=float, metavar="S", help="closed loop of --concurrency clients, S s")
-    p.add_argument("--sample-every", type=float, default=10, help="soak: seconds between memory samples")
-    p.add_argument("--soak-warmup", type=float, default=60, help="soak: growth is judged after this many s")
-    p.add_argument("--soak-tolerance", type=float, default=0.02, help="soak: growth above this fraction")
-    p.add_argument("--pid", type=int, help="with --url: the server's process id, for its RSS in --soak")
-    p.add_argument("--start-timeout", type=float, default=600, help="seconds `serve` may take to start")
+    p.add_argument("--timeout", type=positive(float), default=600, help="seconds a request may take")
+    p.add_argument("--soak", type=positive(float), metavar="S", help="a closed loop of S seconds")
+    p.add_argument("--sample-every", type=positive(float), help="soak: seconds between memory samples (10)")
+    p.add_argument("--soak-warmup", type=float, help="soak: growth is judged after this many seconds (60)")
+    p.add_argument("--soak-tolerance", type=float, help="soak: growth above this fraction (0.02)")
+    p.add_argument("--pid", type=int, help="with --url and --soak: the server's process id, for its RSS")
     p.add_argument("--out", help="append the JSON lines here")
     args = p.parse_args(argv)
-    if args.serve_args and args.url:
-        p.error("--serve-args needs a server started here (--model or --random), not --url")
-    if args.pid and not args.url:
-        p.error("--pid is for --url; a server started here is sampled by its own pid")
+    if args.variant and not args.random:
+        p.error("--variant is for --random; a --model folder or a --url server has its own")
+    args.variant = args.variant or "english"
+    if args.url and (args.serve_args or args.start_timeout):
+        p.error("--serve-args and --start-timeout are for a server started here (--model, --random)")
+    args.serve_args, args.start_timeout = args.serve_args or "", args.start_timeout or 600
+    if args.pid and not (args.url and args.soak):
+        p.error("--pid is for --url with --soak; a server started here is sampled by its own pid")
     if args.requests is not None and args.duration is not None:
         p.error("give --requests or --duration, not both")
-    if args.soak is not None and (len(args.concurrency) != 1 or len(args.formats) != 1 or args.rate):
-        p.error("--soak needs one --concurrency value and one --formats value, and no --rate")
-    if args.soak is None and not args.concurrency and not args.rate:
-        p.error("give --concurrency (closed loop), --rate (open loop) or --soak")
+    if args.soak is None:
+        if any(getattr(args, k) is not None for k in SOAK_FLAGS):
+            p.error("--sample-every, --soak-warmup and --soak-tolerance are for --soak")
+        if not args.concurrency and not args.rate:
+            p.error("give --concurrency (closed loop), --rate (open loop) or --soak")
+    else:
+        if len(args.concurrency) != 1 or len(args.formats) != 1 or args.rate:
+            p.error("--soak needs one --concurrency value and one --formats value, and no --rate")
+        if args.requests is not None or args.duration is not None:
+            p.error("--soak S lasts S seconds: no --requests or --duration")
+        for k, default in SOAK_FLAGS.items():
+            setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
 
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
         proc = None
