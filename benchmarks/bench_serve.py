@@ -100,7 +100,7 @@ def underruns(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int,
         if played_out is not None and t > played_out:
             stalls += 1
             waited += t - played_out
-        played_out = max(played_out or t, t) + n / bytes_per_s
+        played_out = (t if played_out is None else max(played_out, t)) + n / bytes_per_s
     return stalls, waited
 
 
