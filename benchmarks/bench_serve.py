@@ -327,12 +327,14 @@ def start_server(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
     while True:
+        # The log's tail in the message: ``work`` is a temporary folder, gone once we exit.
         if proc.poll() is not None:
             log_tail = (work / "serve.log").read_text()[-4000:]
             raise SystemExit(f"serve exited with {proc.returncode}:\n{log_tail}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"serve did not answer /health in {args.start_timeout} s (see {work}/serve.log)")
+            log_tail = (work / "serve.log").read_text()[-4000:]
+            raise SystemExit(f"serve did not answer /health in {args.start_timeout:g} s:\n{log_tail}")
         try:
             get_json(url, "/health", timeout=1)
             return proc, url
