@@ -39,8 +39,9 @@ from ..sampling import SamplingParams, TurboParams, seed_keys
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _END = object()  # a ticket's last item
-# A warm-up request's tokens: 2.4 s of speech, past a stream's first two chunks (10, then 25 tokens).
-WARM_UP_TOKENS = 60
+# A warm-up request's tokens: past a stream's first chunk (10 tokens), and no more: on a CPU every warm-up token
+# delays the server's start by most of a second.
+WARM_UP_TOKENS = 12
 
 
 @dataclasses.dataclass(frozen=True)
