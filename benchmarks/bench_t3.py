@@ -97,9 +97,24 @@ def whole_run_timing(
 # --- ours (MLX) ---
 
 
+def t3_voice(dtype: mx.Dtype):
+    """A random voice with the fixed prompt tokens: all T3 reads of one."""
+    from mlx_chatterbox.generation.voice import Voice
+
+    voice = Voice(
+        # In the model dtype, so that the prefill runs (and the KV cache is stored) in that dtype.
+        speaker_emb=mx.random.normal((1, 256)).astype(dtype),
+        t3_prompt_tokens=mx.array([fixed_inputs()[1]], dtype=mx.int32),
+        s3gen_prompt_tokens=mx.zeros((1, 4), dtype=mx.int32),  # S3Gen parts: unused by T3
+        s3gen_prompt_mel=mx.zeros((1, 8, 80)),
+        xvector=mx.zeros((1, 192)),
+    )
+    mx.eval(voice.speaker_emb)
+    return voice
+
+
 def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
-    from mlx_chatterbox.generation.voice import Voice
     from mlx_chatterbox.sampling import SamplingParams
 
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
@@ -111,16 +126,7 @@ def bench_ours(dtype_name: str, device: str, tokens: int, repeats: int) -> dict:
     if transform is not None:
         model = transform(model)
     mx.eval(model.parameters())
-    text, prompt = fixed_inputs()
-    voice = Voice(
-        # In the model dtype, so that the prefill runs (and the KV cache is stored) in that dtype.
-        speaker_emb=mx.random.normal((1, 256)).astype(dtype),
-        t3_prompt_tokens=mx.array([prompt], dtype=mx.int32),
-        s3gen_prompt_tokens=mx.zeros((1, 4), dtype=mx.int32),  # S3Gen parts: unused by T3
-        s3gen_prompt_mel=mx.zeros((1, 8, 80)),
-        xvector=mx.zeros((1, 192)),
-    )
-    mx.eval(voice.speaker_emb)
+    text, voice = fixed_inputs()[0], t3_voice(dtype)
     params = SamplingParams(max_new_tokens=tokens, exaggeration=EXAGGERATION, **KNOBS)
 
     def once() -> tuple[float, float]:

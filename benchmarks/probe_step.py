@@ -194,16 +194,7 @@ def host_split(dtype_name: str, tokens: int) -> dict:
     model = T3(bench_t3.CFG)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
-    text, prompt = bench_t3.fixed_inputs()
-    from mlx_chatterbox.generation.voice import Voice
-
-    voice = Voice(
-        speaker_emb=mx.random.normal((1, 256)).astype(dtype),
-        t3_prompt_tokens=mx.array([prompt], dtype=mx.int32),
-        s3gen_prompt_tokens=mx.zeros((1, 4), dtype=mx.int32),
-        s3gen_prompt_mel=mx.zeros((1, 8, 80)),
-        xvector=mx.zeros((1, 192)),
-    )
+    text, voice = bench_t3.fixed_inputs()[0], bench_t3.t3_voice(dtype)
     params = SamplingParams(max_new_tokens=tokens)
     result = {}
     for run in range(2):  # the first traces every capacity

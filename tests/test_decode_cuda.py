@@ -1,6 +1,6 @@
 """The decode-step paths of models/layers.py that CUDA takes (ADR 12): few-row projections as matrix-vector
 products and our single-query attention kernel. The composed forms are checked here on any device; the kernel
-and the dispatch only where CUDA is (the H200 run: benchmarks/probe_step.py --part check), since CI has no GPU.
+and the dispatch only where CUDA is (run with pytest on the H200), since CI has no GPU.
 """
 
 from __future__ import annotations
