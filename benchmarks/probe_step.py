@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from mlx_chatterbox.models import layers
 
+
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
     """x (M, K) @ w (N, K).T through our matrix-vector kernel (models/layers.py)."""
     return layers._gemv(x, w, None, None, swiglu=False)
@@ -163,22 +164,47 @@ def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int
     return bench_turbo.bench_t3_ours(cfg, dtype_name, tokens, repeats)
 
 
-def english_primitives(dtype: mx.Dtype) -> int:
-    """Primitives in one compiled English decode step (CFG, default knobs), as MLX will evaluate them."""
-    from mlx_chatterbox.generation import speech_tokens as st
-    from mlx_chatterbox.models.t3 import T3, T3Config
-    from mlx_chatterbox.sampling import SamplingParams
+VIEWS = {
+    "Reshape",
+    "Slice",
+    "Squeeze",
+    "ExpandDims",
+    "Broadcast",
+    "Flatten",
+    "Unflatten",
+    "AsStrided",
+    "Transpose",
+}
 
-    cfg = T3Config()
-    model = T3(cfg)
+
+def step_primitives(model_name: str, dtype: mx.Dtype) -> tuple[int, int, dict]:
+    """Primitives in one compiled decode step (English: CFG, default knobs; Turbo/Nano: default knobs), as MLX
+    will evaluate them: (all, those that are views, the count by kind). The weights are evaluated first, so that
+    their random initialisation is not counted (the counts of 2026-12-02a/b included it)."""
+    from mlx_chatterbox.generation import speech_tokens as st
+    from mlx_chatterbox.generation import turbo
+    from mlx_chatterbox.models.gpt2 import NANO, TURBO, T3Turbo
+    from mlx_chatterbox.models.t3 import T3, T3Config
+    from mlx_chatterbox.sampling import SamplingParams, TurboParams
+
+    if model_name == "english":
+        model, rows = T3(T3Config()), 2
+        step = st.decode_step(model, SamplingParams(), False)
+    else:
+        model, rows = T3Turbo(NANO if model_name == "nano" else TURBO), 1
+        step = turbo.decode_step(model, TurboParams(), False)
     model.set_dtype(dtype)
-    step = st.decode_step(model, SamplingParams(), False)
-    kv = [mx.zeros((2, 16, 256, 64), dtype) for _ in range(2 * cfg.num_layers)]
+    mx.eval(model.parameters())
+    cfg = model.config
+    heads, hd = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    kv = [mx.zeros((rows, heads, 256, hd), dtype) for _ in range(2 * cfg.num_layers)]
     seen = mx.zeros((1, cfg.speech_vocab_size), dtype=mx.bool_)
-    token, position, key = mx.array([5]), mx.array([1, 80], dtype=mx.int32), mx.random.key(1)
+    token, key = mx.array([5]), mx.random.key(1)
+    position = mx.array([1, 80], dtype=mx.int32) if model_name == "english" else mx.array(80, dtype=mx.int32)
     mx.eval(kv, seen, token, position, key)
     out = step(token, position, seen, key, kv)
-    return sum(primitives(out[0], out[1], *out[2]).values())
+    counts = primitives(out[0], out[1], *out[2])
+    return sum(counts.values()), sum(v for k, v in counts.items() if k in VIEWS), dict(counts.most_common())
 
 
 def host_split(dtype_name: str, tokens: int) -> dict:
@@ -274,13 +300,14 @@ def main() -> None:
                     if system == "upstream" and model == "nano" and dn != "float32":
                         continue
                     r = step_row(model, dn, system, args.tokens, args.repeats, args.upstream_src)
-                    prims = (
-                        english_primitives(getattr(mx, dn))
-                        if model == "english" and system != "upstream"
-                        else None
-                    )
+                    prims = views = kinds = None
+                    if system != "upstream":
+                        prims, views, kinds = step_primitives(model, getattr(mx, dn))
                     layers.CUDA_DECODE = True
-                    row = dict(model=model, dtype=dn, system=system, primitives_per_step=prims, **r)
+                    row = dict(
+                        model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views
+                    )
+                    row |= dict(**r, primitive_kinds=kinds)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.out:
@@ -289,12 +316,14 @@ def main() -> None:
                     gc.collect()  # a model's compiled steps hold it in a cycle: free it before the next row
                     mx.clear_cache()
         print(
-            "\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step |\n|---|---|---|---|---|---|---|"
+            "\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step (views) |"
+            "\n|---|---|---|---|---|---|---|"
         )
         for r in rows:
+            prims = f"{r['primitives_per_step']} ({r['views_per_step']})" if r["primitives_per_step"] else "-"
             print(
                 f"| {r['model']} | {r['dtype']} | {r['system']} | {r['prefill_ms']:.1f} | {r['decode_tok_s']:.1f} | "
-                f"{r['ms_per_step']:.2f} | {r['primitives_per_step'] or '-'} |"
+                f"{r['ms_per_step']:.2f} | {prims} |"
             )
 
 

@@ -30,6 +30,12 @@ def reference_attention(q, keys, values, position, pad=None) -> np.ndarray:
     return out
 
 
+def merged(a: np.ndarray) -> np.ndarray:
+    """(B, H, 1, hd) -> (B, 1, H·hd), as the attention functions return their heads."""
+    b, h, _, hd = a.shape
+    return a.reshape(b, 1, h * hd)
+
+
 def attention_inputs(seed: int, b: int = 2, h: int = 3, capacity: int = 256, hd: int = 64):
     rng = np.random.default_rng(seed)
     q, keys, values = (
@@ -70,7 +76,7 @@ def test_decode_attention_composed(with_pad):
         kernel=False,
     )
     np.testing.assert_allclose(
-        np.array(got), reference_attention(q, keys, values, position, pad), rtol=1e-5, atol=1e-5
+        np.array(got), merged(reference_attention(q, keys, values, position, pad)), rtol=1e-5, atol=1e-5
     )
 
 
@@ -90,7 +96,10 @@ def test_decode_attention_kernel_equals_composed(dtype, tol, with_pad, position)
     assert err <= tol, err
     if dtype == mx.float32:
         np.testing.assert_allclose(
-            np.array(kernel), reference_attention(q, keys, values, position, pad), rtol=1e-5, atol=1e-5
+            np.array(kernel),
+            merged(reference_attention(q, keys, values, position, pad)),
+            rtol=1e-5,
+            atol=1e-5,
         )
 
 
@@ -167,34 +176,111 @@ def rel_l2(got: mx.array, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def test_add_to_and_swiglu_composed():
-    """Their values on any device (on CUDA through our kernel; elementwise bounds would trip on outputs that
-    cancel to near 0, whose sums come out in another order there)."""
-    rng = np.random.default_rng(5)
-    lin = layers.Linear(128, 256, bias=False)
-    w = rng.standard_normal((256, 128))
-    lin.update({"weight": mx.array(w, mx.float32)})
-    x, res = rng.standard_normal((2, 1, 128)), rng.standard_normal((2, 1, 256))
-    product = x @ w.T  # float64
-    assert (
-        rel_l2(layers.add_to(lin, mx.array(x, mx.float32), mx.array(res, mx.float32)), res + product) <= 1e-6
+def norm_reference(x: np.ndarray, kind: str, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    if kind == "none":
+        return x
+    if kind == "rms":
+        return weight * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    centred = x - x.mean(-1, keepdims=True)
+    return weight * centred / np.sqrt((centred * centred).mean(-1, keepdims=True) + eps) + bias
+
+
+def norm_module(kind: str, dims: int, rng: np.random.Generator, dtype: mx.Dtype = mx.float32):
+    """None, an nn.RMSNorm or an nn.LayerNorm with random weight (and bias), and its numpy parameters."""
+    weight, bias = 1 + 0.3 * rng.standard_normal(dims), 0.2 * rng.standard_normal(dims)
+    if kind == "none":
+        return None, weight, bias
+    norm = nn.RMSNorm(dims, eps=1e-5) if kind == "rms" else nn.LayerNorm(dims, eps=1e-5)
+    norm.update(
+        {"weight": mx.array(weight, mx.float32)}
+        | ({"bias": mx.array(bias, mx.float32)} if kind == "layer" else {})
     )
-    gate, up = np.split(product, 2, axis=-1)
-    assert rel_l2(layers.swiglu(lin, mx.array(x, mx.float32)), gate / (1 + np.exp(-gate)) * up) <= 1e-6
+    norm.set_dtype(dtype)
+    return norm, weight, bias
+
+
+def random_linear(rng: np.random.Generator, k: int, n: int, bias: bool, dtype: mx.Dtype = mx.float32):
+    lin = layers.Linear(k, n, bias=bias)
+    w, b = rng.standard_normal((n, k)) / np.sqrt(k), 0.3 * rng.standard_normal(n)
+    lin.update({"weight": mx.array(w, mx.float32)} | ({"bias": mx.array(b, mx.float32)} if bias else {}))
+    lin.set_dtype(dtype)
+    return lin, w, (b if bias else 0.0)
+
+
+@pytest.mark.parametrize("kind", ["none", "rms", "layer"])
+def test_project_composed(kind):
+    """Its values on any device (on CUDA through our kernel; elementwise bounds would trip on outputs that
+    cancel to near 0, whose sums come out in another order there): residual + act(layer(norm(x)))."""
+    rng = np.random.default_rng(5)
+    norm, g, beta = norm_module(kind, 128, rng)
+    x, res = rng.standard_normal((2, 1, 128)), rng.standard_normal((2, 1, 256))
+    xn = norm_reference(x, kind, g, beta, 1e-5)
+    lin, w, b = random_linear(rng, 128, 256, bias=True)
+    product = xn @ w.T + b  # float64
+    xm, rm = mx.array(x, mx.float32), mx.array(res, mx.float32)
+    assert rel_l2(layers.project(lin, xm, norm=norm, residual=rm), res + product) <= 1e-6
+    gelu = 0.5 * product * (1 + np.tanh(np.sqrt(2 / np.pi) * (product + 0.044715 * product**3)))
+    assert rel_l2(layers.project(lin, xm, norm=norm, act="gelu"), gelu) <= 1e-6
+    lin, w, _ = random_linear(rng, 128, 256, bias=False)
+    gate, up = np.split(xn @ w.T, 2, axis=-1)
+    assert rel_l2(layers.project(lin, xm, norm=norm, act="swiglu"), gate / (1 + np.exp(-gate)) * up) <= 1e-6
+    with pytest.raises(ValueError, match="act='relu'"):
+        layers.project(lin, xm, act="relu")
+
+
+def rope_reference(x: np.ndarray, periods: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Non-traditional RoPE of (B, H, 1, hd) with row b at position offsets[b]: pairs (i, i + hd/2)."""
+    half = x.shape[-1] // 2
+    theta = offsets[:, None, None, None] / periods  # (B, 1, 1, half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate(
+        [x1 * np.cos(theta) - x2 * np.sin(theta), x1 * np.sin(theta) + x2 * np.cos(theta)], -1
+    )
+
+
+@pytest.mark.parametrize("rotate,with_pad", [(False, False), (True, False), (True, True)])
+def test_heads_composed(rotate, with_pad):
+    rng = np.random.default_rng(6)
+    b, h, hd = 2, 4, 64
+    norm, g, _ = norm_module("rms", 256, rng)
+    lin, w, bias = random_linear(rng, 256, 3 * h * hd, bias=not rotate)
+    x = rng.standard_normal((b, 1, 256))
+    qkv = (norm_reference(x, "rms", g, 0, 1e-5) @ w.T + bias).reshape(b, 3, h, 1, hd)
+    periods = 10000 ** (np.arange(hd // 2) / (hd // 2))
+    position, pad = 300, (np.array([0, 41]) if with_pad else np.zeros(b, dtype=int))
+    rope = None
+    if rotate:
+        rope = (
+            mx.array(periods, mx.float32),
+            mx.array(position, mx.int32),
+            mx.array(pad, mx.int32) if with_pad else None,
+        )
+    got = layers.heads(lin, mx.array(x, mx.float32), h, norm=norm, rope=rope)
+    for i, part in enumerate(got):
+        want = qkv[:, i]
+        if rotate and i < 2:
+            want = rope_reference(want, periods, position - pad)
+        assert part.shape == (b, h, 1, hd)
+        assert rel_l2(part, want) <= 2e-6, i
 
 
 @cuda
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-6), (mx.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_fused_gemv_kernel_equals_composed(dtype, tol, rows, monkeypatch):
-    lin = layers.Linear(1024, 2048)
-    lin.set_dtype(dtype)
+@pytest.mark.parametrize("kind", ["none", "rms", "layer"])
+def test_fused_gemv_kernel_equals_composed(dtype, tol, rows, kind, monkeypatch):
+    rng = np.random.default_rng(rows)
+    norm, _, _ = norm_module(kind, 1024, rng, dtype)
+    lin, _, _ = random_linear(rng, 1024, 2048, bias=True, dtype=dtype)
+    plain, _, _ = random_linear(rng, 1024, 2048, bias=False, dtype=dtype)
     x = mx.random.normal((rows, 1, 1024)).astype(dtype)
     res = mx.random.normal((rows, 1, 2048)).astype(dtype)
     calls = {
-        "add_to": lambda: layers.add_to(lin, x, res),
-        "swiglu": lambda: layers.swiglu(lin, x),
-        "plain": lambda: lin(x),
+        "residual": lambda: layers.project(lin, x, norm=norm, residual=res),
+        "swiglu": lambda: layers.project(plain, x, norm=norm, act="swiglu"),
+        "gelu": lambda: layers.project(lin, x, norm=norm, act="gelu"),
+        "plain": lambda: layers.project(lin, x, norm=norm),
+        "linear": lambda: lin(x),
     }
     fused = {name: f() for name, f in calls.items()}
     monkeypatch.setattr(layers, "CUDA_DECODE", False)
@@ -202,3 +288,38 @@ def test_fused_gemv_kernel_equals_composed(dtype, tol, rows, monkeypatch):
         want = f().astype(mx.float32)
         err = (mx.linalg.norm(fused[name].astype(mx.float32) - want) / mx.linalg.norm(want)).item()
         assert err <= tol, (name, err)
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-6), (mx.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(
+    "rotate,with_pad,kind", [(False, False, "layer"), (True, False, "rms"), (True, True, "rms")]
+)
+def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, kind, monkeypatch):
+    """q, k, v from our kernel against MLX's ops, and in fp32 against float64 (RoPE at position 1234 takes
+    cos and sin of angles up to 1234 rad, where a fast cos would stand out)."""
+    rng = np.random.default_rng(rows)
+    h, hd = 16, 64
+    norm, g, beta = norm_module(kind, 1024, rng, dtype)
+    lin, w, b = random_linear(rng, 1024, 3 * h * hd, bias=not rotate, dtype=dtype)
+    x = rng.standard_normal((rows, 1, 1024))
+    xm = mx.array(x, mx.float32).astype(dtype)
+    periods = 10000 ** (np.arange(hd // 2) / (hd // 2))
+    position, pad = 1234, (np.array([0, 9][:rows]) if with_pad else np.zeros(rows, dtype=int))
+    rope = None
+    if rotate:
+        pad_arg = mx.array(pad, mx.int32) if with_pad else None
+        rope = (mx.array(periods, mx.float32), mx.array(position, mx.int32), pad_arg)
+    fused = layers.heads(lin, xm, h, norm=norm, rope=rope)
+    monkeypatch.setattr(layers, "CUDA_DECODE", False)
+    composed = layers.heads(lin, xm, h, norm=norm, rope=rope)
+    qkv = (norm_reference(x, kind, g, beta, 1e-5) @ w.T + b).reshape(rows, 3, h, 1, hd)
+    for i, (got, want) in enumerate(zip(fused, composed)):
+        assert got.shape == want.shape
+        got, want = got.astype(mx.float32), want.astype(mx.float32)
+        err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+        exact = qkv[:, i] if not (rotate and i < 2) else rope_reference(qkv[:, i], periods, position - pad)
+        assert err <= tol, (i, err, rel_l2(got, exact), rel_l2(want, exact))
+        if dtype == mx.float32:
+            assert rel_l2(got, exact) <= 2e-6, (i, rel_l2(got, exact), rel_l2(want, exact))

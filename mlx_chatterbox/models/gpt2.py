@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import Linear, decode_attention, left_pad_mask, window_attention
+from .layers import Linear, decode_attention, heads, left_pad_mask, project, window_attention
 
 
 @dataclass(frozen=True)
@@ -87,24 +87,31 @@ class Attention(nn.Module):
         return self.c_proj(out.transpose(0, 2, 1, 3).reshape(b, n, d))
 
     def decode(
-        self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array, pad: mx.array | None = None
+        self,
+        x: mx.array,
+        norm: nn.Module,
+        position: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        pad: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """One token (B, 1, D) at buffer index ``position`` (an int32 scalar array) against key and value
-        buffers (B, H, capacity, hd); returns the output and the buffers with this token written in. Nothing
-        depends on the value of ``position``, so a compiled step is traced once per capacity.
+        """One token: x (B, 1, D), the block's input, plus attention over ``norm(x)`` at buffer index
+        ``position`` (an int32 scalar array) against key and value buffers (B, H, capacity, hd); returns that
+        and the buffers with this token written in. On CUDA the norm and the projection are one primitive, as
+        are the output projection and the residual add (``layers.heads``, ``layers.project``). Nothing depends
+        on the value of ``position``, so a compiled step is traced once per capacity.
         pad: (B,) int32 for rows left-padded to a common length (generation/turbo_batch.py): row b's sequence
         starts at buffer index pad[b] and sees nothing before it."""
-        b, d = x.shape[0], x.shape[2]
-        # One token's (B, 1, 3·D) is (B, 3, H, 1, hd) in memory: reshapes only, no transposes.
-        qkv = self.c_attn(x).reshape(b, 3, self.num_heads, 1, self.head_dim)
-        keys = mx.slice_update(keys, qkv[:, 1], position[None], axes=(2,))
-        values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
-        out = decode_attention(qkv[:, 0], keys, values, position, pad)
-        return self.c_proj(out.reshape(b, 1, d)), keys, values
+        q, k, v = heads(self.c_attn, x, self.num_heads, norm=norm)
+        keys = mx.slice_update(keys, k, position[None], axes=(2,))
+        values = mx.slice_update(values, v, position[None], axes=(2,))
+        out = decode_attention(q, keys, values, position, pad)
+        return project(self.c_proj, out, residual=x), keys, values
 
     def decode_window(
         self,
         x: mx.array,
+        norm: nn.Module,
         at: mx.array,
         pad: mx.array,
         keys: mx.array,
@@ -115,12 +122,11 @@ class Attention(nn.Module):
         """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
         ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
         returned as ``layers.window_attention`` takes and gives them."""
-        b, d = x.shape[0], x.shape[2]
-        qkv = self.c_attn(x).reshape(b, 3, self.num_heads, 1, self.head_dim)
+        q, k, v = heads(self.c_attn, x, self.num_heads, norm=norm)
         out, window_keys, window_values = window_attention(
-            qkv[:, 0], qkv[:, 1], qkv[:, 2], at, pad, keys, values, window_keys, window_values
+            q, k, v, at, pad, keys, values, window_keys, window_values
         )
-        return self.c_proj(out.reshape(b, 1, d)), window_keys, window_values
+        return project(self.c_proj, out, residual=x), window_keys, window_values
 
 
 class MLP(nn.Module):
@@ -129,9 +135,13 @@ class MLP(nn.Module):
         self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        # GPT-2's "gelu_new" is the tanh approximation, which is exactly nn.gelu_approx's formula.
-        return self.c_proj(nn.gelu_approx(self.c_fc(x)))
+    def __call__(
+        self, x: mx.array, norm: nn.Module | None = None, residual: mx.array | None = None
+    ) -> mx.array:
+        """c_proj(gelu(c_fc(norm(x)))), plus ``residual``, each when given (on CUDA two primitives for a decode
+        step: ``layers.project``)."""
+        h = project(self.c_fc, x, norm=norm, act="gelu")
+        return project(self.c_proj, h, residual=residual)
 
 
 class Block(nn.Module):
@@ -153,9 +163,8 @@ class Block(nn.Module):
     def decode(
         self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array, pad: mx.array | None = None
     ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.attn.decode(self.ln_1(x), position, keys, values, pad)
-        x = x + h
-        return x + self.mlp(self.ln_2(x)), keys, values
+        h, keys, values = self.attn.decode(x, self.ln_1, position, keys, values, pad)
+        return self.mlp(h, self.ln_2, residual=h), keys, values
 
     def decode_window(
         self,
@@ -168,10 +177,9 @@ class Block(nn.Module):
         window_values: mx.array,
     ) -> tuple[mx.array, mx.array, mx.array]:
         h, window_keys, window_values = self.attn.decode_window(
-            self.ln_1(x), at, pad, keys, values, window_keys, window_values
+            x, self.ln_1, at, pad, keys, values, window_keys, window_values
         )
-        x = x + h
-        return x + self.mlp(self.ln_2(x)), window_keys, window_values
+        return self.mlp(h, self.ln_2, residual=h), window_keys, window_values
 
 
 class GPT2(nn.Module):
@@ -207,13 +215,14 @@ class GPT2(nn.Module):
         self, x: mx.array, position: mx.array, kv: list[mx.array], pad: mx.array | None = None
     ) -> tuple[mx.array, list[mx.array]]:
         """One embedded token (B, 1, D) at ``position``; ``kv`` holds each block's key and value buffers.
-        pad: (B,) for left-padded rows (``Attention.decode``): row b's token is at wpe[position - pad[b]]."""
+        pad: (B,) for left-padded rows (``Attention.decode``): row b's token is at wpe[position - pad[b]].
+        Returns the last block's output before ``ln_f`` (``T3Turbo`` fuses that into the head)."""
         x = x + (self.wpe.weight[position] if pad is None else self.wpe.weight[position - pad][:, None])
         out = []
         for i, block in enumerate(self.h):
             x, keys, values = block.decode(x, position, kv[2 * i], kv[2 * i + 1], pad)
             out += [keys, values]
-        return self.ln_f(x), out
+        return x, out
 
     def decode_window(
         self,
@@ -225,8 +234,8 @@ class GPT2(nn.Module):
         window: list[mx.array],
     ) -> tuple[mx.array, list[mx.array]]:
         """``decode`` over big buffers ``kv`` (read only) and windows ``window`` (``Attention.decode_window``),
-        both in block order, row b's token at wpe[positions[b]]; returns the windows with the token written
-        in."""
+        both in block order, row b's token at wpe[positions[b]]; returns the last block's output before
+        ``ln_f`` and the windows with the token written in."""
         x = x + self.wpe.weight[positions][:, None]
         out = []
         for i, block in enumerate(self.h):
@@ -234,7 +243,7 @@ class GPT2(nn.Module):
                 x, at, pad, kv[2 * i], kv[2 * i + 1], window[2 * i], window[2 * i + 1]
             )
             out += [keys, values]
-        return self.ln_f(x), out
+        return x, out
 
 
 class CondEnc(nn.Module):
@@ -317,7 +326,7 @@ class T3Turbo(nn.Module):
         pad: (B,) int32 for rows left-padded to a common length: row b's absolute position is
         ``position - pad[b]`` (``Attention.decode``)."""
         h, kv = self.tfmr.decode(self.speech_emb(token)[:, None], position, kv, pad)
-        return self.speech_head(h[:, 0]), kv
+        return self._head(h), kv
 
     def decode_window(
         self,
@@ -334,7 +343,12 @@ class T3Turbo(nn.Module):
         ``kv`` the cache's big buffers (read only), ``window`` its windows. Returns the logits (B, V) and the
         windows with the token written in."""
         h, window = self.tfmr.decode_window(self.speech_emb(token)[:, None], positions, at, pad, kv, window)
-        return self.speech_head(h[:, 0]), window
+        return self._head(h), window
+
+    def _head(self, h: mx.array) -> mx.array:
+        """A decode step's (B, 1, D) last-block output -> logits (B, V): ``ln_f`` and the speech head (one
+        primitive on CUDA)."""
+        return project(self.speech_head, h, norm=self.tfmr.ln_f)[:, 0]
 
     def __call__(self, embeds: mx.array) -> mx.array:
         """Teacher-forced pass: (B, N, D) input embeddings from position 0 -> speech logits (B, N, V), where

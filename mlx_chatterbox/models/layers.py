@@ -286,7 +286,7 @@ def window_attention(
     window's first buffer index (base). keys, values: (B, H, capacity, hd) holding the positions before base,
     read only; window_keys, window_values: (B, H, W, hd) holding base .. at[0] - 1, returned with this token
     written at index at[0] - base. Every row's pad is below base, so only the big buffers need the pad mask.
-    Returns (B, H, 1, hd). Nothing depends on the values of at or pad: one trace per shape.
+    Returns the heads merged, (B, 1, H·hd). Nothing depends on the values of at or pad: one trace per shape.
     kernel: as ``decode_attention``'s (on CUDA our kernel reads both key sets in one primitive)."""
     position, base = at[0], at[1]
     slot = (position - base)[None]
@@ -313,7 +313,7 @@ def window_attention(
     p = mx.softmax(scores, axis=-1).astype(values.dtype)
     capacity = keys.shape[2]
     out = p[..., :capacity] @ values + p[..., capacity:] @ window_values
-    return out, window_keys, window_values
+    return _merged(out), window_keys, window_values
 
 
 # --- decode steps on CUDA ---
@@ -344,31 +344,69 @@ def _use_cuda_paths() -> bool:
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and keys) whose few-row calls on CUDA (decode steps: CFG's 2 rows, Turbo's
     1) take a matrix-vector kernel: ours, or MLX's (as a batch of ``W @ row`` products, the bias added apart)
-    where ours does not fit. ``add_to`` and ``swiglu`` fuse a residual add or SwiGLU into ours."""
+    where ours does not fit. ``project`` and ``heads`` fuse a norm before it and more after it into ours."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if _fused_gemv_fits(x, self.weight):
-            return _gemv(x, self.weight, self.get("bias"), None, swiglu=False)
+            return _gemv(x, self, None, None, "none")
         if not _few_rows(x):
             return super().__call__(x)
         return few_rows_linear(x, self.weight, self.get("bias"))
 
 
-def add_to(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
-    """``residual + layer(x)``: one primitive on CUDA for a few-row ``Linear`` (a quantized layer, or many
-    rows, or another device: the plain ops)."""
-    if not (isinstance(layer, Linear) and _fused_gemv_fits(x, layer.weight)):
-        return residual + layer(x)
-    return _gemv(x, layer.weight, layer.get("bias"), residual, swiglu=False)
+def project(
+    layer: nn.Module,
+    x: mx.array,
+    *,
+    norm: nn.Module | None = None,
+    residual: mx.array | None = None,
+    act: str = "none",
+) -> mx.array:
+    """``residual + act(layer(norm(x)))``, each part optional; act "swiglu" is ``silu(gate) * up`` of the two
+    halves of ``layer``'s output (Llama's fused gate/up projection), "gelu" GPT-2's tanh GELU. On CUDA one
+    primitive when ``layer`` is a few-row ``Linear`` and ``norm`` an ``nn.RMSNorm``, an affine
+    ``nn.LayerNorm`` or None; the plain ops otherwise."""
+    if act not in _ACTS:
+        raise ValueError(f"act={act!r}: expected one of {sorted(_ACTS)}")
+    if _fusable(layer, x, norm) and not (act == "swiglu" and "bias" in layer):
+        return _gemv(x, layer, norm, residual, act)
+    y = layer(x if norm is None else norm(x))
+    if act == "swiglu":
+        gate, up = mx.split(y, 2, axis=-1)
+        y = nn.silu(gate) * up
+    elif act == "gelu":
+        y = nn.gelu_approx(y)  # GPT-2's "gelu_new" is exactly this tanh approximation
+    return y if residual is None else residual + y
 
 
-def swiglu(layer: nn.Module, x: mx.array) -> mx.array:
-    """``silu(gate) * up`` where ``gate`` and ``up`` are the two halves of ``layer(x)`` (Llama's fused gate/up
-    projection): one primitive on CUDA for a few-row ``Linear`` without bias, the plain ops otherwise."""
-    if not (isinstance(layer, Linear) and "bias" not in layer and _fused_gemv_fits(x, layer.weight)):
-        gate, up = mx.split(layer(x), 2, axis=-1)
-        return nn.silu(gate) * up
-    return _gemv(x, layer.weight, None, None, swiglu=True)
+def heads(
+    layer: nn.Module,
+    x: mx.array,
+    num_heads: int,
+    *,
+    norm: nn.Module | None = None,
+    rope: tuple[mx.array, mx.array, mx.array | None] | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One token's fused q/k/v projection ``layer(norm(x))`` of x (B, 1, D), whose output columns are
+    [q | k | v], as q, k, v (B, H, 1, hd). rope: (periods, position, pad) rotates q and k as T3 does
+    (``mx.fast.rope`` with these periods, non-traditional, at ``position`` less each row's ``pad`` when given).
+    On CUDA one primitive with three outputs (as ``project``); the plain ops otherwise."""
+    b = x.shape[0]
+    hd = layer.weight.shape[0] // (3 * num_heads)
+    if _fusable(layer, x, norm) and hd % 2 == 0:
+        return tuple(_gemv(x, layer, norm, None, "heads", num_heads=num_heads, rope=rope))
+    # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes.
+    qkv = layer(x if norm is None else norm(x)).reshape(b, 3, num_heads, 1, hd)
+    if rope is None:
+        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    periods, position, pad = rope
+    offset = position if pad is None else position - pad  # a (B,) offset is one per row (axis 0)
+    # q and k in one call: one kernel instead of two.
+    qk = mx.fast.rope(qkv[:, :2], hd, traditional=False, base=None, scale=1.0, offset=offset, freqs=periods)
+    return qk[:, 0], qk[:, 1], qkv[:, 2]
+
+
+_ACTS = ("none", "swiglu", "gelu")
 
 
 def _few_rows(x: mx.array) -> bool:
@@ -382,32 +420,68 @@ def few_rows_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None)
     return y if bias is None else y + bias
 
 
-# One warp per output column reads its weight row once for all M rows (16-byte loads, fp32 sums), then adds the
-# epilogue: SwiGLU pairs column n with column n + N of a weight twice as tall (Llama's fused gate/up).
+def _fused_gemv_fits(x: mx.array, weight: mx.array) -> bool:
+    # 32 lanes x one 16-byte load must tile a row; our kernel reads float32, bfloat16 and float16 weights.
+    return _few_rows(x) and weight.dtype == x.dtype and x.shape[-1] % (32 * 16 // x.dtype.size) == 0
+
+
+def _norm_kind(norm: nn.Module | None) -> str | None:
+    """How our kernel applies ``norm`` before the product: "none", "rms", "layer", or None where it cannot."""
+    if norm is None:
+        return "none"
+    if type(norm) is nn.RMSNorm:
+        return "rms"
+    if type(norm) is nn.LayerNorm and "weight" in norm and "bias" in norm:
+        return "layer"
+    return None
+
+
+def _fusable(layer: nn.Module, x: mx.array, norm: nn.Module | None) -> bool:
+    return (
+        isinstance(layer, Linear)
+        and _fused_gemv_fits(x, layer.weight)
+        and _norm_kind(norm) is not None
+        and all(a.dtype == x.dtype for a in (norm.parameters().values() if norm is not None else ()))
+    )
+
+
+# One warp per output column (two for SwiGLU's gate and up, or a rotary pair: columns i and i + hd/2 of a head)
+# reads its weight rows once for all M rows (16-byte loads, fp32 sums). Before: the rows' norm, computed by every
+# warp (the rows are a few KiB, in cache). After: bias, activation, residual, or the q/k/v split with RoPE.
+# Intermediate values are rounded to T where MLX's separate ops would store them, so that fp32 is the same math.
 _GEMV = """
     constexpr int V = 16 / sizeof(T);
     int lane = threadIdx.x & 31;
-    int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (n >= N) return;
-    const T* w0 = w + (size_t)n * K;
-    const T* w1 = w + (size_t)(n + N) * K;
+    int unit = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (unit >= UNITS) return;
+    %(columns)s
+    const T* w0 = w + (size_t)n0 * K;
+    const T* w1 = w + (size_t)n1 * K;
+    float scale[M], shift[M];
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        scale[m] = 1.f;
+        shift[m] = 0.f;
+        %(prologue)s
+    }
     float a0[M], a1[M];
     #pragma unroll
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
     for (int k = lane * V; k < K; k += 32 * V) {
         uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
-        uint4 r1 = SWIGLU ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
+        uint4 r1 = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
         const T* wv0 = reinterpret_cast<const T*>(&r0);
         const T* wv1 = reinterpret_cast<const T*>(&r1);
+        %(norm_load)s
         #pragma unroll
         for (int m = 0; m < M; ++m) {
             uint4 xr = *reinterpret_cast<const uint4*>(x + m * K + k);
             const T* xv = reinterpret_cast<const T*>(&xr);
             #pragma unroll
             for (int j = 0; j < V; ++j) {
-                float xj = static_cast<float>(xv[j]);
+                float xj = %(x_value)s;
                 a0[m] += static_cast<float>(wv0[j]) * xj;
-                if (SWIGLU) a1[m] += static_cast<float>(wv1[j]) * xj;
+                if (PAIR) a1[m] += static_cast<float>(wv1[j]) * xj;
             }
         }
     }
@@ -417,47 +491,175 @@ _GEMV = """
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             g += __shfl_xor_sync(0xffffffff, g, o);
-            if (SWIGLU) u += __shfl_xor_sync(0xffffffff, u, o);
+            if (PAIR) u += __shfl_xor_sync(0xffffffff, u, o);
         }
         if (lane != 0) continue;
-        float y = SWIGLU ? g / (1.f + expf(-g)) * u : g;
         %(epilogue)s
-        out[m * N + n] = static_cast<T>(y);
     }
 """
-_gemv_kernels: dict[tuple[bool, bool], object] = {}
-
-
-def _fused_gemv_fits(x: mx.array, weight: mx.array) -> bool:
-    # 32 lanes x one 16-byte load must tile a row; our kernel reads float32, bfloat16 and float16 weights.
-    return _few_rows(x) and weight.dtype == x.dtype and x.shape[-1] % (32 * 16 // x.dtype.size) == 0
+# The norm of row m, from the x it is about to read (the same 16-byte lanes as the product): MLX's RMSNorm
+# (rsqrt of the mean square + eps) and LayerNorm (mean, then the mean squared deviation).
+_ROW_SUM = """
+        float s_%(name)s = 0.f;
+        for (int k = lane * V; k < K; k += 32 * V) {
+            uint4 xr = *reinterpret_cast<const uint4*>(x + m * K + k);
+            const T* xv = reinterpret_cast<const T*>(&xr);
+            #pragma unroll
+            for (int j = 0; j < V; ++j) {
+                float t = static_cast<float>(xv[j]) - shift[m];
+                s_%(name)s += %(term)s;
+            }
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s_%(name)s += __shfl_xor_sync(0xffffffff, s_%(name)s, o);
+"""
+_PROLOGUES = {
+    "none": "",
+    "rms": _ROW_SUM % dict(name="sq", term="t * t") + "scale[m] = rsqrtf(s_sq / K + eps[0]);",
+    "layer": _ROW_SUM % dict(name="sum", term="t")
+    + "shift[m] = s_sum / K;"
+    + _ROW_SUM % dict(name="sq", term="t * t")
+    + "scale[m] = rsqrtf(s_sq / K + eps[0]);",
+}
+_NORM_LOADS = {
+    "none": "",
+    "rms": """uint4 gr = *reinterpret_cast<const uint4*>(norm_w + k);
+        const T* gv = reinterpret_cast<const T*>(&gr);""",
+    "layer": """uint4 gr = *reinterpret_cast<const uint4*>(norm_w + k);
+        uint4 br = *reinterpret_cast<const uint4*>(norm_b + k);
+        const T* gv = reinterpret_cast<const T*>(&gr);
+        const T* bv = reinterpret_cast<const T*>(&br);""",
+}
+_NORMED = "static_cast<float>(static_cast<T>((static_cast<float>(xv[j]) - shift[m]) * scale[m]))"
+_X_VALUES = {
+    "none": "static_cast<float>(xv[j])",
+    "rms": f"static_cast<float>(static_cast<T>(static_cast<float>(gv[j]) * {_NORMED}))",
+    "layer": f"static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(gv[j]) * "
+    f"{_NORMED})) + static_cast<float>(bv[j])))",
+}
+_ROWS_COLUMNS = "int n0 = unit, n1 = PAIR ? unit + UNITS : unit;"
+_ROWS_EPILOGUE = """
+        float y = g;
+        %(bias)s
+        %(act)s
+        %(residual)s
+        out[m * UNITS + n0] = static_cast<T>(y);
+"""
+_ACT_CODE = {
+    "none": "",
+    "swiglu": "y = g / (1.f + expf(-g)) * u;",
+    "gelu": "y = 0.5f * y * (1.f + tanhf(0.7978845608028654f * (y + 0.044715f * y * y * y)));",
+}
+# Heads: unit = (head block of 3H, i < hd/2); columns n0 = i and n1 = i + hd/2 of that head, q, k or v.
+_HEADS_COLUMNS = """
+    constexpr int HALF = HD / 2;
+    int block = unit / HALF, i = unit % HALF;
+    int n0 = block * HD + i, n1 = n0 + HALF;
+"""
+_HEADS_EPILOGUE = """
+        float x1 = static_cast<float>(static_cast<T>(g %(bias0)s));
+        float x2 = static_cast<float>(static_cast<T>(u %(bias1)s));
+        int part = block / H;
+        %(rope)s
+        T* dst = part == 0 ? q : (part == 1 ? k : v);
+        size_t o = (size_t)m * H * HD + (size_t)(block %% H) * HD + i;
+        dst[o] = static_cast<T>(x1);
+        dst[o + HALF] = static_cast<T>(x2);
+"""
+# q and k rotate as MLX's rope kernel does: inverse frequency 1.0 / period, theta = position * it, in float.
+_ROPE = """
+        if (part < 2) {
+            float inv_freq = 1.0 / periods[i];
+            float theta = static_cast<float>(%(position)s) * inv_freq;
+            float c = cos(theta), s = sin(theta);
+            float r1 = x1 * c - x2 * s;
+            x2 = x1 * s + x2 * c;
+            x1 = r1;
+        }
+"""
+_gemv_kernels: dict[tuple, object] = {}
 
 
 def _gemv(
-    x: mx.array, weight: mx.array, bias: mx.array | None, residual: mx.array | None, swiglu: bool
-) -> mx.array:
-    has_bias, has_residual = bias is not None, residual is not None
-    if (has_bias, has_residual) not in _gemv_kernels:
-        names = ["x", "w"] + (["bias"] if has_bias else []) + (["residual"] if has_residual else [])
-        epilogue = ("y += static_cast<float>(bias[n]);" if has_bias else "") + (
-            "y += static_cast<float>(residual[m * N + n]);" if has_residual else ""
+    x: mx.array,
+    layer: nn.Linear,
+    norm: nn.Module | None,
+    residual: mx.array | None,
+    act: str,
+    num_heads: int = 0,
+    rope: tuple[mx.array, mx.array, mx.array | None] | None = None,
+) -> mx.array | list[mx.array]:
+    """Our kernel for ``project`` (act "none", "swiglu", "gelu") or ``heads`` (act "heads")."""
+    bias = layer.get("bias")
+    kind = _norm_kind(norm)
+    has_pad = rope is not None and rope[2] is not None
+    key = (kind, bias is not None, residual is not None, act, rope is not None, has_pad)
+    if key not in _gemv_kernels:
+        names = ["x", "w"] + {"none": [], "rms": ["norm_w", "eps"], "layer": ["norm_w", "norm_b", "eps"]}[
+            kind
+        ]
+        names += ["bias"] if bias is not None else []
+        names += ["residual"] if residual is not None else []
+        names += (["periods", "position"] + (["pad"] if has_pad else [])) if rope is not None else []
+        if act == "heads":
+            columns, outputs = _HEADS_COLUMNS, ["q", "k", "v"]
+            epilogue = _HEADS_EPILOGUE % dict(
+                bias0="+ static_cast<float>(bias[n0])" if bias is not None else "",
+                bias1="+ static_cast<float>(bias[n1])" if bias is not None else "",
+                rope=(
+                    ""
+                    if rope is None
+                    else _ROPE % dict(position="position[0] - pad[m]" if has_pad else "position[0]")
+                ),
+            )
+        else:
+            columns, outputs = _ROWS_COLUMNS, ["out"]
+            epilogue = _ROWS_EPILOGUE % dict(
+                bias="y += static_cast<float>(bias[n0]);" if bias is not None else "",
+                act=_ACT_CODE[act],
+                residual="y += static_cast<float>(residual[m * UNITS + n0]);" if residual is not None else "",
+            )
+        source = _GEMV % dict(
+            columns=columns,
+            prologue=_PROLOGUES[kind],
+            norm_load=_NORM_LOADS[kind],
+            x_value=_X_VALUES[kind],
+            epilogue=epilogue,
         )
-        name = "few_rows_gemv" + ("_bias" if has_bias else "") + ("_residual" if has_residual else "")
-        _gemv_kernels[has_bias, has_residual] = mx.fast.cuda_kernel(
-            name, names, ["out"], _GEMV % dict(epilogue=epilogue)
+        name = "_".join(
+            ["gemv", kind, act] + [n for n in names if n in ("bias", "residual", "position", "pad")]
         )
+        _gemv_kernels[key] = mx.fast.cuda_kernel(name, names, outputs, source)
     k = x.shape[-1]
     m = x.size // k
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    inputs = [x.reshape(m, k), weight] + ([bias] if has_bias else []) + ([residual] if has_residual else [])
-    return _gemv_kernels[has_bias, has_residual](
+    inputs = [x, layer.weight]
+    if kind != "none":
+        inputs += [norm.weight] + ([norm.bias] if kind == "layer" else [])
+        inputs.append(mx.array([norm.eps], dtype=mx.float32))
+    inputs += [bias] if bias is not None else []
+    inputs += [residual] if residual is not None else []
+    template = [("T", x.dtype), ("M", m), ("K", k)]
+    if act == "heads":
+        hd = layer.weight.shape[0] // (3 * num_heads)
+        units = 3 * num_heads * hd // 2
+        if rope is not None:
+            periods, position, pad = rope
+            inputs += [periods.astype(mx.float32), position] + ([pad] if has_pad else [])
+        template += [("UNITS", units), ("PAIR", True), ("H", num_heads), ("HD", hd)]
+        shape, n_out = (m, num_heads, 1, hd), 3
+    else:
+        units = layer.weight.shape[0] // (2 if act == "swiglu" else 1)
+        template += [("UNITS", units), ("PAIR", act == "swiglu")]
+        shape, n_out = x.shape[:-1] + (units,), 1
+    outs = _gemv_kernels[key](
         inputs=inputs,
-        template=[("T", x.dtype), ("M", m), ("N", n), ("K", k), ("SWIGLU", swiglu)],
-        grid=(n * 32, 1, 1),
+        template=template,
+        grid=(units * 32, 1, 1),
         threadgroup=(256, 1, 1),
-        output_shapes=[x.shape[:-1] + (n,)],
-        output_dtypes=[x.dtype],
-    )[0]
+        output_shapes=[shape] * n_out,
+        output_dtypes=[x.dtype] * n_out,
+    )
+    return outs if act == "heads" else outs[0]
 
 
 def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None) -> mx.array:
@@ -572,9 +774,15 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
         template=[("T", q.dtype), ("D", hd), ("H", h)],
         grid=(b * h * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        output_shapes=[q.shape],
+        output_shapes=[(b, 1, h * hd)],
         output_dtypes=[q.dtype],
     )[0]
+
+
+def _merged(out: mx.array) -> mx.array:
+    """(B, H, 1, hd) -> (B, 1, H·hd), the output projection's input: one query, so a reshape."""
+    b, h, _, hd = out.shape
+    return out.reshape(b, 1, h * hd)
 
 
 def _kernel_fits(q: mx.array, kernel: bool | None) -> bool:
@@ -591,13 +799,15 @@ def decode_attention(
 ) -> mx.array:
     """One decode token's attention over fixed-size key and value buffers: q (B, H, 1, hd), keys and values
     (B, H, capacity, hd), the token at buffer index ``position`` (int32 scalar array) already written in; row b
-    sees indices pad[b] .. position (``visible_mask``). Scale hd^-0.5. Returns (B, H, 1, hd).
+    sees indices pad[b] .. position (``visible_mask``). Scale hd^-0.5. Returns the heads merged, (B, 1, H·hd).
 
     kernel: our CUDA kernel (one primitive) or ``mx.fast.scaled_dot_product_attention`` with the mask (which
     MLX-CUDA runs unfused); None picks the kernel on CUDA for head dims that are a multiple of 32."""
     if not _kernel_fits(q, kernel):
         mask = visible_mask(keys.shape[2], position, pad)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=q.shape[-1] ** -0.5, mask=mask)
+        return _merged(
+            mx.fast.scaled_dot_product_attention(q, keys, values, scale=q.shape[-1] ** -0.5, mask=mask)
+        )
     at = position.reshape(1)  # no window: the kernel reads at[0] alone
     return _attention_kernel(
         q, [q, keys, values, at] + ([] if pad is None else [pad]), pad is not None, False

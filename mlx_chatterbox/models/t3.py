@@ -15,7 +15,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import Linear, add_to, decode_attention, left_pad_mask, swiglu, visible_mask, window_attention
+from .layers import (
+    Linear,
+    decode_attention,
+    heads,
+    left_pad_mask,
+    project,
+    visible_mask,
+    window_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -194,35 +202,33 @@ class Attention(nn.Module):
     def decode(
         self,
         x: mx.array,
+        norm: nn.Module,
         position: mx.array,
         keys: mx.array,
         values: mx.array,
-        residual: mx.array,
         pad: mx.array | None = None,
         tap: Callable | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """One token (B, 1, D) at buffer index ``position`` (an int32 scalar array) against fixed-size key and
-        value buffers (B, H, capacity, hd); returns ``residual`` (the layer's input) plus the attention's output
-        (one primitive with the output projection on CUDA), and the buffers with this token written in.
+        """One token: x (B, 1, D), the layer's input, plus attention over ``norm(x)`` at buffer index
+        ``position`` (an int32 scalar array) against fixed-size key and value buffers (B, H, capacity, hd);
+        returns that and the buffers with this token written in. On CUDA the norm, projection and RoPE are one
+        primitive, as are the output projection and the residual add (``layers.heads``, ``layers.project``).
         pad: (B,) int32, for rows of a batch left-padded to a common length: row b's sequence starts at buffer
         index pad[b], so its token sits at sequence position ``position - pad[b]`` and sees nothing before.
         Nothing here depends on the values of position or pad, so a compiled step is traced once per shape.
         tap: ``AttentionTaps.at``'s recorder for this layer."""
-        b, h, hd = x.shape[0], self.num_heads, self.head_dim
-        # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes (fewer
-        # primitives per step, which is what a decode step's time goes to; ADR 9).
-        qkv = self.qkv_proj(x).reshape(b, 3, h, 1, hd)
-        qk = self._rope(qkv[:, :2], position if pad is None else position - pad)
-        keys = mx.slice_update(keys, qk[:, 1], position[None], axes=(2,))
-        values = mx.slice_update(values, qkv[:, 2], position[None], axes=(2,))
+        q, k, v = heads(self.qkv_proj, x, self.num_heads, norm=norm, rope=(self._rope_periods, position, pad))
+        keys = mx.slice_update(keys, k, position[None], axes=(2,))
+        values = mx.slice_update(values, v, position[None], axes=(2,))
         if tap is not None:
-            tap(qk[:, 0], keys, visible_mask(keys.shape[2], position, pad), hd**-0.5)
-        out = decode_attention(qk[:, 0], keys, values, position, pad).reshape(b, 1, h * hd)
-        return add_to(self.o_proj, out, residual), keys, values
+            tap(q, keys, visible_mask(keys.shape[2], position, pad), self.head_dim**-0.5)
+        out = decode_attention(q, keys, values, position, pad)
+        return project(self.o_proj, out, residual=x), keys, values
 
     def decode_window(
         self,
         x: mx.array,
+        norm: nn.Module,
         at: mx.array,
         pad: mx.array,
         keys: mx.array,
@@ -233,13 +239,11 @@ class Attention(nn.Module):
         """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
         ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
         returned as ``layers.window_attention`` takes and gives them."""
-        b, h, hd = x.shape[0], self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x).reshape(b, 3, h, 1, hd)
-        qk = self._rope(qkv[:, :2], at[0] - pad)
+        q, k, v = heads(self.qkv_proj, x, self.num_heads, norm=norm, rope=(self._rope_periods, at[0], pad))
         out, window_keys, window_values = window_attention(
-            qk[:, 0], qk[:, 1], qkv[:, 2], at, pad, keys, values, window_keys, window_values
+            q, k, v, at, pad, keys, values, window_keys, window_values
         )
-        return self.o_proj(out.reshape(b, 1, h * hd)), window_keys, window_values
+        return project(self.o_proj, out, residual=x), window_keys, window_values
 
 
 class MLP(nn.Module):
@@ -249,10 +253,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        """down(silu(gate) * up), plus ``residual`` when given (fused into the products on CUDA)."""
-        h = swiglu(self.gate_up_proj, x)
-        return self.down_proj(h) if residual is None else add_to(self.down_proj, h, residual)
+    def __call__(
+        self, x: mx.array, norm: nn.Module | None = None, residual: mx.array | None = None
+    ) -> mx.array:
+        """down(silu(gate) * up) of ``norm(x)``, plus ``residual``, each when given (on CUDA two primitives for a
+        decode step: ``layers.project``)."""
+        h = project(self.gate_up_proj, x, norm=norm, act="swiglu")
+        return project(self.down_proj, h, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -283,8 +290,8 @@ class DecoderLayer(nn.Module):
         pad: mx.array | None = None,
         tap: Callable | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.self_attn.decode(self.input_layernorm(x), position, keys, values, x, pad, tap)
-        return self.mlp(self.post_attention_layernorm(h), residual=h), keys, values
+        h, keys, values = self.self_attn.decode(x, self.input_layernorm, position, keys, values, pad, tap)
+        return self.mlp(h, self.post_attention_layernorm, residual=h), keys, values
 
     def decode_window(
         self,
@@ -297,10 +304,9 @@ class DecoderLayer(nn.Module):
         window_values: mx.array,
     ) -> tuple[mx.array, mx.array, mx.array]:
         h, window_keys, window_values = self.self_attn.decode_window(
-            self.input_layernorm(x), at, pad, keys, values, window_keys, window_values
+            x, self.input_layernorm, at, pad, keys, values, window_keys, window_values
         )
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), window_keys, window_values
+        return self.mlp(h, self.post_attention_layernorm, residual=h), window_keys, window_values
 
 
 class Llama(nn.Module):
@@ -341,26 +347,28 @@ class Llama(nn.Module):
         pad: mx.array | None = None,
         taps: AttentionTaps | None = None,
     ) -> tuple[mx.array, list[mx.array]]:
-        """One token through every layer; ``kv`` holds each layer's key and value buffers, in layer order."""
+        """One token through every layer; ``kv`` holds each layer's key and value buffers, in layer order.
+        Returns the last layer's output before the final norm (``T3.decode`` fuses that into the head)."""
         out = []
         for i, layer in enumerate(self.layers):
             tap = None if taps is None else taps.at(i)
             x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1], pad, tap)
             out += [keys, values]
-        return self.norm(x), out
+        return x, out
 
     def decode_window(
         self, x: mx.array, at: mx.array, pad: mx.array, kv: list[mx.array], window: list[mx.array]
     ) -> tuple[mx.array, list[mx.array]]:
         """``decode`` over big buffers ``kv`` (read only) and windows ``window`` (``Attention.decode_window``),
-        both in layer order; returns the windows with the token written in."""
+        both in layer order; returns the last layer's output before the final norm and the windows with the
+        token written in."""
         out = []
         for i, layer in enumerate(self.layers):
             x, keys, values = layer.decode_window(
                 x, at, pad, kv[2 * i], kv[2 * i + 1], window[2 * i], window[2 * i + 1]
             )
             out += [keys, values]
-        return self.norm(x), out
+        return x, out
 
 
 class AttentionBlock(nn.Module):
@@ -503,7 +511,7 @@ class T3(nn.Module):
             raise ValueError(f"a decode step has one query row; got taps with first_row={taps.first_row}")
         x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
         h, kv = self.tfmr.decode(x, position, kv, pad, taps)
-        return self.speech_head(h[:, 0]), kv
+        return self._head(h), kv
 
     def decode_window(
         self,
@@ -520,7 +528,12 @@ class T3(nn.Module):
         written in."""
         x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
         h, window = self.tfmr.decode_window(x, at, pad, kv, window)
-        return self.speech_head(h[:, 0]), window
+        return self._head(h), window
+
+    def _head(self, h: mx.array) -> mx.array:
+        """A decode step's (B, 1, D) last-layer output -> logits (B, V): the final norm and the speech head (one
+        primitive on CUDA)."""
+        return project(self.speech_head, h, norm=self.tfmr.norm)[:, 0]
 
     def __call__(self, cond: T3Cond, text_tokens: mx.array, speech_tokens: mx.array) -> mx.array:
         """Teacher-forced pass (upstream ``T3.forward``): [cond | text | speech] in one causal pass.
