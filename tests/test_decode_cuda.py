@@ -297,8 +297,9 @@ def test_fused_gemv_kernel_equals_composed(dtype, tol, rows, kind, monkeypatch):
     "rotate,with_pad,kind", [(False, False, "layer"), (True, False, "rms"), (True, True, "rms")]
 )
 def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, kind, monkeypatch):
-    """q, k, v from our kernel against MLX's ops, and in fp32 against float64 (RoPE at position 1234 takes
-    cos and sin of angles up to 1234 rad, where a fast cos would stand out)."""
+    """q, k, v from our kernel against MLX's ops, and in fp32 against float64. RoPE at position 1234 takes
+    cos and sin of angles up to 1234 rad, whose fp32 rounding (1.2e-4 rad there) puts MLX's rope 4.3e-6 from
+    float64 on the H200: ours must be as close, not closer."""
     rng = np.random.default_rng(rows)
     h, hd = 16, 64
     norm, g, beta = norm_module(kind, 1024, rng, dtype)
@@ -322,4 +323,4 @@ def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, kind, 
         exact = qkv[:, i] if not (rotate and i < 2) else rope_reference(qkv[:, i], periods, position - pad)
         assert err <= tol, (i, err, rel_l2(got, exact), rel_l2(want, exact))
         if dtype == mx.float32:
-            assert rel_l2(got, exact) <= 2e-6, (i, rel_l2(got, exact), rel_l2(want, exact))
+            assert rel_l2(got, exact) <= 1e-5, (i, rel_l2(got, exact), rel_l2(want, exact))
