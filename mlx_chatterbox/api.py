@@ -441,8 +441,9 @@ class TTS:
         S3Gen re-decodes the tokens not yet final, behind ``context`` tokens already final, after
         ``first_chunk`` speech tokens, ``chunk`` tokens later, then after chunks that double up to 8 s, and at
         the end (``generation.stream.StreamVocoder``: the first audio after 10 tokens, then 1 s, 2 s, 4 s, 8 s,
-        8 s, ... of audio). Long text is split into pieces as ``generate`` does, with the same budgets, seed s + i for piece i, 40 ms crossfades between pieces and pause tags' silences (a
-        chunk of zeros each). Concatenated, the chunks have the length of ``generate``'s output for the same
+        8 s, ... of audio). Long text is split into pieces as ``generate`` does, with the same budgets, seed
+        s + i for piece i, 40 ms crossfades between pieces and pause tags' silences (a chunk of zeros each).
+        Concatenated, the chunks have the length of ``generate``'s output for the same
         seed (the same speech tokens) and sound alike, but are not equal: the chunked decoding draws its own
         noise tables, and a decode sees neither the tokens to come nor, beyond its window, those before.
         context: the already-final speech tokens each decode re-reads in front of its new ones (default

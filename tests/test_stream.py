@@ -368,7 +368,8 @@ def test_streamed_mel_against_the_one_shot_mel(far_sighted, context, rel_l2, per
     vocoder = StreamVocoder(s3gen, voice, cfm_steps=2, key=mx.random.key(1), context=context)
     mel, read = streamed_mel(s3gen, vocoder, tokens)
     noise = vocoder.draws(LONG).cfm_noise
-    whole = np.array(s3gen.mel(mx.array(tokens, dtype=mx.int32)[None], voice, cfm_steps=2, cfm_noise=noise)[0])
+    row = mx.array(tokens, dtype=mx.int32)[None]
+    whole = np.array(s3gen.mel(row, voice, cfm_steps=2, cfm_noise=noise)[0])
     assert mel.shape == whole.shape == (2 * LONG, 80)
     error = np.linalg.norm(mel - whole) / np.linalg.norm(whole)
     frame = (np.linalg.norm(mel - whole, axis=1) / np.linalg.norm(whole, axis=1)).max()
@@ -423,7 +424,8 @@ def test_the_window_noise_rows_follow_their_frames(far_sighted, monkeypatch):
     mel, _ = streamed_mel(s3gen, vocoder, tokens)
     monkeypatch.setattr(stream_module._NoiseTable, "take", take)
     noise = vocoder.draws(LONG).cfm_noise
-    whole = np.array(s3gen.mel(mx.array(tokens, dtype=mx.int32)[None], voice, cfm_steps=2, cfm_noise=noise)[0])
+    row = mx.array(tokens, dtype=mx.int32)[None]
+    whole = np.array(s3gen.mel(row, voice, cfm_steps=2, cfm_noise=noise)[0])
     assert np.linalg.norm(mel - whole) / np.linalg.norm(whole) > 0.5
 
 

@@ -106,7 +106,8 @@ def stream_context(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of speech tokens >= 0 nor 'whole'") from None
+        message = f"{text!r} is not a number of speech tokens >= 0 nor 'whole'"
+        raise argparse.ArgumentTypeError(message) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is out of range: it must be an integer >= 0 (or 'whole')")
     return value

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("give one of: a TEXT to speak, --file FILE, --tokens FILE")
     live = args.stream or args.play
     if args.stream_context is not None and not live:
-        raise ValueError("--stream-context sets how --stream and --play decode; add one of them, or leave it out")
+        raise ValueError(
+            "--stream-context sets how --stream and --play decode; add one of them, or leave it out"
+        )
     sd = _check_live(args) if live else None
     if not live:
         if str(args.output) == "-":

@@ -43,8 +43,8 @@ CONTEXT = 50
 
 
 def check_context(context: int | Literal["whole"]) -> None:
-    """A decode's window of already-final tokens: an integer >= 0, or "whole" (every token so far: exact up
-    to the lookahead, but a decode's cost grows with the utterance)."""
+    """A decode's window of already-final tokens: an integer >= 0, or "whole" (every token so far, as before
+    windows: a little nearer the one-shot mel, but a decode's cost grows with the utterance)."""
     if context == "whole":
         return
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:
@@ -109,11 +109,10 @@ class StreamVocoder:
     tokens before the first frame HiFT needs (all of them with "whole", whose decodes then grow with the
     utterance: O(n²) over n tokens with constant chunks), with the frames of the last 3 tokens dropped
     (upstream's ``finalize=False``: they wait for their lookahead), then HiFT over the new frames with
-    ``HIFT_CONTEXT``
-    frames of left context, holding back its last ``HIFT_HOLDBACK`` frames and ``CROSSFADE`` samples that the
-    next decode crossfades with its own. At 2 mel frames (960 samples) a token, the decode at n tokens makes
-    final the audio of the first 2·(n - 3) - 6 generated frames (one fewer after an odd prompt mel), less the
-    20 ms tail: with the defaults, 0.14 s after 10 tokens, 1 s more after 35 (0.4 s of audio behind the
+    ``HIFT_CONTEXT`` frames of left context, holding back its last ``HIFT_HOLDBACK`` frames and ``CROSSFADE``
+    samples that the next decode crossfades with its own. At 2 mel frames (960 samples) a token, the decode at
+    n tokens makes final the audio of the first 2·(n - 3) - 6 generated frames (one fewer after an odd prompt
+    mel), less the 20 ms tail: with the defaults, 0.14 s after 10 tokens, 1 s more after 35 (0.4 s of audio behind the
     tokens), then 2 s, 4 s, 8 s, ...; ``finish`` gives the rest.
 
     Randomness: one key (MLX's global generator when None) gives the CFM noise table, the sine source's
@@ -217,8 +216,8 @@ class StreamVocoder:
         decode before; None for "whole" (no bound)."""
         if self.context == "whole":
             return None
-        # Generated frames [done - HIFT_CONTEXT, ...) are re-decoded; done trails the tokens by the lookahead and
-        # the HiFT holdback, and an odd prompt mel moves frames half a token.
+        # Generated frames [done - HIFT_CONTEXT, ...) are re-decoded; done trails the tokens by the lookahead
+        # and the HiFT holdback, and an odd prompt mel moves frames half a token.
         behind = self._lookahead + math.ceil((HIFT_HOLDBACK + HIFT_CONTEXT + 1) / self._stride)
         return self._prompt_tokens + self.context + new + behind
 
@@ -245,7 +244,7 @@ class StreamVocoder:
             return np.zeros(0, np.float32)
         start = max(0, done - HIFT_CONTEXT)  # the first frame HiFT reads
         first = self._window_start(start)
-        # The window's frames sit 2·first frames earlier than in the utterance: their noise rows move with them.
+        # The window's frames sit 2·first frames earlier than in the utterance: their noise rows go with them.
         prompt_noise = self._cfm_noise.take(0, self._prompt_frames)
         shift = self._stride * first
         noise = self._cfm_noise.take(self._prompt_frames + shift, mu_frames)
