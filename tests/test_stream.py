@@ -121,11 +121,14 @@ def test_re_decoded_mel_prefix_stays_put(tts):
         assert np.abs(np.array(moved) - full[:, : part.shape[1]]).max() > 0.1
 
 
+@pytest.mark.parametrize("context", [CONTEXT, 0])  # 0: the window cuts from the third decode on
 @pytest.mark.parametrize("prompt_frames", [2 * PROMPT, 2 * PROMPT + 1])  # odd: one frame fewer
 @pytest.mark.parametrize(
     "first_chunk, chunk, max_chunk", [(10, 25, MAX_CHUNK), (8, 7, MAX_CHUNK), (8, 7, 20)]
 )
-def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_chunk, chunk, max_chunk):
+def test_chunk_schedule_and_total_length(
+    tts, monkeypatch, prompt_frames, first_chunk, chunk, max_chunk, context
+):
     monkeypatch.setattr(stream_module, "MAX_CHUNK", max_chunk)  # 20: capped at 8, 15, 29, 49, 69
     voice = random_voice(gen_tokens=PROMPT)
     mel = mx.array(np.random.default_rng(1).standard_normal((1, prompt_frames, 80)).astype(np.float32))
@@ -133,7 +136,13 @@ def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_
     odd = prompt_frames - 2 * PROMPT
     tokens = ids(70)
     vocoder = StreamVocoder(
-        tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0), first_chunk=first_chunk, chunk=chunk
+        tts.s3gen,
+        voice,
+        cfm_steps=1,
+        key=mx.random.key(0),
+        first_chunk=first_chunk,
+        chunk=chunk,
+        context=context,
     )
     outs = run(vocoder, tokens)
     decodes, n, step = [], first_chunk, chunk  # chunks double after the second, up to MAX_CHUNK
@@ -150,6 +159,9 @@ def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_
         assert len(outs[decodes[k] - 1]) == 480 * (final[k] - final[k - 1])
     whole = one_shot(tts, vocoder, tokens, voice, 1)
     assert sum(len(out) for out in outs) == len(whole) == 480 * (2 * 70 - odd)
+    # The windows' frames line up with the one-shot's, an odd prompt mel too (measured up to 1.2e-4).
+    streamed = np.concatenate(outs)
+    assert np.linalg.norm(streamed - whole) / np.linalg.norm(whole) < 5e-4
 
 
 def test_a_push_across_boundaries_decodes_once_with_all_its_tokens(tts):
