@@ -11,6 +11,8 @@ The voice is random at upstream's sizes (6 s T3 prompt, 10 s S3Gen prompt); rand
 each request speaks ``--tokens`` speech tokens (``max_new_tokens``). Watermark on, as users get it.
 
     python benchmarks/bench_stream.py --tokens 250 --concurrency 1,8,32 --out benchmarks/out/stream.jsonl
+
+``--stream-context whole`` times the streams that re-decode the whole prefix (default: the 50-token window).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from toy_tokenizer import build_toy_tokenizer
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.generation.speech_tokens import EnglishSpeech, generate_speech_tokens
+from mlx_chatterbox.cli.common import stream_context
+from mlx_chatterbox.generation.stream import CONTEXT as STREAM_CONTEXT
 from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.generation.vocode import S3Gen
 from mlx_chatterbox.generation.voice import Voice
@@ -75,10 +79,10 @@ def build(tiny: bool = False) -> TTS:
     return TTS(folder)
 
 
-def bench_stream(tts: TTS, tokens: int) -> dict:
+def bench_stream(tts: TTS, tokens: int, context: int | str = STREAM_CONTEXT) -> dict:
     start = time.perf_counter()
     first, samples = None, 0
-    for chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens):
+    for chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens, context=context):
         first = time.perf_counter() - start if first is None else first
         samples += len(chunk)
     return dict(first_audio_s=first, total_s=time.perf_counter() - start, audio_s=samples / SAMPLE_RATE)
@@ -104,7 +108,9 @@ def first_audio_parts(tts: TTS, first_chunk: int = 10) -> dict:
     return {name: statistics.median(v) for name, v in parts.items()}
 
 
-def bench_worker(tts: TTS, n: int, tokens: int, stream: bool, vocode_batch: int = 8) -> dict:
+def bench_worker(
+    tts: TTS, n: int, tokens: int, stream: bool, vocode_batch: int = 8, context: int | str = STREAM_CONTEXT
+) -> dict:
     params = SamplingParams(max_new_tokens=tokens)
     firsts, samples = [], []
 
@@ -119,10 +125,12 @@ def bench_worker(tts: TTS, n: int, tokens: int, stream: bool, vocode_batch: int 
     with Worker(tts, max_batch=max(n, 1), vocode_batch=vocode_batch) as worker:
         start = time.perf_counter()
         readers = [
-            threading.Thread(target=read, args=(worker.submit(SpeechJob(TEXT, tts.builtin_voice, params, seed=i,
-                                                                        stream=stream)), start))
-            for i in range(n)
-        ]  # fmt: skip
+            threading.Thread(target=read, args=(worker.submit(job), start))
+            for job in (
+                SpeechJob(TEXT, tts.builtin_voice, params, seed=i, stream=stream, stream_context=context)
+                for i in range(n)
+            )
+        ]
         for r in readers:
             r.start()
         for r in readers:
@@ -152,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         type=memory_budget,
         help="S3Gen.memory_budget: auto, none, or MiB above the memory in use at a call's start",
     )
+    parser.add_argument(
+        "--stream-context",
+        type=stream_context,
+        default=STREAM_CONTEXT,
+        help=f"streamed requests' decode window: speech tokens or 'whole' (default {STREAM_CONTEXT})",
+    )
     parser.add_argument("--worker-only", action="store_true", help="skip the rows of tts.stream alone")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)"
@@ -164,17 +178,18 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     rows = []
     if not args.worker_only:
-        bench_stream(tts, 30)  # warm-up: traces and compiles
+        bench_stream(tts, 30, args.stream_context)  # warm-up: traces and compiles
         rows.append(
             dict(
                 mode="stream",
                 requests=1,
-                **bench_stream(tts, args.tokens),
+                **bench_stream(tts, args.tokens, args.stream_context),
                 peak_mem_bytes=mx.get_peak_memory(),
             )
         )
         # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
-        line = dict(bench="stream", tokens=args.tokens, memory_budget=args.memory_budget, **rows[0])
+        line = dict(bench="stream", tokens=args.tokens, memory_budget=args.memory_budget,
+                    stream_context=args.stream_context, **rows[0])  # fmt: skip
         write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
         parts = first_audio_parts(tts)
         print(
@@ -184,13 +199,15 @@ def main(argv: list[str] | None = None) -> None:
         write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
     for stream in (True, False):
         for n in (int(c) for c in args.concurrency.split(",")):
-            bench_worker(tts, n, 30, stream, args.vocode_batch)  # warm-up for this batch's shapes
+            knobs = dict(vocode_batch=args.vocode_batch, context=args.stream_context)
+            bench_worker(tts, n, 30, stream, **knobs)  # warm-up for this batch's shapes
             mx.reset_peak_memory()
-            row = bench_worker(tts, n, args.tokens, stream, args.vocode_batch)
+            row = bench_worker(tts, n, args.tokens, stream, **knobs)
             rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
                              peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
             row = dict(bench="stream", tokens=args.tokens, vocode_batch=args.vocode_batch,
-                       memory_budget=args.memory_budget, **rows[-1])  # fmt: skip
+                       memory_budget=args.memory_budget, stream_context=args.stream_context,
+                       **rows[-1])  # fmt: skip
             write_line(dict(**row, machine=info), args.out)
     print("\n| mode | requests | first audio (median / worst) s | wall s | audio s | RTF | peak GB |")
     print("|---|---|---|---|---|---|---|")

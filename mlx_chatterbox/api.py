@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +20,8 @@ from .convert import DEFAULT_REPO, prepare
 from .generation import vc
 from .generation.multilingual import MultilingualParams
 from .generation.pieces import TOKENS_PER_SECOND, Plan, join_audio, plan_text, token_budget
-from .generation.stream import Piece, check_chunks, join_pieces, stream_piece
+from .generation.stream import CONTEXT as STREAM_CONTEXT
+from .generation.stream import Piece, check_chunks, check_context, join_pieces, stream_piece
 from .generation.vc import check_decoder as check_vc_decoder
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens
 from .generation.voice import (
@@ -432,17 +433,23 @@ class TTS:
         watermark: bool = True,
         first_chunk: int = 10,
         chunk: int = 25,
+        context: int | Literal["whole"] = STREAM_CONTEXT,
         **knobs: float,
     ) -> Iterator[np.ndarray]:
         """Text -> float32 mono chunks at ``sample_rate`` (24 kHz), yielded while T3 still speaks.
 
-        S3Gen re-decodes the utterance so far after ``first_chunk`` speech tokens, ``chunk`` tokens later,
-        then after chunks that double up to 8 s, and at the end (``generation.stream.StreamVocoder``: the
-        first audio after 10 tokens, then 1 s, 2 s, 4 s, 8 s, 8 s, ... of audio). Long text is split into pieces as ``generate`` does, with
-        the same budgets, seed s + i for piece i, 40 ms crossfades between pieces and pause tags' silences (a
-        chunk of zeros each). Concatenated, the chunks have the length of ``generate``'s output for the same
+        S3Gen re-decodes the tokens not yet final, behind ``context`` tokens already final, after
+        ``first_chunk`` speech tokens, ``chunk`` tokens later, then after chunks that double up to 8 s, and at
+        the end (``generation.stream.StreamVocoder``: the first audio after 10 tokens, then 1 s, 2 s, 4 s, 8 s,
+        8 s, ... of audio). Long text is split into pieces as ``generate`` does, with the same budgets, seed
+        s + i for piece i, 40 ms crossfades between pieces and pause tags' silences (a chunk of zeros each).
+        Concatenated, the chunks have the length of ``generate``'s output for the same
         seed (the same speech tokens) and sound alike, but are not equal: the chunked decoding draws its own
-        noise tables.
+        noise tables, and a decode sees neither the tokens to come nor, beyond its window, those before.
+        context: the already-final speech tokens each decode re-reads in front of its new ones (default
+            ``STREAM_CONTEXT``, 50 = 2 s: a chunk's cost stays bounded however long the piece), or "whole":
+            every token so far, closer to ``generate`` (tests/test_stream.py has both bounds) but each decode
+            grows with the piece.
         watermark: Perth's watermark is applied to each chunk on its own as it is yielded (each chunk keeps
             its length), not once over the whole as ``generate`` does.
         Every argument is checked before any work; the work starts with the first ``next()``."""
@@ -450,6 +457,7 @@ class TTS:
         self.speech.check(params)
         check_cfm_steps(cfm_steps)
         check_chunks(first_chunk, chunk, self.s3gen.flow.config.pre_lookahead_len)
+        check_context(context)
         if self.torch_s3gen is not None:
             raise ValueError("streaming runs our MLX S3Gen; load the model with s3gen='mlx' to stream")
         plan = self._plan(text, language)
@@ -462,7 +470,7 @@ class TTS:
             budget = min(params.max_new_tokens, token_budget(piece))
             piece_params = dataclasses.replace(params, max_new_tokens=budget)
             pieces.append(Piece(self.text_ids(piece, language), piece_params, *keys))
-        settings = {"cfm_steps": cfm_steps, "first_chunk": first_chunk, "chunk": chunk}
+        settings = {"cfm_steps": cfm_steps, "first_chunk": first_chunk, "chunk": chunk, "context": context}
         streams = [
             stream_piece(self.speech, self.s3gen, voice, p, **settings) for p in pieces
         ]  # lazy: no work yet

@@ -293,6 +293,14 @@ def test_version():
         ),
         (["say", "Hi.", "-o", "a.wav", "--cfm-steps", "0"], "argument --cfm-steps: 0 is out of range"),
         (
+            ["say", "Hi.", "--stream", "--stream-context", "-1"],
+            "argument --stream-context: -1 is out of range: it must be an integer >= 0 (or 'whole')",
+        ),
+        (
+            ["say", "Hi.", "--stream", "--stream-context", "all"],
+            "argument --stream-context: 'all' is not a number of speech tokens >= 0 nor 'whole'",
+        ),
+        (
             ["say", "Hi.", "-o", "a.wav", "--cfm-steps", "two"],
             "argument --cfm-steps: invalid integer value: 'two'",
         ),
@@ -437,7 +445,8 @@ def _streamed(model, tmp_path, **kwargs) -> np.ndarray:
 
     tts = TTS.load(model)
     voice = Voice.load(tmp_path / "voice.safetensors")
-    chunks = tts.stream("Hello there.", voice, seed=3, cfm_steps=1, max_new_tokens=20, **kwargs)
+    kwargs = {"max_new_tokens": 20, **kwargs}
+    chunks = tts.stream("Hello there.", voice, seed=3, cfm_steps=1, **kwargs)
     return np.concatenate(list(chunks))
 
 
@@ -455,6 +464,23 @@ def test_say_stream_writes_raw_pcm_to_stdout(model, capsysbinary, tmp_path, outp
     # 20 speech tokens at most (random weights never stop), 960 samples each, two bytes a sample.
     assert 0 < len(pcm) == len(wav) <= 20 * 960
     np.testing.assert_array_equal(pcm, np.round(np.clip(wav, -1, 1) * 32767).astype(np.int16))
+
+
+@pytest.mark.parametrize("context", ["0", "whole"])
+def test_say_stream_context(model, capsysbinary, tmp_path, context):
+    """--stream-context reaches TTS.stream: 60 tokens at most, whose last decode a window of 0 cuts (and the
+    default 50 does not)."""
+    args = [*_live_args(model, tmp_path), "--stream", "--no-watermark", "--max-new-tokens", "60"]
+    assert main([*args, "--stream-context", context]) == 0
+    pcm = np.frombuffer(capsysbinary.readouterr().out, dtype="<i2")
+    given = 0 if context == "0" else context
+
+    def expected(context):
+        wav = _streamed(model, tmp_path, watermark=False, max_new_tokens=60, context=context)
+        return np.round(np.clip(wav, -1, 1) * 32767).astype(np.int16)
+
+    np.testing.assert_array_equal(pcm, expected(given))
+    assert not np.array_equal(pcm, expected(0 if context == "whole" else "whole"))
 
 
 class _FakeSoundDevice(types.ModuleType):
@@ -507,6 +533,7 @@ def test_say_play_plays_the_stream(model, tmp_path, monkeypatch):
         (["--stream", "--play"], "choose one of --stream and --play"),
         (["--play", "-o", "out.wav"], "--play plays the audio; leave out -o"),
         (["-o", "-"], "-o - writes raw PCM to standard output: add --stream"),
+        (["-o", "a.wav", "--stream-context", "5"], "--stream-context sets how --stream and --play decode"),
     ],
 )
 def test_stream_and_play_errors_come_before_the_model_loads(tmp_path, capsys, monkeypatch, extra, message):

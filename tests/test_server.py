@@ -27,7 +27,9 @@ from openai import OpenAI
 from mlx_chatterbox import TTS, SamplingParams
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation.stream import CONTEXT
 from mlx_chatterbox.server import run as run_module
+from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.app import create_app
 from mlx_chatterbox.server.encode import StreamEncoder, encode, wav_header
 from mlx_chatterbox.server.voices import VoiceStore
@@ -325,6 +327,32 @@ def test_bad_requests(server):
     error_of(httpx.get(f"{server[0]}/v1/nothing"), 404)
 
 
+def test_stream_context_field(server, monkeypatch):
+    """stream_context reaches a streamed job's vocoder (left out: the server's, CONTEXT here); a response
+    answered whole refuses it. (test_worker checks that a job's context gives TTS.stream's chunks.)"""
+    seen = []
+
+    class Recording(worker_module.StreamVocoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.context)
+
+    monkeypatch.setattr(worker_module, "StreamVocoder", Recording)
+    body = {"model": "tts-1", "input": "Hi.", "response_format": "pcm", "max_new_tokens": 12, "seed": 1}
+    for given, used in ((0, 0), ("whole", "whole"), (None, CONTEXT)):
+        extra = {} if given is None else {"stream_context": given}
+        assert post(server, {**body, **extra}).status_code == 200
+        assert seen.pop() == used
+    err = error_of(post(server, {**body, "stream": False, "stream_context": 0}))
+    assert err["param"] == "stream_context" and "answered whole (stream=false)" in err["message"]
+    err = error_of(post(server, {**body, "speed": 2.0, "stream_context": "whole"}))
+    assert err["param"] == "stream_context" and "answered whole (speed=2.0)" in err["message"]
+    for bad in (-1, "all", 2.5, True):
+        err = error_of(post(server, {**body, "stream_context": bad}))
+        assert err["param"] == "stream_context"
+    assert seen == []
+
+
 def test_aac_without_pyav_names_the_extra(server, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
     err = error_of(post(server, {"model": "tts-1", "input": "Hi.", "response_format": "aac"}))
@@ -411,6 +439,7 @@ def test_health_and_models(server, client):
     health = httpx.get(f"{server[0]}/health").json()
     assert health["status"] == "ok" and health["model"] == "tiny" and health["queue"] == 0
     assert health["cfm_steps"] == 10 and health["variant"] == "english" and health["auth"] is False
+    assert health["stream_context"] == CONTEXT
     assert health["defaults"]["exaggeration"] == 0.5 and health["defaults"]["max_new_tokens"] == 1000
     assert [m.id for m in client.models.list()][:2] == ["tiny", "chatterbox"]
 
@@ -467,6 +496,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--max-queue",
         "--voices",
         "--cfm-steps",
+        "--stream-context",
         "--no-ui",
     )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
@@ -474,6 +504,9 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "70000"])
     assert e.value.code == 2 and "out of range" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--stream-context", "-1"])
+    assert e.value.code == 2 and "argument --stream-context: -1 is out of range" in capsys.readouterr().err
     nowhere = str(tmp_path / "no-model")  # never loaded: the checks come first
     assert main(["serve", "--model", nowhere, "--voice", str(tmp_path / "v.safetensors")]) == 1
     assert "no such file" in capsys.readouterr().err
@@ -542,6 +575,8 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         "3",
         "--cfm-steps",
         "2",
+        "--stream-context",
+        "whole",
         "--host",
         "0.0.0.0",
         "--shutdown-timeout",
@@ -561,7 +596,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
     assert seen["page"].status_code == 404  # --no-ui
     health = seen["health"]
     assert health["model"] == "mlx" and health["max_queue"] == 3 and health["max_batch"] == 2
-    assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2
+    assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2 and health["stream_context"] == "whole"
     assert [v["id"] for v in seen["voices"]] == ["default"]
     assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
     assert "serving mlx on http://0.0.0.0:8123" in capsys.readouterr().err

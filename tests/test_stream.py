@@ -14,6 +14,7 @@ from mlx_chatterbox.audio.mel import s3gen_mel
 from mlx_chatterbox.convert import convert
 from mlx_chatterbox.generation import stream as stream_module
 from mlx_chatterbox.generation.stream import (
+    CONTEXT,
     CROSSFADE,
     HIFT_HOLDBACK,
     MAX_CHUNK,
@@ -21,7 +22,10 @@ from mlx_chatterbox.generation.stream import (
     join_pieces,
     min_first_chunk,
 )
-from mlx_chatterbox.generation.vocode import crossfade_join
+from mlx_chatterbox.generation.vocode import S3Gen, crossfade_join
+from mlx_chatterbox.models.cfm import Estimator
+from mlx_chatterbox.models.flow import Flow
+from mlx_chatterbox.models.hift import HiFT
 from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
 PROMPT = 20  # prompt tokens of the test voice (40 prompt mel frames)
@@ -117,11 +121,14 @@ def test_re_decoded_mel_prefix_stays_put(tts):
         assert np.abs(np.array(moved) - full[:, : part.shape[1]]).max() > 0.1
 
 
+@pytest.mark.parametrize("context", [CONTEXT, 0])  # 0: the window cuts from the third decode on
 @pytest.mark.parametrize("prompt_frames", [2 * PROMPT, 2 * PROMPT + 1])  # odd: one frame fewer
 @pytest.mark.parametrize(
     "first_chunk, chunk, max_chunk", [(10, 25, MAX_CHUNK), (8, 7, MAX_CHUNK), (8, 7, 20)]
 )
-def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_chunk, chunk, max_chunk):
+def test_chunk_schedule_and_total_length(
+    tts, monkeypatch, prompt_frames, first_chunk, chunk, max_chunk, context
+):
     monkeypatch.setattr(stream_module, "MAX_CHUNK", max_chunk)  # 20: capped at 8, 15, 29, 49, 69
     voice = random_voice(gen_tokens=PROMPT)
     mel = mx.array(np.random.default_rng(1).standard_normal((1, prompt_frames, 80)).astype(np.float32))
@@ -129,7 +136,13 @@ def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_
     odd = prompt_frames - 2 * PROMPT
     tokens = ids(70)
     vocoder = StreamVocoder(
-        tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0), first_chunk=first_chunk, chunk=chunk
+        tts.s3gen,
+        voice,
+        cfm_steps=1,
+        key=mx.random.key(0),
+        first_chunk=first_chunk,
+        chunk=chunk,
+        context=context,
     )
     outs = run(vocoder, tokens)
     decodes, n, step = [], first_chunk, chunk  # chunks double after the second, up to MAX_CHUNK
@@ -146,6 +159,9 @@ def test_chunk_schedule_and_total_length(tts, monkeypatch, prompt_frames, first_
         assert len(outs[decodes[k] - 1]) == 480 * (final[k] - final[k - 1])
     whole = one_shot(tts, vocoder, tokens, voice, 1)
     assert sum(len(out) for out in outs) == len(whole) == 480 * (2 * 70 - odd)
+    # The windows' frames line up with the one-shot's, an odd prompt mel too (measured up to 1.2e-4).
+    streamed = np.concatenate(outs)
+    assert np.linalg.norm(streamed - whole) / np.linalg.norm(whole) < 5e-4
 
 
 def test_a_push_across_boundaries_decodes_once_with_all_its_tokens(tts):
@@ -197,6 +213,11 @@ def test_same_key_same_stream_and_the_global_generator(tts):
         ({"first_chunk": True}, "first_chunk=True must be an integer"),
         ({"chunk": 0}, "chunk=0 is too small: it must be >= 1"),
         ({"cfm_steps": 0}, "cfm_steps=0 must be an integer >= 1"),
+        ({"context": -1}, "context=-1 must be a number of speech tokens >= 0"),
+        ({"context": 2.5}, "context=2.5 must be a number of speech tokens >= 0"),
+        ({"context": True}, "context=True must be a number"),
+        ({"context": "all"}, "context='all' must be a number of speech tokens >= 0 .*, or 'whole'"),
+        ({"context": None}, "context=None must be"),
     ],
 )
 def test_bad_settings(tts, kwargs, message):
@@ -268,6 +289,7 @@ def test_tts_stream_marks_each_chunk_and_keeps_its_length(tts):
     [
         ({"first_chunk": 2}, ValueError, "first_chunk=2 is too small"),
         ({"chunk": -1}, ValueError, "chunk=-1 is too small"),
+        ({"context": -5}, ValueError, "context=-5 must be"),
         ({"cfm_steps": 0}, ValueError, "cfm_steps=0"),
         ({"temprature": 0.5}, TypeError, "unknown knob 'temprature'"),
         ({"top_p": 0.0}, ValueError, "top_p=0.0 is out of range"),
@@ -291,3 +313,155 @@ def test_mel_without_finalize_holds_back_the_lookahead(tts):
     assert tts.s3gen.mel(tokens, voice, cfm_steps=1).shape == (1, 2 * 9, 80)
     with pytest.raises(ValueError, match="3 speech tokens leave no frame once the last 3 are held back"):
         tts.s3gen.mel(tokens[:, :3], voice, finalize=False)
+
+
+# --- the bounded context: a decode re-reads the voice prompt and CONTEXT tokens before its new ones ---
+
+LONG = 400  # speech tokens: with CONTEXT = 50 the window cuts from the decode at 185 tokens on
+UPSTREAM_PROMPT = 250  # prompt tokens: upstream's 10 s S3Gen prompt
+
+
+@pytest.fixture(scope="module")
+def far_sighted():
+    """The tiny S3Gen at MLX's default initialisation. The converted test model's weights (0.05·N(0, 1)) make
+    attention nearly uniform and faint: its mel barely changes with what a decode leaves out (context 0 and
+    "whole" within 1e-4 of the one-shot mel alike). Here the encoder's and the CFM's attention reach far
+    both ways, so the error of leaving tokens out shows."""
+    mx.random.seed(0)
+    return S3Gen(Flow(TINY_MODEL.flow), Estimator(TINY_MODEL.cfm), HiFT(TINY_MODEL.hift))
+
+
+def streamed_mel(s3gen: S3Gen, vocoder: StreamVocoder, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """``tokens`` pushed one by one, then finish: the mel frames each decode made final (those whose audio
+    HiFT vocoded as new), joined, and the speech tokens each decode handed to ``S3Gen.mel`` with the prompt.
+    (The voice's prompt mel must be 2·prompt tokens long.)"""
+    prompt = vocoder.voice.s3gen_prompt_tokens.shape[1]
+    assert vocoder.voice.s3gen_prompt_mel.shape[1] == 2 * prompt
+    mels, read, real = [], [], s3gen.mel
+
+    def mel(tokens, *args, **kwargs):
+        out = real(tokens, *args, **kwargs)
+        mels.append(np.array(out[0]))
+        read.append(prompt + tokens.shape[1])
+        return out
+
+    rows = []
+    s3gen.mel = mel  # an instance attribute: the class's stays as it is
+    try:
+        for i in range(len(tokens) + 1):
+            done, decodes = vocoder._final_frames, len(mels)
+            if i < len(tokens):
+                vocoder.push(tokens[i : i + 1])
+                frames = 2 * (vocoder.pushed - 3)  # the lookahead held back
+            else:
+                vocoder.finish()
+                frames = 2 * len(tokens)
+            if len(mels) > decodes:  # the decode's mel ends at the utterance's frame `frames`
+                m, end = mels[-1], vocoder._final_frames
+                rows.append(m[len(m) - (frames - done) : len(m) - (frames - end)])
+    finally:
+        del s3gen.mel
+    return np.concatenate(rows), read
+
+
+@pytest.mark.parametrize(
+    "context, rel_l2, per_frame",
+    [(CONTEXT, 0.015, 0.05), ("whole", 0.012, 0.05), (0, None, None)],
+)
+def test_streamed_mel_against_the_one_shot_mel(far_sighted, context, rel_l2, per_frame):
+    """Attention is bidirectional, so no chunked decode equals the one-shot mel; this is the bound. 400 tokens
+    behind a 10 s prompt, 2 CFM steps. Measured (relative L2 of the whole mel; worst frame's relative L2):
+    context 50: 8.7e-3, 2.7e-2; "whole": 7.4e-3, 2.7e-2 (the tokens to come, beyond the lookahead, are
+    what both miss); context 0: 4.0e-2, 0.43. (Seeds 1, 2: 0.012 and 0.012 at 50, 0.0097 and 0.010 whole,
+    0.037 and 0.048 at 0; 10 CFM steps: 8.5e-3 at 50, 7.3e-3 whole.) The windowed decodes read at most the
+    prompt + 50 + the chunk + 11 tokens."""
+    s3gen, tokens = far_sighted, ids(LONG)
+    voice = random_voice(gen_tokens=UPSTREAM_PROMPT)
+    vocoder = StreamVocoder(s3gen, voice, cfm_steps=2, key=mx.random.key(1), context=context)
+    mel, read = streamed_mel(s3gen, vocoder, tokens)
+    noise = vocoder.draws(LONG).cfm_noise
+    row = mx.array(tokens, dtype=mx.int32)[None]
+    whole = np.array(s3gen.mel(row, voice, cfm_steps=2, cfm_noise=noise)[0])
+    assert mel.shape == whole.shape == (2 * LONG, 80)
+    error = np.linalg.norm(mel - whole) / np.linalg.norm(whole)
+    frame = (np.linalg.norm(mel - whole, axis=1) / np.linalg.norm(whole, axis=1)).max()
+    decodes = [10, 35, 85, 185, 385]  # and the end
+    if context == "whole":
+        assert read == [UPSTREAM_PROMPT + n for n in [*decodes, LONG]]
+    else:  # each decode reads at most the prompt, the window, the tokens pushed since the decode before + 11
+        pushed = np.diff([0, *decodes, LONG]).tolist()
+        assert all(r <= vocoder.max_decode_tokens(new) for r, new in zip(read, pushed))
+        assert vocoder.max_decode_tokens(200) == UPSTREAM_PROMPT + context + 200 + 11
+    if context == CONTEXT:
+        assert read == [UPSTREAM_PROMPT + n for n in [10, 35, 85, 160, 260, 75]]  # cut from the 4th decode
+    if rel_l2 is None:  # no window: 4x further than with one of 2 s, which is what keeps the error down
+        assert error > 0.025 and frame > 0.2
+    else:
+        assert error < rel_l2 and frame < per_frame
+
+
+def test_a_decode_stays_bounded_however_long_the_stream(tts, monkeypatch):
+    """Chunks of 25 tokens over 600 tokens: every decode after the first few reads the prompt, the 50-token
+    window, the chunk and 10 tokens of HiFT context and lookahead, no more (with "whole" the last would read
+    all 600)."""
+    monkeypatch.setattr(stream_module, "MAX_CHUNK", 25)
+    voice, tokens = random_voice(gen_tokens=PROMPT), ids(600)
+    vocoder = StreamVocoder(tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0))
+    read = []
+    real = tts.s3gen.mel
+    monkeypatch.setattr(tts.s3gen, "mel", lambda t, *a, **k: (read.append(t.shape[1]), real(t, *a, **k))[1])
+    out = run(vocoder, tokens, step=5)
+    assert sum(len(o) for o in out) == 600 * 960
+    assert len(read) == 25 and read[:4] == [10, 35, 60, 85]
+    assert set(read[3:-1]) == {CONTEXT + 25 + 10} and read[-1] == CONTEXT + 15 + 10  # the end: 15 new
+    assert max(PROMPT + r for r in read) <= vocoder.max_decode_tokens(25)
+
+
+def test_the_window_noise_rows_follow_their_frames(far_sighted, monkeypatch):
+    """A frame gets the same CFM noise row in every decode, wherever the window puts it. Given instead the
+    rows of the utterance's first frames (the table sliced at the prompt, not at the window), the streamed
+    mel is as far from the one-shot mel as another noise draw: measured relative L2 1.22 against 8.7e-3."""
+    s3gen, tokens = far_sighted, ids(LONG)
+    voice = random_voice(gen_tokens=UPSTREAM_PROMPT)
+    prompt_frames = 2 * UPSTREAM_PROMPT
+    take = stream_module._NoiseTable.take
+
+    def unshifted(self, start, stop):
+        if self.width == 80 and start > prompt_frames:
+            return take(self, prompt_frames, prompt_frames + stop - start)
+        return take(self, start, stop)
+
+    monkeypatch.setattr(stream_module._NoiseTable, "take", unshifted)
+    vocoder = StreamVocoder(s3gen, voice, cfm_steps=2, key=mx.random.key(1))
+    mel, _ = streamed_mel(s3gen, vocoder, tokens)
+    monkeypatch.setattr(stream_module._NoiseTable, "take", take)
+    noise = vocoder.draws(LONG).cfm_noise
+    row = mx.array(tokens, dtype=mx.int32)[None]
+    whole = np.array(s3gen.mel(row, voice, cfm_steps=2, cfm_noise=noise)[0])
+    assert np.linalg.norm(mel - whole) / np.linalg.norm(whole) > 0.5
+
+
+@pytest.mark.parametrize("context", [0, CONTEXT, "whole"])
+def test_windowed_audio_joins_like_the_whole_prefix_audio(voiced, context):
+    """The audio side (HiFT's source carried, the crossfade, the length) holds with any window: 200 tokens
+    pushed 7 at a time; the 0.05-scale test model barely sees the window (measured relative L2 from the
+    one-shot audio 6.1e-5 at 0, 50 and "whole")."""
+    tts, voice, tokens = voiced, random_voice(gen_tokens=PROMPT), ids(200)
+    vocoder = StreamVocoder(tts.s3gen, voice, cfm_steps=2, key=mx.random.key(1), context=context)
+    streamed = np.concatenate(run(vocoder, tokens, step=7))
+    whole = one_shot(tts, vocoder, tokens, voice, 2)
+    assert streamed.shape == whole.shape == (200 * 960,)
+    assert np.linalg.norm(streamed - whole) / np.linalg.norm(whole) < 5e-4
+
+
+def test_tts_stream_context(tts):
+    """``TTS.stream``'s context reaches the vocoder: a window of 0 cuts the last decode of a piece of 35 to 85
+    speech tokens, "whole" does not, so the audio differs (a little, on this model) but keeps its length."""
+    voice = random_voice(seed=5)
+    args = dict(seed=4, cfm_steps=1, watermark=False, max_new_tokens=60)
+    cut = np.concatenate(list(tts.stream("Hello there.", voice, context=0, **args)))
+    whole = np.concatenate(list(tts.stream("Hello there.", voice, context="whole", **args)))
+    default = np.concatenate(list(tts.stream("Hello there.", voice, **args)))
+    assert 35 * 960 <= len(cut) == len(whole) == len(default) < 85 * 960
+    assert not np.array_equal(cut, whole)
+    np.testing.assert_array_equal(default, whole)  # under 85 tokens the default window (50) cuts nothing

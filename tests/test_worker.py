@@ -91,6 +91,24 @@ def test_asyncio_readers(tts):
         assert np.array_equal(wav, np.concatenate(alone(tts, job)))
 
 
+@pytest.mark.parametrize("context", [0, "whole"])
+def test_a_streamed_jobs_context(tts, context):
+    """SpeechJob.stream_context is TTS.stream's context, chunk for chunk: 60 tokens at most, whose last decode
+    a window of 0 cuts."""
+    job = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=60), cfm_steps=1, seed=1,
+                    stream=True, stream_context=context)  # fmt: skip
+    with Worker(tts) as worker:
+        chunks = list(worker.submit(job))
+        with pytest.raises(ValueError, match="context=-1 must be a number of speech tokens"):
+            worker.submit(dataclasses.replace(job, stream_context=-1))
+    kwargs = dict(cfm_steps=1, seed=1)
+    expected = list(tts.stream(job.text, job.voice, job.params, context=context, **kwargs))
+    assert [len(c) for c in chunks] == [len(c) for c in expected]
+    assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
+    other = list(tts.stream(job.text, job.voice, job.params, context="whole" if context == 0 else 0, **kwargs))
+    assert not np.array_equal(np.concatenate(chunks), np.concatenate(other))
+
+
 def test_cancel_queue_limit_and_errors(tts):
     endless = SpeechJob(
         "Hello.", random_voice(4), SamplingParams(max_new_tokens=4000), cfm_steps=2, stream=True

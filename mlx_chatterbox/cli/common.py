@@ -18,6 +18,7 @@ from ..api import (
     LANGUAGES,
     TTS,
     VOICE_SUFFIX,
+    STREAM_CONTEXT,
     MultilingualParams,
     Voice,
     check_language,
@@ -96,6 +97,35 @@ def at_least_1(text: str) -> int:
 
 
 at_least_1.__name__ = "integer"  # argparse says "invalid <__name__> value: 'x'" when int() fails
+
+
+def stream_context(text: str) -> int | str:
+    """An argparse type: a streaming decode window, an integer >= 0 or "whole"."""
+    if text == "whole":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        message = f"{text!r} is not a number of speech tokens >= 0 nor 'whole'"
+        raise argparse.ArgumentTypeError(message) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: it must be an integer >= 0 (or 'whole')")
+    return value
+
+
+stream_context.__name__ = "window"
+
+
+def stream_context_argument(p: argparse.ArgumentParser, which: str) -> None:
+    """``--stream-context N|whole``: the decode window of ``which`` streams (``TTS.stream``'s context)."""
+    p.add_argument(
+        "--stream-context",
+        type=stream_context,
+        metavar="N|whole",
+        help=f"{which}: each S3Gen decode re-reads the N speech tokens before its new ones (default: "
+        f"{STREAM_CONTEXT}, 2 s; a chunk's cost stays bounded), or 'whole': every token so far (closer to "
+        "the unstreamed audio, each chunk dearer as the text goes on)",
+    )
 
 
 def seed(text: str) -> int:

@@ -49,6 +49,7 @@ def add_parser(sub) -> None:
         action="store_true",
         help="play through the default audio device as it is made (needs mlx-chatterbox[play] and PortAudio)",
     )
+    common.stream_context_argument(p, "--stream and --play")
     common.no_watermark_argument(p)
     p.add_argument(
         "--s3gen",
@@ -73,6 +74,10 @@ def run(args: argparse.Namespace) -> None:
     if [args.text, args.file, args.tokens].count(None) != 2:
         raise ValueError("give one of: a TEXT to speak, --file FILE, --tokens FILE")
     live = args.stream or args.play
+    if args.stream_context is not None and not live:
+        raise ValueError(
+            "--stream-context sets how --stream and --play decode; add one of them, or leave it out"
+        )
     sd = _check_live(args) if live else None
     if not live:
         if str(args.output) == "-":
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> None:
             wav = tts.vocode(tokens, voice, **vocoding)
         elif live:
             line.stage("speaking")
-            chunks = tts.stream(text, voice, language=language, **vocoding, **knobs)
+            context = {} if args.stream_context is None else {"context": args.stream_context}
+            chunks = tts.stream(text, voice, language=language, **context, **vocoding, **knobs)
             if args.stream:
                 seconds = _write_pcm(chunks, sys.stdout.buffer, tts.sample_rate)
             else:

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..api import TTS
+from ..api import STREAM_CONTEXT, TTS
 from . import common
 
 
@@ -54,6 +54,7 @@ def add_parser(sub) -> None:
         type=common.at_least_1,
         help="Euler steps of the flow-matching decoder for requests that give none (default: the model's, 10; Turbo/Nano 2)",
     )
+    common.stream_context_argument(p, "streamed requests that give no stream_context")
     common.cfm_dtype_argument(p)
     p.add_argument(
         "--memory-limit",
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> None:
             voices,
             model_name=model_name,
             cfm_steps=args.cfm_steps,
+            stream_context=STREAM_CONTEXT if args.stream_context is None else args.stream_context,
             api_keys=keys,
             allowed_origins=origins,
             ui=not args.no_ui,

@@ -1,10 +1,11 @@
 """Streaming synthesis: 24 kHz audio chunks while T3's speech tokens still arrive (perf-serving.md §4.5).
 
 S3Gen's flow encoder and CFM attend over the whole utterance, so nothing is cached between chunks: every
-chunk re-decodes the voice prompt and all the tokens so far into a mel, with one fixed noise table for the
-utterance so that the re-decoded prefix barely moves. HiFT then vocodes only the frames not yet final (plus a
-little left context), continuing the sine source of the previous chunk, and a short crossfade hides what
-moved.
+chunk re-decodes the voice prompt and a window of the tokens before it (``context``: ``CONTEXT`` tokens by
+default, so a chunk's cost does not grow with the utterance; or all of them, "whole") into a mel, with one
+fixed noise table for the utterance, sliced at the window's offset, so that re-decoded frames barely move.
+HiFT then vocodes only the frames not yet final (plus a little left context), continuing the sine source of
+the previous chunk, and a short crossfade hides what moved.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +35,22 @@ CROSSFADE = 480  # samples (20 ms) where a chunk's re-vocoded head meets the pre
 CFM_NOISE_BLOCK = 250  # mel frames per drawn block of the CFM noise table (5 s)
 SOURCE_NOISE_BLOCK = 24000  # samples per drawn block of the sine source's noise table (1 s)
 MAX_CHUNK = 200  # speech tokens (8 s): the chunks stop doubling here
+# Speech tokens (2 s) already final that a decode re-reads in front of the frames it vocodes, after the voice
+# prompt; the tokens before them are left out. A tiny S3Gen at MLX's default init, 10 s prompt, 400 tokens
+# (tests/test_stream.py): the streamed mel's relative L2 from the one-shot mel is 8.7e-3 at 50, 1.0e-2 at 10,
+# 4.0e-2 at 0, 7.4e-3 with the whole prefix (what it misses is mostly the tokens to come, which no chunk has).
+CONTEXT = 50
+
+
+def check_context(context: int | Literal["whole"]) -> None:
+    """A decode's window of already-final tokens: an integer >= 0, or "whole" (every token so far, as before
+    windows: a little nearer the one-shot mel, but a decode's cost grows with the utterance)."""
+    if context == "whole":
+        return
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(
+            f"context={context!r} must be a number of speech tokens >= 0 (default {CONTEXT}), or 'whole'"
+        )
 
 
 def check_chunks(first_chunk: int, chunk: int, lookahead: int = 3) -> None:
@@ -84,22 +102,28 @@ class StreamVocoder:
     Chunk schedule: the first decode runs once ``first_chunk`` tokens have been pushed, the next ``chunk``
     tokens later, and each chunk after that is twice the one before, up to ``MAX_CHUNK`` tokens (or
     ``chunk`` if larger): with the defaults at 10, 35, 85, 185, 385, 585, ... tokens (a push that crosses
-    several boundaries decodes once, with all its tokens); ``finish`` decodes the rest. Every decode runs
-    over the whole utterance so far, so constant chunks would cost O(n²) over n tokens; doubling keeps the
-    total near that of a few one-shot decodes while each decode still finishes well before the audio before
-    it has played. A decode runs the flow encoder and the CFM
-    over [voice prompt + all tokens so far] with the frames of the last 3 tokens dropped (upstream's
-    ``finalize=False``: they wait for their lookahead), then HiFT over the new frames with ``HIFT_CONTEXT``
-    frames of left context, holding back its last ``HIFT_HOLDBACK`` frames and ``CROSSFADE`` samples that the
-    next decode crossfades with its own. At 2 mel frames (960 samples) a token, the decode at n tokens makes
-    final the audio of the first 2·(n - 3) - 6 generated frames (one fewer after an odd prompt mel), less the
-    20 ms tail: with the defaults, 0.14 s after 10 tokens, 1 s more after 35 (0.4 s of audio behind the
+    several boundaries decodes once, with all its tokens); ``finish`` decodes the rest. Doubling spreads
+    the cost of re-reading the voice prompt (10 s, 250 tokens, at upstream's sizes) over more audio while
+    each decode still finishes well before the audio before it has played. A decode runs the flow encoder
+    and the CFM over [voice prompt + the window + the tokens not yet final], the window being the ``context``
+    tokens before the first frame HiFT needs (all of them with "whole", whose decodes then grow with the
+    utterance: O(n²) over n tokens with constant chunks), with the frames of the last 3 tokens dropped
+    (upstream's ``finalize=False``: they wait for their lookahead), then HiFT over the new frames with
+    ``HIFT_CONTEXT`` frames of left context, holding back its last ``HIFT_HOLDBACK`` frames and ``CROSSFADE``
+    samples that the next decode crossfades with its own. At 2 mel frames (960 samples) a token, the decode at
+    n tokens makes final the audio of the first 2·(n - 3) - 6 generated frames (one fewer after an odd prompt
+    mel), less the 20 ms tail: with the defaults, 0.14 s after 10 tokens, 1 s more after 35 (0.4 s of audio behind the
     tokens), then 2 s, 4 s, 8 s, ...; ``finish`` gives the rest.
 
     Randomness: one key (MLX's global generator when None) gives the CFM noise table, the sine source's
-    start phases and its noise table, all fixed for the utterance and sliced per decode; ``draws(n)`` returns
+    start phases and its noise table, all fixed for the utterance and sliced per decode (a mel frame of the
+    utterance gets the same noise row in every decode, wherever the window puts it); ``draws(n)`` returns
     them as a one-shot ``S3Gen.__call__`` of the same n tokens takes them, so the stream can be compared with
     (and is close to) the one-shot result.
+
+    A decode reads at most ``prompt + context + new + lookahead + 8`` tokens, ``new`` being the tokens pushed
+    since the decode before (at most ``max(chunk, MAX_CHUNK)`` when pushed one by one); the 8 cover the HiFT
+    context and holdback frames re-decoded around the chunk (``max_decode_tokens``).
     """
 
     def __init__(
@@ -111,12 +135,14 @@ class StreamVocoder:
         key: mx.array | None = None,
         first_chunk: int = 10,
         chunk: int = 25,
+        context: int | Literal["whole"] = CONTEXT,
     ):
         flow = s3gen.flow.config
         check_cfm_steps(cfm_steps)
         check_chunks(first_chunk, chunk, flow.pre_lookahead_len)
+        check_context(context)
         self.s3gen, self.voice, self.cfm_steps = s3gen, voice, cfm_steps
-        self.first_chunk, self.chunk = first_chunk, chunk
+        self.first_chunk, self.chunk, self.context = first_chunk, chunk, context
         self._lookahead, self._stride = flow.pre_lookahead_len, flow.upsample_stride
         self._prompt_tokens = voice.s3gen_prompt_tokens.shape[1]
         self._prompt_frames = voice.s3gen_prompt_mel.shape[1]
@@ -185,6 +211,24 @@ class StreamVocoder:
             source_noise=self._source_noise.take(0, (frames - self._prompt_frames) * self._spf),
         )
 
+    def max_decode_tokens(self, new: int) -> int | None:
+        """The most tokens (voice prompt included) a decode reads when ``new`` tokens were pushed since the
+        decode before; None for "whole" (no bound)."""
+        if self.context == "whole":
+            return None
+        # Generated frames [done - HIFT_CONTEXT, ...) are re-decoded; done trails the tokens by the lookahead
+        # and the HiFT holdback, and an odd prompt mel moves frames half a token.
+        behind = self._lookahead + math.ceil((HIFT_HOLDBACK + HIFT_CONTEXT + 1) / self._stride)
+        return self._prompt_tokens + self.context + new + behind
+
+    def _window_start(self, start: int) -> int:
+        """The first token a decode reads: ``context`` tokens before generated frame ``start``'s. A window
+        from token t yields the generated frames from 2t on (after an odd prompt mel its first token's first
+        frame lies under the prompt), so t counts from start // 2, not from the token that holds ``start``."""
+        if self.context == "whole":
+            return 0
+        return max(0, start // self._stride - self.context)
+
     def _check_open(self) -> None:
         if self._finished:
             raise RuntimeError("this stream is finished; start a new StreamVocoder for the next utterance")
@@ -198,16 +242,21 @@ class StreamVocoder:
         done, spf = self._final_frames, self._spf
         if end <= done and not final:
             return np.zeros(0, np.float32)
+        start = max(0, done - HIFT_CONTEXT)  # the first frame HiFT reads
+        first = self._window_start(start)
+        # The window's frames sit 2·first frames earlier than in the utterance: their noise rows go with them.
+        prompt_noise = self._cfm_noise.take(0, self._prompt_frames)
+        shift = self._stride * first
+        noise = self._cfm_noise.take(self._prompt_frames + shift, mu_frames)
         mel = self.s3gen.mel(
-            mx.array(self._tokens, dtype=mx.int32)[None],
+            mx.array(self._tokens[first:], dtype=mx.int32)[None],
             self.voice,
             cfm_steps=self.cfm_steps,
-            cfm_noise=self._cfm_noise.take(0, mu_frames),
+            cfm_noise=mx.concatenate([prompt_noise, noise], axis=1),
             finalize=final,
         )
         hift = self.s3gen.hift
-        start = max(0, done - HIFT_CONTEXT)
-        segment = mel[:, start:frames]
+        segment = mel[:, start - shift : frames - shift]
         f0 = hift.predict_f0(segment)[:, done - start :]  # (1, frames - done)
         # The sine continues the phase it had at `done`; over the context frames, the previous decode's source
         # is reused as it was (upstream's cache_source).
@@ -259,6 +308,7 @@ def stream_piece(
     cfm_steps: int | None = None,
     first_chunk: int = 10,
     chunk: int = 25,
+    context: int | Literal["whole"] = CONTEXT,
 ) -> Iterator[np.ndarray]:
     """The speech tokens of one piece (``speech``: a variant's text -> speech tokens, ``EnglishSpeech`` or
     Turbo's), vocoded as they come (``StreamVocoder``): non-empty float32 chunks.
@@ -269,7 +319,13 @@ def stream_piece(
     keeps it.)
     """
     vocoder = StreamVocoder(
-        s3gen, voice, cfm_steps=cfm_steps, key=piece.s3gen_key, first_chunk=first_chunk, chunk=chunk
+        s3gen,
+        voice,
+        cfm_steps=cfm_steps,
+        key=piece.s3gen_key,
+        first_chunk=first_chunk,
+        chunk=chunk,
+        context=context,
     )
     stopped = False
     for token in speech.tokens(voice, piece.text_ids, piece.params, key=piece.t3_key):

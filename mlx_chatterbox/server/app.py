@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from importlib import resources
+from typing import Literal
 
 import numpy as np
 import soundfile as sf
@@ -28,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..audio.stretch import time_stretch
+from ..generation.stream import CONTEXT as STREAM_CONTEXT
+from ..generation.stream import check_context
 from .encode import StreamEncoder, check_format, content_type, encode
 from .gate import Gate
 from .schema import KNOBS, OPENAI_MODELS, SpeechRequest, error_body
@@ -54,6 +57,7 @@ def create_app(
     *,
     model_name: str,
     cfm_steps: int | None = None,
+    stream_context: int | Literal["whole"] = STREAM_CONTEXT,
     max_upload: int = MAX_UPLOAD,
     api_keys: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
@@ -64,11 +68,13 @@ def create_app(
     model_name: the id ``/v1/models`` lists; a speech request's ``model`` must be it, "chatterbox", or one of
         OpenAI's tts-1, tts-1-hd, gpt-4o-mini-tts (so that clients written for OpenAI work unchanged).
     cfm_steps: the flow-matching steps of requests that give none (None: the model's, upstream's 10 or Turbo's 2).
+    stream_context: the decode window of streamed requests that give none (``TTS.stream``'s ``context``).
     max_upload: the largest voice recording accepted, in bytes.
     api_keys: when given, every path but ``/health`` and ``/`` needs ``Authorization: Bearer <one of them>``.
     allowed_origins: the web origins whose pages may call the server (CORS; ``*``: any); none: same origin only.
     ui: serve the playground page at ``/``.
     """
+    check_context(stream_context)
     app = FastAPI(title="mlx-chatterbox", version=__version__)
     models = list(dict.fromkeys([model_name, "chatterbox", *OPENAI_MODELS]))
     speech_kind = worker.tts.speech
@@ -104,6 +110,7 @@ def create_app(
             "max_batch": worker.max_batch,
             "vocode_batch": worker.vocode_batch,
             "cfm_steps": cfm_steps_used,
+            "stream_context": stream_context,
             "sample_rate": worker.sample_rate,
             "variant": speech_kind.variant,
             "defaults": defaults,
@@ -123,7 +130,7 @@ def create_app(
     @app.post("/v1/audio/speech")
     @app.post("/audio/speech", include_in_schema=False)
     async def speech(body: SpeechRequest, request: Request) -> Response:
-        job, stream = await _job(body, worker, voices, models, cfm_steps)
+        job, stream = await _job(body, worker, voices, models, cfm_steps, stream_context)
         try:
             ticket = gate.track(worker.submit(job))
         except QueueFull as e:
@@ -206,7 +213,12 @@ def create_app(
 
 
 async def _job(
-    body: SpeechRequest, worker: Worker, voices: VoiceStore, models: list[str], cfm_steps: int | None
+    body: SpeechRequest,
+    worker: Worker,
+    voices: VoiceStore,
+    models: list[str],
+    cfm_steps: int | None,
+    stream_context: int | Literal["whole"],
 ) -> tuple[SpeechJob, bool]:
     """The worker job of a speech request, and whether its audio streams; ApiError for what cannot be done."""
     if body.model not in models:
@@ -249,9 +261,24 @@ async def _job(
             "or send stream=false (or speed 1 to stream)",
             "speed",
         )
+    if body.stream_context is not None and not stream:
+        raise ApiError(
+            400,
+            "stream_context sets how a streamed response is decoded, and this one is answered whole "
+            f"({'stream=false' if body.stream is False else f'speed={body.speed}'}); leave it out, or stream",
+            "stream_context",
+        )
     steps = body.cfm_steps if body.cfm_steps is not None else cfm_steps
+    context = body.stream_context if body.stream_context is not None else stream_context
     job = SpeechJob(
-        body.input, voice, params, cfm_steps=steps, seed=body.seed, stream=stream, language=body.language
+        body.input,
+        voice,
+        params,
+        cfm_steps=steps,
+        seed=body.seed,
+        stream=stream,
+        stream_context=context,
+        language=body.language,
     )
     return job, stream
 

@@ -6,7 +6,7 @@ Chatterbox's knobs; fields it does not know are refused (a misspelt knob must no
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
@@ -38,6 +38,10 @@ class SpeechRequest(BaseModel):
     # Ours. None: stream when the request allows it (speed 1); False: the whole audio in one pass, exactly what
     # TTS.generate gives; True: stream (refused with speed != 1: a time-stretch needs the whole audio).
     stream: bool | None = None
+    # Ours: a streamed response's decode window in speech tokens (generation/stream.py CONTEXT), or "whole"
+    # (every token so far: closer to the whole audio, each chunk dearer as the text goes on). None: the
+    # server's (serve --stream-context). Refused for a response that is not streamed.
+    stream_context: Annotated[StrictInt, Field(ge=0)] | Literal["whole"] | None = None
     # Ours: the text's language, for a multilingual model (required there; refused by the English-only models).
     language: str | None = None
     # Chatterbox's knobs: None = the model's default (sampling.SamplingParams, or TurboParams for Turbo/Nano,

@@ -21,7 +21,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +29,8 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import Plan, join_audio, token_budget
-from ..generation.stream import PieceJoiner, StreamVocoder, finish_stream
+from ..generation.stream import CONTEXT as STREAM_CONTEXT
+from ..generation.stream import PieceJoiner, StreamVocoder, check_context, finish_stream
 from ..generation.turbo import TurboSpeech
 from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps
@@ -55,6 +56,8 @@ class SpeechJob:
     seed: int | None = None
     watermark: bool = True
     stream: bool = False  # chunks as T3's tokens arrive; else one chunk, the whole audio
+    # A streamed job's decode window in speech tokens, or "whole" (TTS.stream's context).
+    stream_context: int | Literal["whole"] = STREAM_CONTEXT
     language: str | None = None  # the multilingual models' (required there)
     # Called with (piece, pieces, budget), 1-based, for a piece that stops at its budget without the stop token,
     # instead of the worker's warning (bulk synthesis names the item in its own).
@@ -216,6 +219,7 @@ class Worker:
             )
         tts.speech.check(job.params)
         check_cfm_steps(job.cfm_steps)
+        check_context(job.stream_context)
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
         plan = tts._plan(job.text, job.language)  # an empty text or a bad pause tag is refused here
@@ -374,7 +378,9 @@ class Worker:
             if j.piece == 0 and j.plan.pauses[0]:
                 self._emit_silence(j, j.plan.pauses[0])
             s3gen_key = None if seed is None else seed_keys(seed)[1]
-            j.vocoder = StreamVocoder(self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key)
+            j.vocoder = StreamVocoder(
+                self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key, context=job.stream_context
+            )
 
     def _took(self, j: _Job, token: int, finished: bool) -> None:
         """A token of the job's piece (streamed: pushed to its vocoder); when the piece is finished, its checks
