@@ -50,9 +50,11 @@ def rel_l2(a: mx.array, b: mx.array) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_batched_mel_equals_one_by_one(tts):
+# bucket=16: every row padded past the longest (prompt + new tokens: 19, 21, 18, 21 -> 32 tokens, 64 frames).
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_batched_mel_equals_one_by_one(tts, bucket):
     ids, voices, keys = requests()
-    batched = tts.s3gen.batch_mel(ids, voices, cfm_steps=3, keys=keys)
+    batched = tts.s3gen.batch_mel(ids, voices, cfm_steps=3, keys=keys, bucket=bucket)
     errors = []
     for row, t, v, k in zip(batched, ids, voices, keys):
         alone = tts.s3gen.mel(t, v, cfm_steps=3, key=k)
@@ -63,9 +65,10 @@ def test_batched_mel_equals_one_by_one(tts):
     assert [m.shape[1] for m in batched] == [18, 28, 9, 28]
 
 
-def test_batched_waveform_equals_one_by_one(tts):
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_batched_waveform_equals_one_by_one(tts, bucket):
     ids, voices, keys = requests()
-    batched = tts.s3gen.batch(ids, voices, cfm_steps=3, keys=keys)
+    batched = tts.s3gen.batch(ids, voices, cfm_steps=3, keys=keys, bucket=bucket)
     errors = []
     for row, t, v, k in zip(batched, ids, voices, keys):
         alone = tts.s3gen(t, v, cfm_steps=3, key=k)
@@ -111,6 +114,7 @@ def test_isolated_rows_in_the_flow_encoder(tts):
         (dict(tokens=[np.array([1.5])]), "request 0: speech tokens must be integer ids"),
         (dict(tokens=[np.zeros((2, 3), np.int32)]), r"must be integer ids of shape \(N,\) or \(1, N\)"),
         (dict(tokens=[[1]], cfm_steps=0), "cfm_steps=0 must be an integer >= 1"),
+        (dict(tokens=[[1]], bucket=0), "bucket=0 must be a number of tokens >= 1"),
     ],
 )
 def test_bad_batches(tts, args, message):
@@ -138,3 +142,22 @@ def test_memory_budget_changes_no_number_and_restores_the_limit(tts):
         ):
             dataclasses.replace(tts.s3gen, memory_budget=bad)(ids[0], voices[0], cfm_steps=1)
         assert mx.get_memory_limit() == limit
+
+
+def test_interleaved_memory_bounds_restore_the_callers_limit():
+    """Bounded calls on two threads (the server's worker and its vocoding thread) interleave: the limit is the
+    highest bound of the calls running, and the caller's limit comes back when the last one ends, whatever
+    the order they end in."""
+    from mlx_chatterbox.generation.vocode import _lower_memory_limit, _raise_memory_limit
+
+    limit = mx.get_memory_limit()
+    _raise_memory_limit(limit // 2)
+    _raise_memory_limit(limit // 4)  # a lower bound while the first call runs keeps the first's
+    assert mx.get_memory_limit() == limit // 2
+    _lower_memory_limit()  # the first call ends first
+    assert mx.get_memory_limit() == limit // 2
+    _raise_memory_limit(limit // 3 * 2)
+    assert mx.get_memory_limit() == limit // 3 * 2
+    _lower_memory_limit()
+    _lower_memory_limit()
+    assert mx.get_memory_limit() == limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
@@ -66,15 +67,39 @@ def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
         budget = resolve_memory_budget(self.memory_budget)
         if budget is None:
             return method(self, *args, **kwargs)
-        previous = mx.set_memory_limit(mx.get_active_memory() + budget)
+        _raise_memory_limit(mx.get_active_memory() + budget)
         try:
             out = method(self, *args, **kwargs)
             mx.async_eval(out)  # queued under the limit: the caller's later eval finds the work in flight
         finally:
-            mx.set_memory_limit(previous)
+            _lower_memory_limit()
         return out
 
     return run
+
+
+# MLX's memory limit is process-wide, and bounded calls may run on two threads at once (the server's worker and
+# its vocoding thread): the limit is the highest any running call asked for, and the caller's own limit comes
+# back when the last one ends (a plain save and restore per call, interleaved, could leave a call's bound set).
+_limit_lock = threading.Lock()
+_limit_calls: list = [0, None]  # bounded calls running, MLX's limit before the first
+
+
+def _raise_memory_limit(limit: int) -> None:
+    with _limit_lock:
+        previous = mx.set_memory_limit(limit)
+        if _limit_calls[0] == 0:
+            _limit_calls[1] = previous
+        elif previous > limit:  # another call's bound is higher: keep it
+            mx.set_memory_limit(previous)
+        _limit_calls[0] += 1
+
+
+def _lower_memory_limit() -> None:
+    with _limit_lock:
+        _limit_calls[0] -= 1
+        if _limit_calls[0] == 0:
+            mx.set_memory_limit(_limit_calls[1])
 
 
 def resolve_memory_budget(budget: int | str | None) -> int | None:
@@ -184,13 +209,16 @@ class S3Gen:
         *,
         cfm_steps: int | None = None,
         keys: list[mx.array | None] | None = None,
+        bucket: int = 1,
     ) -> list[mx.array]:
         """Several requests through one flow encoder and one CFM solve: ``mel`` for each (tokens[i],
         voices[i], keys[i]), as a list of (1, T_i, 80) log-mels equal to the one-by-one results up to float
         error. Tokens: (N_i,) or (1, N_i) integer ids; keys default to MLX's global generator. A meanflow
         decoder batches too (upstream runs it at batch 1 only): padded rows are masked as in English's
-        solve."""
-        return _batch_mel(self, tokens, voices, cfm_steps, keys)
+        solve. ``bucket``: the rows (prompt tokens included) are right-padded to a multiple of this many
+        tokens, so that calls of similar lengths share shapes (GPU kernel plans and graphs are per shape);
+        the padding is masked and changes no row beyond float error."""
+        return _batch_mel(self, tokens, voices, cfm_steps, keys, bucket)
 
     @bounded_memory
     def batch(
@@ -200,11 +228,14 @@ class S3Gen:
         *,
         cfm_steps: int | None = None,
         keys: list[mx.array | None] | None = None,
+        bucket: int = 1,
     ) -> list[mx.array]:
         """Several requests vocoded together: ``__call__`` for each (tokens[i], voices[i], keys[i]), as a
         list of (1, samples_i) float32 waveforms at 24 kHz, faded in, equal to the one-by-one results up to
-        float error. Token counts and voices (prompt lengths) may differ between requests."""
-        return _batch_wav(self, tokens, voices, cfm_steps, keys)
+        float error. Token counts and voices (prompt lengths) may differ between requests; ``bucket`` as
+        for ``batch_mel``. HiFT runs once per distinct mel length (it has no masks: padding would change
+        a row's last frames)."""
+        return _batch_wav(self, tokens, voices, cfm_steps, keys, bucket)
 
 
 def _solve(
@@ -279,6 +310,7 @@ def _batch_mel(
     voices: list[Voice],
     cfm_steps: int | None,
     keys: list[mx.array | None] | None,
+    bucket: int,
 ) -> list[mx.array]:
     n = len(tokens)
     if n == 0:
@@ -289,6 +321,8 @@ def _batch_mel(
     if len(keys) != n:
         raise ValueError(f"{n} token sequences but {len(keys)} keys: pass one key (or None) per request")
     check_cfm_steps(cfm_steps)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ValueError(f"bucket={bucket!r} must be a number of tokens >= 1")
     cfm = s3gen.estimator.config
     cfm_steps = cfm.n_timesteps if cfm_steps is None else cfm_steps
     vocab, stride = s3gen.flow.config.vocab_size, s3gen.flow.config.upsample_stride
@@ -297,7 +331,7 @@ def _batch_mel(
         for i, (ids, voice) in enumerate(zip(tokens, voices))
     ]
     lengths = [row.shape[1] for row in rows]
-    width = max(lengths)
+    width = -(-max(lengths) // bucket) * bucket
     padded = mx.concatenate([mx.pad(row, [(0, 0), (0, width - row.shape[1])]) for row in rows], axis=0)
     # Right padding, the lengths and the masks keep each row's valid frames to what it computes alone.
     mu, mask = s3gen.flow.encode(padded, mx.array(lengths, dtype=mx.int32), isolate_rows=True)
@@ -328,11 +362,12 @@ def _batch_wav(
     voices: list[Voice],
     cfm_steps: int | None,
     keys: list[mx.array | None] | None,
+    bucket: int,
 ) -> list[mx.array]:
     if keys is None:
         keys = [None] * len(tokens)
     split = [(None, None) if key is None else tuple(mx.random.split(key)) for key in keys]
-    mels = _batch_mel(s3gen, tokens, voices, cfm_steps, [cfm_key for cfm_key, _ in split])
+    mels = _batch_mel(s3gen, tokens, voices, cfm_steps, [cfm_key for cfm_key, _ in split], bucket)
     # HiFT has no masks (its F0 predictor and resblocks see both sides): only rows of one mel length share a
     # call, each with the source draws of its own shape from its own key.
     groups: dict[int, list[int]] = {}
