@@ -3,11 +3,14 @@
 Request handlers (any thread, or asyncio) ``submit`` a ``SpeechJob`` and read its audio from the ``Ticket`` they
 get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time into one ``SpeechTokenBatch``,
 steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
-jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). A job's audio is what ``TTS.generate``
-gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk for chunk): pieces, budgets,
-seeds per piece, crossfades, pause tags' silences and watermark as there; exactly, except that whole pieces
-T3 finishes in the same step are vocoded together (``S3Gen.batch``, up to ``vocode_batch``), equal up to float
-error. All MLX work happens on this one thread, so that no two threads ever build MLX graphs at once.
+jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). Whole pieces go to a second thread, the
+vocoding thread, which vocodes the ones that are ready together (``S3Gen.batch``, up to ``vocode_batch`` rows and
+``vocode_frames`` frames a call) while T3 keeps stepping (``vocode_thread=False``: on the worker thread after
+each step, T3 waiting). A job's audio is what ``TTS.generate`` gives for the same arguments and seed
+(``TTS.stream`` for streamed jobs, chunk for chunk): pieces, budgets, seeds per piece, crossfades, pause tags'
+silences and watermark as there; exactly, except that whole pieces vocoded together are equal up to float
+error. Apart from the vocoding thread's S3Gen calls (on its own MLX stream, with arrays of its own), all MLX
+work happens on the worker thread.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import gc
 import logging
 import queue
+import secrets
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -35,7 +39,7 @@ from ..generation.turbo import TurboSpeech
 from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps
 from ..generation.voice import Voice
-from ..sampling import SamplingParams, TurboParams, seed_keys
+from ..sampling import SEED_LIMIT, SamplingParams, TurboParams, seed_keys
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +47,11 @@ _END = object()  # a ticket's last item
 # A warm-up request's tokens: past a stream's first chunk (10 tokens), and no more: on a CPU every warm-up token
 # delays the server's start by most of a second.
 WARM_UP_TOKENS = 12
+# Whole pieces vocoded in one S3Gen call: at most this many mel frames (rows x the longest row, padded), 8 rows
+# of a 10 s voice prompt and 20 s of speech; rows padded to a multiple of 25 tokens (1 s) so that calls repeat
+# shapes (GPU kernel plans and graphs are per shape).
+VOCODE_FRAMES = 8 * 1500
+VOCODE_BUCKET = 25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,19 +151,56 @@ class _Job:
         return None if self.job.seed is None else self.job.seed + self.piece
 
 
-class Worker:
-    """Runs speech jobs on one background thread, T3 batched over up to ``max_batch`` jobs at once and whole
-    pieces finished in the same step vocoded ``vocode_batch`` at a time; at most ``max_queue`` jobs wait or
-    run (``submit`` raises ``QueueFull`` beyond)."""
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A whole piece T3 has finished, to be vocoded."""
 
-    def __init__(self, tts: TTS, *, max_batch: int = 32, max_queue: int = 128, vocode_batch: int = 8):
+    j: _Job
+    tokens: np.ndarray  # (N,) int32 speech ids, the variant's tail included
+    seed: int  # S3Gen's (an unseeded job's drawn here: the vocoding thread never uses MLX's global generator)
+    cut: int  # samples to drop from the end of its audio (TTS.speech.cut_samples)
+
+    def frames(self) -> int:
+        """Its row's length in tokens: the voice's prompt tokens and its own."""
+        return self.j.job.voice.s3gen_prompt_tokens.shape[1] + len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vocoded:
+    """The vocoding thread's answer for some pieces: their unmarked audio, or the error that lost them."""
+
+    pieces: list[_Piece]
+    wavs: list[np.ndarray] | None
+    error: BaseException | None = None
+
+
+class Worker:
+    """Runs speech jobs on a background thread, T3 batched over up to ``max_batch`` jobs at once, and whole
+    pieces vocoded on a second thread as they become ready, up to ``vocode_batch`` of them (and
+    ``vocode_frames`` mel frames, rows padded to multiples of ``vocode_bucket`` tokens) in one S3Gen call;
+    ``vocode_thread=False`` vocodes them on the worker thread after each step instead. At most ``max_queue``
+    jobs wait or run (``submit`` raises ``QueueFull`` beyond)."""
+
+    def __init__(
+        self,
+        tts: TTS,
+        *,
+        max_batch: int = 32,
+        max_queue: int = 128,
+        vocode_batch: int = 8,
+        vocode_frames: int = VOCODE_FRAMES,
+        vocode_bucket: int = VOCODE_BUCKET,
+        vocode_thread: bool = True,
+    ):
         for name, value in (
             ("max_batch", max_batch),
             ("max_queue", max_queue),
             ("vocode_batch", vocode_batch),
+            ("vocode_frames", vocode_frames),
+            ("vocode_bucket", vocode_bucket),
         ):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be at least 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer of at least 1")
         if not tts.speech.batchable:
             raise ValueError(
                 f"the {tts.speech.variant} model decodes one request at a time (upstream 0.1.7's alignment "
@@ -162,13 +208,19 @@ class Worker:
                 "multilingual-v3, or call TTS.generate / TTS.stream directly"
             )
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
-        self.vocode_batch = vocode_batch
+        self.vocode_batch, self.vocode_frames, self.vocode_bucket = vocode_batch, vocode_frames, vocode_bucket
+        self.vocode_thread = vocode_thread
         self.sample_rate = tts.sample_rate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
         self._jobs = 0  # submitted and not finished (under _lock)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._device = mx.default_device()  # MLX streams belong to a thread: the worker makes its own
+        # Whole pieces waiting for S3Gen, oldest first; the vocoding thread takes them under _ready.
+        self._pending: deque[_Piece] = deque()
+        self._ready = threading.Condition()
+        self._vocoder: threading.Thread | None = None
+        self._vocoder_stop = False
 
     def __enter__(self) -> Worker:
         self.start()
@@ -201,9 +253,13 @@ class Worker:
         _pause_automatic_gc()
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
         self._thread.start()
+        if self.vocode_thread:
+            self._vocoder_stop = False
+            self._vocoder = threading.Thread(target=self._vocode_loop, name="mlx-chatterbox-vocoder", daemon=True)
+            self._vocoder.start()
 
     def close(self) -> None:
-        """Stop after the running step; jobs not finished get an error."""
+        """Stop after the running step and S3Gen call; jobs not finished get an error."""
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join()
@@ -278,7 +334,8 @@ class Worker:
         running: dict[int, _Job] = {}  # by uid
         while True:
             _collect_garbage()
-            # Block for work only when there is nothing to step (waking now and then to collect garbage).
+            # Block for work only when there is nothing to step (waking now and then to collect garbage); the
+            # vocoding thread's answers come through the inbox too.
             idle = not running and not waiting
             try:
                 item = self._inbox.get(block=idle, timeout=IDLE_COLLECT_S if idle else None)
@@ -286,10 +343,12 @@ class Worker:
                 item = False
             while item is not False:
                 if item is None:
-                    self._stop(list(running.values()) + list(waiting))
+                    self._stop(list(running.values()) + list(waiting) + self._stop_vocoder())
                     return
                 if isinstance(item, _Job):
                     self._receive(item, waiting)
+                elif isinstance(item, _Vocoded):
+                    waiting.extendleft(reversed(self._vocoded(item)))  # their next pieces go in first
                 else:
                     self._call(*item)
                 try:
@@ -331,6 +390,9 @@ class Worker:
                     elif ok:
                         ended.append(j)
             waiting.extendleft(reversed(self._end_pieces(ended)))  # their next pieces go in first
+            if not self.vocode_thread:
+                while self._pending:  # T3 waits for S3Gen here
+                    waiting.extendleft(reversed(self._vocoded(self._vocode_ready())))
 
     def _receive(self, j: _Job, waiting: deque[_Job]) -> None:
         """A new job: queued for T3, or answered at once when its text is pause tags alone."""
@@ -410,35 +472,48 @@ class Worker:
             j.vocoder = None
 
     def _end_pieces(self, ended: list[_Job]) -> list[_Job]:
-        """After a step: vocode the whole (not streamed) pieces T3 finished in it, up to ``vocode_batch`` of
-        them together, and move every such job on to its next piece, or hand over its audio. Returns the jobs
-        that have a next piece."""
-        failed: set[int] = set()
+        """After a step: the whole (not streamed) pieces T3 finished in it go to the vocoder; streamed jobs
+        move on to their next piece or end. Returns the jobs that have a next piece now."""
         whole = [j for j in ended if not j.job.stream]
-        groups: dict[int | None, list[_Job]] = {}
-        for j in whole:
-            groups.setdefault(j.job.cfm_steps, []).append(j)
-        for steps, jobs in groups.items():
-            for k in range(0, len(jobs), self.vocode_batch):
-                group = jobs[k : k + self.vocode_batch]
-                try:
-                    wavs = self._vocode(group, steps)
-                except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
-                    logger.exception("vocoding failed")
-                    for j in group:
-                        self._done(j, error)
-                        failed.add(id(j))
-                    continue
-                for j, wav in zip(group, wavs):
-                    j.wavs.append(wav[: len(wav) - self.tts.speech.cut_samples(len(j.raw))])
+        if whole:
+            pieces = [self._piece(j) for j in whole]
+            with self._ready:
+                self._pending.extend(pieces)
+                self._ready.notify()
+        return self._next_pieces([j for j in ended if j.job.stream])
+
+    def _piece(self, j: _Job) -> _Piece:
+        seed = j.seed()
+        return _Piece(
+            j,
+            np.array(j.raw, dtype=np.int32),
+            secrets.randbelow(SEED_LIMIT) if seed is None else seed,
+            self.tts.speech.cut_samples(len(j.raw)),
+        )
+
+    def _vocoded(self, answer: _Vocoded) -> list[_Job]:
+        """The vocoder's audio for some whole pieces (or the error that lost them, and their jobs): each job
+        moves on to its next piece or hands over its audio. Returns the jobs that have a next piece."""
+        if answer.error is not None:
+            for piece in answer.pieces:
+                self._done(piece.j, answer.error)
+            return []
+        for piece, wav in zip(answer.pieces, answer.wavs):
+            piece.j.wavs.append(wav[: len(wav) - piece.cut])
+        return self._next_pieces([piece.j for piece in answer.pieces])
+
+    def _next_pieces(self, jobs: list[_Job]) -> list[_Job]:
+        """Jobs whose piece is finished (vocoded, or streamed to its end): on to the next piece, or, after the
+        last, the whole job's audio handed over. Returns the jobs that have a next piece."""
         more = []
-        for j in ended:
-            if id(j) in failed:
+        for j in jobs:
+            if j.ticket.cancelled and not j.job.stream:  # its reader left while the piece was vocoded
+                self._done(j, None)
                 continue
             last = j.piece == len(j.plan.pieces) - 1
             if last and not j.job.stream:
-                wav = join_audio(j.wavs, j.plan, CROSSFADE)
-                j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
+                if not self._guard(j, self._hand_over, j):
+                    continue
             j.piece += 1
             if last:
                 self._done(j, None)
@@ -446,19 +521,94 @@ class Worker:
                 more.append(j)
         return more
 
-    def _vocode(self, jobs: list[_Job], cfm_steps: int | None) -> list[np.ndarray]:
-        """The unmarked audio of each job's finished piece: ``TTS.vocode`` for one (exactly what
-        ``TTS.generate`` gives), ``S3Gen.batch`` for several (the same up to float error, in one flow-encoder
-        pass and one CFM solve)."""
+    def _hand_over(self, j: _Job) -> None:
+        wav = join_audio(j.wavs, j.plan, CROSSFADE)
+        j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
+
+    # The vocoding thread (or, vocode_thread=False, the worker's after each step).
+
+    def _vocode_loop(self) -> None:
+        mx.set_default_device(self._device)
+        mx.set_default_stream(mx.new_stream(self._device))
+        try:
+            while True:
+                with self._ready:
+                    while not self._pending and not self._vocoder_stop:
+                        self._ready.wait()
+                    if self._vocoder_stop:
+                        return
+                self._inbox.put(self._vocode_ready())
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _stop_vocoder(self) -> list[_Job]:
+        """Stop the vocoding thread after its running call; the jobs whose pieces wait for it or were vocoded
+        after the worker stopped reading its answers."""
+        if self._vocoder is not None:
+            with self._ready:
+                self._vocoder_stop = True
+                self._ready.notify()
+            self._vocoder.join()
+            self._vocoder = None
+        jobs = [piece.j for piece in self._pending]
+        self._pending.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return jobs
+            if isinstance(item, _Vocoded):
+                jobs.extend(piece.j for piece in item.pieces)
+            elif isinstance(item, _Job):  # submitted while the worker stopped
+                jobs.append(item)
+            elif isinstance(item, tuple):
+                item[2].cancel()
+
+    def _vocode_ready(self) -> _Vocoded:
+        """Vocode the oldest pending piece together with the later ones of the same ``cfm_steps`` that fit
+        (``vocode_batch`` rows, ``vocode_frames`` padded mel frames), and take them off the queue."""
+        with self._ready:
+            group = [self._pending[0]]
+            steps = group[0].j.job.cfm_steps
+            width = self._bucketed(group[0].frames())
+            for piece in list(self._pending)[1:]:
+                if len(group) == self.vocode_batch:
+                    break
+                wider = max(width, self._bucketed(piece.frames()))
+                frames = 2 * wider * (len(group) + 1)  # 2 mel frames a token
+                if piece.j.job.cfm_steps == steps and frames <= self.vocode_frames:
+                    group.append(piece)
+                    width = wider
+            for piece in group:
+                self._pending.remove(piece)
+        try:
+            return _Vocoded(group, self._vocode(group, steps))
+        except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
+            logger.exception("vocoding failed")
+            return _Vocoded(group, None, error)
+
+    def _bucketed(self, tokens: int) -> int:
+        return -(-tokens // self.vocode_bucket) * self.vocode_bucket
+
+    def _vocode(self, pieces: list[_Piece], cfm_steps: int | None) -> list[np.ndarray]:
+        """The unmarked audio of each piece: ``TTS.vocode`` for one (exactly what ``TTS.generate`` gives),
+        ``S3Gen.batch`` for several (the same up to float error, in one flow-encoder pass and one CFM solve).
+        """
         tts = self.tts
-        if len(jobs) == 1 or tts.torch_s3gen is not None:  # hybrid mode: upstream's S3Gen, one at a time
+        if len(pieces) == 1 or tts.torch_s3gen is not None:  # hybrid mode: upstream's S3Gen, one at a time
             return [
-                tts.vocode(np.array(j.raw), j.job.voice, cfm_steps=cfm_steps, seed=j.seed(), watermark=False)
-                for j in jobs
+                tts.vocode(p.tokens, p.j.job.voice, cfm_steps=cfm_steps, seed=p.seed, watermark=False)
+                for p in pieces
             ]
-        keys = [None if j.seed() is None else seed_keys(j.seed())[1] for j in jobs]
-        tokens = [np.array(j.raw, dtype=np.int32) for j in jobs]
-        wavs = tts.s3gen.batch(tokens, [j.job.voice for j in jobs], cfm_steps=cfm_steps, keys=keys)
+        keys = [seed_keys(p.seed)[1] for p in pieces]
+        wavs = tts.s3gen.batch(
+            [p.tokens for p in pieces],
+            [p.j.job.voice for p in pieces],
+            cfm_steps=cfm_steps,
+            keys=keys,
+            bucket=self.vocode_bucket,
+        )
         return [np.array(w[0], dtype=np.float32) for w in wavs]
 
     def _emit(self, j: _Job, samples: np.ndarray, end: bool = False) -> None:
