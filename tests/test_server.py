@@ -247,6 +247,58 @@ def test_concurrent_requests(client, reference):
     assert len({out[s] for s in seeds}) == 4
 
 
+def test_concurrent_whole_requests_share_s3gen_and_match_alone(server, tts, monkeypatch):
+    """Concurrent whole requests of different voices, seeds and lengths: T3 finishes three of them while the
+    first is being vocoded (S3Gen's own thread), and those three share one S3Gen call; each comes back as
+    ``TTS.generate`` gives it alone, within the shared-call bound (test_worker.SHARED_TOL, relative, here on
+    16-bit PCM)."""
+    url, worker, voices = server
+    random_voice(seed=12, gen_tokens=23).save(voices.directory / "other.safetensors")
+    requests = [("default", 6, 21), ("default", 12, 22), ("other", 16, 23), ("other", 20, 24)]
+    calls, real_vocode, real_batch = [], tts.vocode, tts.s3gen.batch
+
+    def slow_vocode(*args, **kwargs):  # the first piece: S3Gen waits until the other three are ready
+        end = time.monotonic() + 30
+        while len(worker._pending) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        return real_vocode(*args, **kwargs)
+
+    def spy(tokens, voices, **kwargs):
+        calls.append(len(tokens))
+        return real_batch(tokens, voices, **kwargs)
+
+    monkeypatch.setattr(tts, "vocode", slow_vocode)
+    monkeypatch.setattr(tts.s3gen, "batch", spy)
+    out = {}
+
+    def one(voice, tokens, seed):
+        body = {"model": "tts-1", "input": TEXT, "voice": voice, "response_format": "pcm", "seed": seed,
+                "max_new_tokens": tokens, "stream": False}  # fmt: skip
+        out[seed] = post(server, body)
+
+    threads = [threading.Thread(target=one, args=r) for r in requests]
+    hold = worker.run(time.sleep, 0.3)  # all four start T3 together
+    for t in threads:
+        t.start()
+    hold.result()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    assert calls == [3]
+
+    def alone(voice, tokens, seed):
+        return tts.generate(TEXT, voices.get(voice), SamplingParams(max_new_tokens=tokens), seed=seed)
+
+    for voice, tokens, seed in requests:
+        assert out[seed].status_code == 200, out[seed].text
+        got = np.frombuffer(out[seed].content, "<i2") / 32768
+        ref = worker.run(alone, voice, tokens, seed).result(timeout=60)
+        assert len(got) == len(ref)
+        print(f"{voice} {tokens} tokens: max |PCM - alone| = {np.abs(got - ref).max() / STEP:.3f} steps")
+        assert np.abs(got - ref).max() <= STEP / 2 + 1e-5 * np.abs(ref).max(), (voice, tokens, seed)
+    assert httpx.delete(f"{url}/v1/audio/voices/other").status_code == 200
+
+
 def test_pause_tags_are_exact_silence_whole_and_streamed(server, tts, monkeypatch):
     worker, voices = server[1], server[2]
     # The server always watermarks; Perth over the whole would blur the silences' edges (test_pauses.py covers
