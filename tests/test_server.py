@@ -549,6 +549,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--voices",
         "--cfm-steps",
         "--stream-context",
+        "--vocode-inline",
         "--no-ui",
     )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
@@ -625,6 +626,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         "2",
         "--vocode-batch",
         "3",
+        "--vocode-inline",
         "--cfm-steps",
         "2",
         "--stream-context",
@@ -649,6 +651,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
     health = seen["health"]
     assert health["model"] == "mlx" and health["max_queue"] == 3 and health["max_batch"] == 2
     assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2 and health["stream_context"] == "whole"
+    assert health["vocode_thread"] is False
     assert [v["id"] for v in seen["voices"]] == ["default"]
     assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
     assert "serving mlx on http://0.0.0.0:8123" in capsys.readouterr().err

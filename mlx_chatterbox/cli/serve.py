@@ -33,8 +33,14 @@ def add_parser(sub) -> None:
         "--vocode-batch",
         type=common.at_least_1,
         default=8,
-        help="whole (not streamed) requests whose speech tokens are vocoded together when T3 finishes them "
-        "in the same step, at most (default: 8; S3Gen's memory grows with it)",
+        help="whole (not streamed) requests whose speech tokens are vocoded together, at most: those T3 has "
+        "finished while S3Gen was busy (default: 8; S3Gen's memory grows with it)",
+    )
+    p.add_argument(
+        "--vocode-inline",
+        action="store_true",
+        help="vocode whole requests on the model thread after each T3 step (T3 waits) instead of on a thread "
+        "of their own while T3 keeps stepping",
     )
     p.add_argument(
         "--max-queue",
@@ -133,7 +139,11 @@ def run(args: argparse.Namespace) -> None:
     voices = VoiceStore(folder, default)
     model_name = Path(args.model).name or str(args.model)
     with Worker(
-        tts, max_batch=args.max_batch, max_queue=args.max_queue, vocode_batch=args.vocode_batch
+        tts,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        vocode_batch=args.vocode_batch,
+        vocode_thread=not args.vocode_inline,
     ) as worker:
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
             worker.warm_up(default, common.english(tts))

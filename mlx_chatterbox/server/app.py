@@ -109,6 +109,7 @@ def create_app(
             "max_queue": worker.max_queue,
             "max_batch": worker.max_batch,
             "vocode_batch": worker.vocode_batch,
+            "vocode_thread": worker.vocode_thread,
             "cfm_steps": cfm_steps_used,
             "stream_context": stream_context,
             "sample_rate": worker.sample_rate,
