@@ -232,8 +232,9 @@ def stage_peak(s3gen: S3Gen):
         out[0] = mx.get_peak_memory() - before
 
 
-def bench_batch(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, n: int) -> dict:
-    """N requests (one voice, tokens/2 .. tokens new tokens, a key each) one by one and batched."""
+def bench_batch(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, n: int, bucket: int = 1) -> dict:
+    """N requests (one voice, tokens/2 .. tokens new tokens, a key each) one by one and batched (rows padded
+    to a multiple of ``bucket`` tokens)."""
     voice = fixed_voice(inputs)
     full = inputs["token"].shape[1]
     counts = np.linspace(max(1, full // 2), full, n).round().astype(int)
@@ -249,7 +250,7 @@ def bench_batch(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, n: int) ->
         return out
 
     def batched() -> list[mx.array]:
-        out = s3gen.batch(ids, voices, cfm_steps=steps, keys=keys)
+        out = s3gen.batch(ids, voices, cfm_steps=steps, keys=keys, bucket=bucket)
         mx.eval(out)
         return out
 
@@ -273,6 +274,7 @@ def bench_batch(s3gen: S3Gen, inputs: dict, steps: int, repeats: int, n: int) ->
     )
     return dict(
         requests=n,
+        bucket=bucket,
         token_counts=counts.tolist(),
         audio_s=round(audio_s, 2),
         one_by_one_ms=round(1e3 * single_s, 1),
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: S3Gen.memory_budget: auto, none, or MiB above the memory in use at a call's start",
     )
     p.add_argument("--batch", type=int, help="also time N requests (ours) one by one and batched")
+    p.add_argument("--bucket", type=int, default=1, help="with --batch: rows padded to a multiple (tokens)")
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     if args.batch:
         print(f"# ours, {args.batch} requests one by one and batched ...", file=sys.stderr)
-        res = bench_batch(s3gen, inputs, args.steps, args.repeats, args.batch)
+        res = bench_batch(s3gen, inputs, args.steps, args.repeats, args.batch, args.bucket)
         write_line(dict(system="ours-batch", device=mlx_device, steps=args.steps, **res, **info), args.out)
         print(
             f"# batch of {args.batch} ({res['audio_s']} s of audio): one by one {res['one_by_one_ms']} ms, "

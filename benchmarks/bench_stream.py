@@ -32,6 +32,7 @@ import threading
 import time
 
 import mlx.core as mx
+import numpy as np
 from common import machine_info, memory_budget, write_line
 from mlx.utils import tree_flatten
 from toy_tokenizer import build_toy_tokenizer
@@ -109,9 +110,18 @@ def first_audio_parts(tts: TTS, first_chunk: int = 10) -> dict:
 
 
 def bench_worker(
-    tts: TTS, n: int, tokens: int, stream: bool, vocode_batch: int = 8, context: int | str = STREAM_CONTEXT
+    tts: TTS,
+    n: int,
+    tokens: int,
+    stream: bool,
+    vocode_batch: int = 8,
+    context: int | str = STREAM_CONTEXT,
+    thread: bool = False,
+    spread: bool = False,
 ) -> dict:
-    params = SamplingParams(max_new_tokens=tokens)
+    """``n`` concurrent requests of ``tokens`` speech tokens (``spread``: tokens/2 .. tokens, so that they end
+    in different steps); ``thread``: the Worker's vocode_thread."""
+    counts = np.linspace(max(1, tokens // 2), tokens, n).round().astype(int) if spread else [tokens] * n
     firsts, samples = [], []
 
     def read(ticket, start: float) -> None:
@@ -122,15 +132,16 @@ def bench_worker(
             count += len(chunk)
         samples.append(count)
 
-    with Worker(tts, max_batch=max(n, 1), vocode_batch=vocode_batch) as worker:
+    with Worker(tts, max_batch=max(n, 1), vocode_batch=vocode_batch, vocode_thread=thread) as worker:
         start = time.perf_counter()
         readers = [
             threading.Thread(target=read, args=(worker.submit(job), start))
             for job in (
-                SpeechJob(TEXT, tts.builtin_voice, params, seed=i, stream=stream, stream_context=context)
-                for i in range(n)
+                SpeechJob(TEXT, tts.builtin_voice, SamplingParams(max_new_tokens=int(c)), seed=i, stream=stream,
+                          stream_context=context)
+                for i, c in enumerate(counts)
             )
-        ]
+        ]  # fmt: skip
         for r in readers:
             r.start()
         for r in readers:
@@ -168,6 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--worker-only", action="store_true", help="skip the rows of tts.stream alone")
     parser.add_argument(
+        "--vocode-thread", action="store_true", help="the Worker vocodes on a thread of its own"
+    )
+    parser.add_argument(
+        "--spread", action="store_true", help="request i of n: tokens/2 .. tokens, ending in different steps"
+    )
+    parser.add_argument("--formats", default="streamed,whole", help="worker rows: streamed,whole")
+    parser.add_argument(
         "--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)"
     )
     parser.add_argument("--out", help="append JSON lines here")
@@ -197,16 +215,17 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
-    for stream in (True, False):
+    shape = dict(vocode_batch=args.vocode_batch, thread=args.vocode_thread, spread=args.spread)
+    for stream in [f == "streamed" for f in args.formats.split(",")]:
         for n in (int(c) for c in args.concurrency.split(",")):
-            knobs = dict(vocode_batch=args.vocode_batch, context=args.stream_context)
+            knobs = dict(context=args.stream_context, **shape)
             bench_worker(tts, n, 30, stream, **knobs)  # warm-up for this batch's shapes
             mx.reset_peak_memory()
             row = bench_worker(tts, n, args.tokens, stream, **knobs)
             rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
                              peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
-            row = dict(bench="stream", tokens=args.tokens, vocode_batch=args.vocode_batch,
-                       memory_budget=args.memory_budget, stream_context=args.stream_context,
+            row = dict(bench="stream", tokens=args.tokens, **shape, memory_budget=args.memory_budget,
+                       stream_context=args.stream_context,
                        **rows[-1])  # fmt: skip
             write_line(dict(**row, machine=info), args.out)
     print("\n| mode | requests | first audio (median / worst) s | wall s | audio s | RTF | peak GB |")

@@ -247,13 +247,20 @@ def test_concurrent_requests(client, reference):
     assert len({out[s] for s in seeds}) == 4
 
 
-def test_concurrent_whole_requests_share_s3gen_and_match_alone(server, tts, monkeypatch):
-    """Concurrent whole requests of different voices, seeds and lengths: T3 finishes three of them while the
-    first is being vocoded (S3Gen's own thread), and those three share one S3Gen call; each comes back as
-    ``TTS.generate`` gives it alone, within the shared-call bound (test_worker.SHARED_TOL, relative, here on
-    16-bit PCM)."""
+def test_concurrent_whole_requests_share_s3gen_and_match_alone(tts, tmp_path, monkeypatch):
+    """A live server whose worker vocodes on its own thread (``serve --vocode-thread``), and concurrent whole
+    requests of different voices, seeds and lengths: T3 finishes three of them while the first is being vocoded,
+    and those three share one S3Gen call; each comes back as ``TTS.generate`` gives it alone, within the
+    shared-call bound (test_worker.SHARED_TOL, relative, here on 16-bit PCM)."""
+    voices = VoiceStore(tmp_path, builtin=random_voice(seed=5))
+    random_voice(seed=12, gen_tokens=23).save(tmp_path / "other.safetensors")
+    with Worker(tts, max_batch=4, vocode_thread=True) as worker:
+        with serving(create_app(worker, voices, model_name="tiny")) as url:
+            _share_s3gen_and_match_alone((url, worker, voices), tts, monkeypatch)
+
+
+def _share_s3gen_and_match_alone(server, tts, monkeypatch) -> None:
     url, worker, voices = server
-    random_voice(seed=12, gen_tokens=23).save(voices.directory / "other.safetensors")
     requests = [("default", 6, 21), ("default", 12, 22), ("other", 16, 23), ("other", 20, 24)]
     calls, real_vocode, real_batch = [], tts.vocode, tts.s3gen.batch
 
@@ -296,7 +303,6 @@ def test_concurrent_whole_requests_share_s3gen_and_match_alone(server, tts, monk
         assert len(got) == len(ref)
         print(f"{voice} {tokens} tokens: max |PCM - alone| = {np.abs(got - ref).max() / STEP:.3f} steps")
         assert np.abs(got - ref).max() <= STEP / 2 + 1e-5 * np.abs(ref).max(), (voice, tokens, seed)
-    assert httpx.delete(f"{url}/v1/audio/voices/other").status_code == 200
 
 
 def test_pause_tags_are_exact_silence_whole_and_streamed(server, tts, monkeypatch):
@@ -549,7 +555,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--voices",
         "--cfm-steps",
         "--stream-context",
-        "--vocode-inline",
+        "--vocode-thread",
         "--no-ui",
     )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
@@ -626,7 +632,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         "2",
         "--vocode-batch",
         "3",
-        "--vocode-inline",
+        "--vocode-thread",
         "--cfm-steps",
         "2",
         "--stream-context",
@@ -651,7 +657,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
     health = seen["health"]
     assert health["model"] == "mlx" and health["max_queue"] == 3 and health["max_batch"] == 2
     assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2 and health["stream_context"] == "whole"
-    assert health["vocode_thread"] is False
+    assert health["vocode_thread"] is True
     assert [v["id"] for v in seen["voices"]] == ["default"]
     assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
     assert "serving mlx on http://0.0.0.0:8123" in capsys.readouterr().err

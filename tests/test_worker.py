@@ -271,17 +271,17 @@ SHARED_TOL = 1e-5
 
 @pytest.mark.parametrize("fit", ["all", "two"])
 def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatch, fit):
-    """On the vocoding thread S3Gen runs while T3 keeps stepping: the first job's piece is vocoded (alone) until
-    every other job has finished T3, and those, ready together by then, share one S3Gen call (different token
-    counts, voices and prompt lengths, padded to the bucket), each equal to its job alone within SHARED_TOL. A
-    job of other cfm_steps is vocoded apart; ``vocode_frames`` bounds a call ("two": only two rows fit, the
-    third goes alone)."""
+    """On the vocoding thread (``vocode_thread=True``) S3Gen runs while T3 keeps stepping: the first job's
+    piece is vocoded (alone) until every other job has finished T3, and those, ready together by then, share
+    one S3Gen call (different token counts, voices and prompt lengths, padded to the bucket), each equal to
+    its job alone within SHARED_TOL. A job of other cfm_steps is vocoded apart; ``vocode_frames`` bounds a
+    call ("two": only two rows fit, the third goes alone)."""
     first = SpeechJob("Hi.", random_voice(1), SamplingParams(max_new_tokens=5), cfm_steps=2, seed=10)
     rest = [
         SpeechJob("Hello there.", random_voice(2, gen_tokens=13), SamplingParams(max_new_tokens=9), cfm_steps=2,
                   seed=11),
-        SpeechJob("Good morning.", random_voice(3, gen_tokens=30), SamplingParams(max_new_tokens=12), cfm_steps=2,
-                  seed=12, watermark=False),
+        SpeechJob("Good morning.", random_voice(3, gen_tokens=30), SamplingParams(max_new_tokens=12),
+                  cfm_steps=2, seed=12, watermark=False),
         SpeechJob("Other steps.", random_voice(4), SamplingParams(max_new_tokens=13), cfm_steps=3, seed=13),
         SpeechJob("Last one.", random_voice(1), SamplingParams(max_new_tokens=16), cfm_steps=2, seed=14),
     ]  # fmt: skip
@@ -311,7 +311,7 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
 
     monkeypatch.setattr(tts, "vocode", slow_vocode)
     monkeypatch.setattr(tts.s3gen, "batch", spy)
-    with Worker(tts, vocode_frames=frames, vocode_bucket=bucket) as worker:
+    with Worker(tts, vocode_frames=frames, vocode_bucket=bucket, vocode_thread=True) as worker:
         hold = worker.run(time.sleep, 0.3)  # all five start together
         tickets += [worker.submit(job) for job in [first] + rest]
         hold.result()
@@ -338,3 +338,25 @@ def test_vocoding_settings_are_checked(tts):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name}={bad!r} must be an integer of at least 1"):
                 Worker(tts, **{name: bad})
+
+
+def test_streamed_and_whole_jobs_at_once(tts):
+    """Streamed jobs run S3Gen on the worker thread while whole ones are vocoded on the vocoding thread, both at
+    once: the streamed chunks are TTS.stream's exactly, the whole audio TTS.generate's within SHARED_TOL."""
+    specs = [
+        dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
+        for k, job in enumerate(jobs(False) + jobs(True))
+    ]
+    with Worker(tts, max_batch=6, vocode_thread=True) as worker:
+        hold = worker.run(time.sleep, 0.3)
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        got = [list(t) for t in tickets]
+    for job, chunks in zip(specs, got):
+        expected = alone(tts, job)
+        assert [len(c) for c in chunks] == [len(c) for c in expected]
+        if job.stream:
+            assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
+        else:
+            (wav,), (ref,) = chunks, expected
+            assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL

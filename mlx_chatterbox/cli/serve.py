@@ -37,10 +37,10 @@ def add_parser(sub) -> None:
         "finished while S3Gen was busy (default: 8; S3Gen's memory grows with it)",
     )
     p.add_argument(
-        "--vocode-inline",
+        "--vocode-thread",
         action="store_true",
-        help="vocode whole requests on the model thread after each T3 step (T3 waits) instead of on a thread "
-        "of their own while T3 keeps stepping",
+        help="vocode whole requests on a thread of their own while T3 keeps stepping, instead of on the model "
+        "thread after each step (experimental: not yet run on CUDA; no gain on CPUs)",
     )
     p.add_argument(
         "--max-queue",
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         vocode_batch=args.vocode_batch,
-        vocode_thread=not args.vocode_inline,
+        vocode_thread=args.vocode_thread,
     ) as worker:
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
             worker.warm_up(default, common.english(tts))

@@ -3,14 +3,19 @@
 Request handlers (any thread, or asyncio) ``submit`` a ``SpeechJob`` and read its audio from the ``Ticket`` they
 get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time into one ``SpeechTokenBatch``,
 steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
-jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). Whole pieces go to a second thread, the
-vocoding thread, which vocodes the ones that are ready together (``S3Gen.batch``, up to ``vocode_batch`` rows and
-``vocode_frames`` frames a call) while T3 keeps stepping (``vocode_thread=False``: on the worker thread after
-each step, T3 waiting). A job's audio is what ``TTS.generate`` gives for the same arguments and seed
-(``TTS.stream`` for streamed jobs, chunk for chunk): pieces, budgets, seeds per piece, crossfades, pause tags'
-silences and watermark as there; exactly, except that whole pieces vocoded together are equal up to float
-error. Apart from the vocoding thread's S3Gen calls (on its own MLX stream, with arrays of its own), all MLX
-work happens on the worker thread.
+jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). Whole pieces that are ready are
+vocoded together (``S3Gen.batch``, up to ``vocode_batch`` rows and ``vocode_frames`` frames a call): by
+default on the worker thread after the step that finished them (T3 waits), or, ``vocode_thread=True``, on a
+second thread while T3 keeps stepping, which takes the pieces that finished while it was busy. A job's audio
+is what ``TTS.generate`` gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk for
+chunk): pieces, budgets, seeds per piece, crossfades, pause tags' silences and watermark as there; exactly,
+except that whole pieces vocoded together are equal up to float error. Apart from the vocoding thread's S3Gen
+calls (on its own MLX stream, with arrays of its own), all MLX work happens on the worker thread.
+
+The vocoding thread is opt-in: on 2 CPU cores it gained nothing (T3 and S3Gen share the cores, and S3Gen's
+process-wide memory bound holds T3's evaluations back too: 8 whole requests 13.2 s threaded against 6.7 s),
+and it has not been run on MLX-CUDA, where another thread's CUDA calls once broke the worker's graph captures
+(ADR 10).
 """
 
 from __future__ import annotations
@@ -151,7 +156,7 @@ class _Job:
         return None if self.job.seed is None else self.job.seed + self.piece
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity (the queue removes pieces)
 class _Piece:
     """A whole piece T3 has finished, to be vocoded."""
 
@@ -160,12 +165,12 @@ class _Piece:
     seed: int  # S3Gen's (an unseeded job's drawn here: the vocoding thread never uses MLX's global generator)
     cut: int  # samples to drop from the end of its audio (TTS.speech.cut_samples)
 
-    def frames(self) -> int:
-        """Its row's length in tokens: the voice's prompt tokens and its own."""
+    def row_tokens(self) -> int:
+        """Its row's length in S3Gen's batch: the voice's prompt tokens and its own."""
         return self.j.job.voice.s3gen_prompt_tokens.shape[1] + len(self.tokens)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Vocoded:
     """The vocoding thread's answer for some pieces: their unmarked audio, or the error that lost them."""
 
@@ -176,10 +181,10 @@ class _Vocoded:
 
 class Worker:
     """Runs speech jobs on a background thread, T3 batched over up to ``max_batch`` jobs at once, and whole
-    pieces vocoded on a second thread as they become ready, up to ``vocode_batch`` of them (and
-    ``vocode_frames`` mel frames, rows padded to multiples of ``vocode_bucket`` tokens) in one S3Gen call;
-    ``vocode_thread=False`` vocodes them on the worker thread after each step instead. At most ``max_queue``
-    jobs wait or run (``submit`` raises ``QueueFull`` beyond)."""
+    pieces vocoded as they become ready, up to ``vocode_batch`` of them (and ``vocode_frames`` mel frames, rows
+    padded to multiples of ``vocode_bucket`` tokens) in one S3Gen call: after the step that finished them, or,
+    ``vocode_thread=True``, on a second thread while T3 keeps stepping. At most ``max_queue`` jobs wait or run
+    (``submit`` raises ``QueueFull`` beyond)."""
 
     def __init__(
         self,
@@ -190,7 +195,7 @@ class Worker:
         vocode_batch: int = 8,
         vocode_frames: int = VOCODE_FRAMES,
         vocode_bucket: int = VOCODE_BUCKET,
-        vocode_thread: bool = True,
+        vocode_thread: bool = False,
     ):
         for name, value in (
             ("max_batch", max_batch),
@@ -255,7 +260,9 @@ class Worker:
         self._thread.start()
         if self.vocode_thread:
             self._vocoder_stop = False
-            self._vocoder = threading.Thread(target=self._vocode_loop, name="mlx-chatterbox-vocoder", daemon=True)
+            self._vocoder = threading.Thread(
+                target=self._vocode_loop, name="mlx-chatterbox-vocoder", daemon=True
+            )
             self._vocoder.start()
 
     def close(self) -> None:
@@ -525,7 +532,7 @@ class Worker:
         wav = join_audio(j.wavs, j.plan, CROSSFADE)
         j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
 
-    # The vocoding thread (or, vocode_thread=False, the worker's after each step).
+    # Vocoding: on the vocoding thread (vocode_thread=True), or on the worker's after each step.
 
     def _vocode_loop(self) -> None:
         mx.set_default_device(self._device)
@@ -571,11 +578,11 @@ class Worker:
         with self._ready:
             group = [self._pending[0]]
             steps = group[0].j.job.cfm_steps
-            width = self._bucketed(group[0].frames())
+            width = self._bucketed(group[0].row_tokens())
             for piece in list(self._pending)[1:]:
                 if len(group) == self.vocode_batch:
                     break
-                wider = max(width, self._bucketed(piece.frames()))
+                wider = max(width, self._bucketed(piece.row_tokens()))
                 frames = 2 * wider * (len(group) + 1)  # 2 mel frames a token
                 if piece.j.job.cfm_steps == steps and frames <= self.vocode_frames:
                     group.append(piece)
