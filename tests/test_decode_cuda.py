@@ -238,30 +238,46 @@ def rope_reference(x: np.ndarray, periods: np.ndarray, offsets: np.ndarray) -> n
     )
 
 
-@pytest.mark.parametrize("rotate,with_pad", [(False, False), (True, False), (True, True)])
-def test_heads_composed(rotate, with_pad):
+def heads_arguments(rotate: bool, with_pad: bool, rows: int, hd: int, position: int):
+    """``layers.heads``' position, pad and RoPE periods for a test; numpy's pad and periods for the reference."""
+    periods = 10000 ** (np.arange(hd // 2) / (hd // 2))
+    pad = np.array([0, 41, 3, 7][:rows]) if with_pad else np.zeros(rows, dtype=int)
+    args = dict(position=mx.array(position, mx.int32))
+    if with_pad:
+        args["pad"] = mx.array(pad, mx.int32)
+    if rotate:
+        args["rope_periods"] = mx.array(periods, mx.float32)
+    return args, pad, periods
+
+
+@pytest.mark.parametrize(
+    "rotate,with_pad,with_cache", [(False, False, True), (True, False, False), (True, True, True)]
+)
+def test_heads_composed(rotate, with_pad, with_cache):
     rng = np.random.default_rng(6)
-    b, h, hd = 2, 4, 64
+    b, h, hd, capacity, position = 2, 4, 64, 512, 300
     norm, g, _ = norm_module("rms", 256, rng)
     lin, w, bias = random_linear(rng, 256, 3 * h * hd, bias=not rotate)
     x = rng.standard_normal((b, 1, 256))
     qkv = (norm_reference(x, "rms", g, 0, 1e-5) @ w.T + bias).reshape(b, 3, h, 1, hd)
-    periods = 10000 ** (np.arange(hd // 2) / (hd // 2))
-    position, pad = 300, (np.array([0, 41]) if with_pad else np.zeros(b, dtype=int))
-    rope = None
+    args, pad, periods = heads_arguments(rotate, with_pad, b, hd, position)
+    buffers = [rng.standard_normal((b, h, capacity, hd)) for _ in range(2)]
+    if with_cache:
+        args["cache"] = tuple(mx.array(a, mx.float32) for a in buffers)
+    got = layers.heads(lin, mx.array(x, mx.float32), h, norm=norm, **args)
+    want = [qkv[:, i] for i in range(3)]
     if rotate:
-        rope = (
-            mx.array(periods, mx.float32),
-            mx.array(position, mx.int32),
-            mx.array(pad, mx.int32) if with_pad else None,
-        )
-    got = layers.heads(lin, mx.array(x, mx.float32), h, norm=norm, rope=rope)
-    for i, part in enumerate(got):
-        want = qkv[:, i]
-        if rotate and i < 2:
-            want = rope_reference(want, periods, position - pad)
-        assert part.shape == (b, h, 1, hd)
-        assert rel_l2(part, want) <= 2e-6, i
+        want[:2] = [rope_reference(a, periods, position - pad) for a in want[:2]]
+    if with_cache:  # k and v written at the position, every other entry as it was
+        for i in (1, 2):
+            buffers[i - 1][:, :, position : position + 1] = want[i]
+            want[i] = buffers[i - 1]
+    if with_cache:  # the written rows alone too: in a whole buffer an error there would be diluted
+        got = [*got, *(a[:, :, position] for a in got[1:])]
+        want = [*want, *(a[:, :, position] for a in want[1:])]
+    for i, (part, expected) in enumerate(zip(got, want)):
+        assert part.shape == expected.shape
+        assert rel_l2(part, expected) <= 2e-6, i
 
 
 @cuda
@@ -294,33 +310,49 @@ def test_fused_gemv_kernel_equals_composed(dtype, tol, rows, kind, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-6), (mx.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize(
-    "rotate,with_pad,kind", [(False, False, "layer"), (True, False, "rms"), (True, True, "rms")]
+    "rotate,with_pad,with_cache,kind",
+    [
+        (False, False, False, "layer"),
+        (False, False, True, "layer"),
+        (True, False, True, "rms"),
+        (True, True, False, "rms"),
+    ],
 )
-def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, kind, monkeypatch):
-    """q, k, v from our kernel against MLX's ops, and in fp32 against float64. RoPE at position 1234 takes
-    cos and sin of angles up to 1234 rad, whose fp32 rounding (1.2e-4 rad there) puts MLX's rope 4.3e-6 from
-    float64 on the H200: ours must be as close, not closer."""
+def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, with_cache, kind, monkeypatch):
+    """q, k, v (or q and the buffers with k and v written in) from our kernel against MLX's ops, and in fp32
+    against float64. RoPE at position 1234 takes cos and sin of angles up to 1234 rad, whose fp32 rounding
+    (1.2e-4 rad there) puts MLX's rope 4.3e-6 from float64 on the H200: ours must be as close, not closer."""
     rng = np.random.default_rng(rows)
-    h, hd = 16, 64
+    h, hd, capacity, position = 16, 64, 1536, 1234
     norm, g, beta = norm_module(kind, 1024, rng, dtype)
     lin, w, b = random_linear(rng, 1024, 3 * h * hd, bias=not rotate, dtype=dtype)
     x = rng.standard_normal((rows, 1, 1024))
     xm = mx.array(x, mx.float32).astype(dtype)
-    periods = 10000 ** (np.arange(hd // 2) / (hd // 2))
-    position, pad = 1234, (np.array([0, 9][:rows]) if with_pad else np.zeros(rows, dtype=int))
-    rope = None
-    if rotate:
-        pad_arg = mx.array(pad, mx.int32) if with_pad else None
-        rope = (mx.array(periods, mx.float32), mx.array(position, mx.int32), pad_arg)
-    fused = layers.heads(lin, xm, h, norm=norm, rope=rope)
+    args, pad, periods = heads_arguments(rotate, with_pad, rows, hd, position)
+    buffers = [rng.standard_normal((rows, h, capacity, hd)) for _ in range(2)]
+
+    def run() -> list[mx.array]:
+        if with_cache:  # new buffers each time: the kernel writes into its own
+            args["cache"] = tuple(mx.array(a, mx.float32).astype(dtype) for a in buffers)
+        return [a.astype(mx.float32) for a in layers.heads(lin, xm, h, norm=norm, **args)]
+
+    fused = run()
     monkeypatch.setattr(layers, "CUDA_DECODE", False)
-    composed = layers.heads(lin, xm, h, norm=norm, rope=rope)
+    composed = run()
     qkv = (norm_reference(x, kind, g, beta, 1e-5) @ w.T + b).reshape(rows, 3, h, 1, hd)
+    exact = [qkv[:, i] for i in range(3)]
+    if rotate:
+        exact[:2] = [rope_reference(a, periods, position - pad) for a in exact[:2]]
+    if with_cache:
+        for i in (1, 2):
+            buffers[i - 1][:, :, position : position + 1] = exact[i]
+            exact[i] = buffers[i - 1]
+    if with_cache:  # the written rows alone too: in a whole buffer an error there would be diluted
+        fused, composed = ([*a, *(b[:, :, position] for b in a[1:])] for a in (fused, composed))
+        exact += [a[:, :, position] for a in exact[1:]]
     for i, (got, want) in enumerate(zip(fused, composed)):
         assert got.shape == want.shape
-        got, want = got.astype(mx.float32), want.astype(mx.float32)
         err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
-        exact = qkv[:, i] if not (rotate and i < 2) else rope_reference(qkv[:, i], periods, position - pad)
-        assert err <= tol, (i, err, rel_l2(got, exact), rel_l2(want, exact))
+        assert err <= tol, (i, err, rel_l2(got, exact[i]), rel_l2(want, exact[i]))
         if dtype == mx.float32:
-            assert rel_l2(got, exact) <= 1e-5, (i, rel_l2(got, exact), rel_l2(want, exact))
+            assert rel_l2(got, exact[i]) <= 1e-5, (i, rel_l2(got, exact[i]), rel_l2(want, exact[i]))

@@ -102,9 +102,9 @@ class Attention(nn.Module):
         on the value of ``position``, so a compiled step is traced once per capacity.
         pad: (B,) int32 for rows left-padded to a common length (generation/turbo_batch.py): row b's sequence
         starts at buffer index pad[b] and sees nothing before it."""
-        q, k, v = heads(self.c_attn, x, self.num_heads, norm=norm)
-        keys = mx.slice_update(keys, k, position[None], axes=(2,))
-        values = mx.slice_update(values, v, position[None], axes=(2,))
+        q, keys, values = heads(
+            self.c_attn, x, self.num_heads, norm=norm, position=position, cache=(keys, values)
+        )
         out = decode_attention(q, keys, values, position, pad)
         return project(self.c_proj, out, residual=x), keys, values
 

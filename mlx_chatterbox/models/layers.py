@@ -385,25 +385,56 @@ def heads(
     num_heads: int,
     *,
     norm: nn.Module | None = None,
-    rope: tuple[mx.array, mx.array, mx.array | None] | None = None,
+    position: mx.array | None = None,
+    pad: mx.array | None = None,
+    rope_periods: mx.array | None = None,
+    cache: tuple[mx.array, mx.array] | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """One token's fused q/k/v projection ``layer(norm(x))`` of x (B, 1, D), whose output columns are
-    [q | k | v], as q, k, v (B, H, 1, hd). rope: (periods, position, pad) rotates q and k as T3 does
-    (``mx.fast.rope`` with these periods, non-traditional, at ``position`` less each row's ``pad`` when given).
-    On CUDA one primitive with three outputs (as ``project``); the plain ops otherwise."""
+    [q | k | v], as q, k, v (B, H, 1, hd).
+
+    rope_periods: rotate q and k as T3 does (``mx.fast.rope`` with these periods, non-traditional) at buffer
+        index ``position`` (an int32 scalar array) less each row's ``pad`` (B,) when given.
+    cache: key and value buffers (B, H, capacity, hd): k and v are written at index ``position`` and the
+        buffers are returned in their place, (q, keys, values).
+
+    On CUDA one primitive (as ``project``), which writes k and v into the buffers where they are: MLX has no
+    in-place update for a custom kernel, so the kernel writes through its read-only inputs, which is sound
+    because nothing reads the buffers before it in the step (the attention that does needs its q) and every
+    buffer here is made whole by MLX (``models/cache.py``: pads and concatenations, row-contiguous, so MLX
+    hands the kernel the buffer itself, not a copy). Elsewhere the plain ops, with two ``slice_update``s."""
     b = x.shape[0]
     hd = layer.weight.shape[0] // (3 * num_heads)
+    if (rope_periods is not None or cache is not None) and position is None:
+        raise ValueError("RoPE and the cache write need the token's position")
     if _fusable(layer, x, norm) and hd % 2 == 0:
-        return tuple(_gemv(x, layer, norm, None, "heads", num_heads=num_heads, rope=rope))
+        return tuple(
+            _gemv(
+                x,
+                layer,
+                norm,
+                None,
+                "heads",
+                num_heads=num_heads,
+                heads_args=(position, pad, rope_periods, cache),
+            )
+        )
     # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes.
     qkv = layer(x if norm is None else norm(x)).reshape(b, 3, num_heads, 1, hd)
-    if rope is None:
-        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    periods, position, pad = rope
-    offset = position if pad is None else position - pad  # a (B,) offset is one per row (axis 0)
-    # q and k in one call: one kernel instead of two.
-    qk = mx.fast.rope(qkv[:, :2], hd, traditional=False, base=None, scale=1.0, offset=offset, freqs=periods)
-    return qk[:, 0], qk[:, 1], qkv[:, 2]
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    if rope_periods is not None:
+        offset = position if pad is None else position - pad  # a (B,) offset is one per row (axis 0)
+        # q and k in one call: one kernel instead of two.
+        qk = mx.fast.rope(
+            qkv[:, :2], hd, traditional=False, base=None, scale=1.0, offset=offset, freqs=rope_periods
+        )
+        q, k = qk[:, 0], qk[:, 1]
+    if cache is None:
+        return q, k, v
+    keys, values = cache
+    keys = mx.slice_update(keys, k, position[None], axes=(2,))
+    values = mx.slice_update(values, v, position[None], axes=(2,))
+    return q, keys, values
 
 
 _ACTS = ("none", "swiglu", "gelu")
@@ -561,8 +592,19 @@ _HEADS_EPILOGUE = """
         float x2 = static_cast<float>(static_cast<T>(u %(bias1)s));
         int part = block / H;
         %(rope)s
+        %(store)s
+"""
+_STORE_HEADS = """
         T* dst = part == 0 ? q : (part == 1 ? k : v);
-        size_t o = (size_t)m * H * HD + (size_t)(block %% H) * HD + i;
+        size_t o = (size_t)m * H * HD + (size_t)(block % H) * HD + i;
+        dst[o] = static_cast<T>(x1);
+        dst[o + HALF] = static_cast<T>(x2);
+"""
+# q to the output; k and v into the cache buffers at the token's index, through the read-only inputs (``heads``).
+_STORE_CACHE = """
+        size_t o = (size_t)m * H * HD + (size_t)(block % H) * HD + i;
+        if (part > 0) o = (o - i) * keys_shape[2] + (size_t)position[0] * HD + i;
+        T* dst = part == 0 ? q : const_cast<T*>(part == 1 ? keys : values);
         dst[o] = static_cast<T>(x1);
         dst[o + HALF] = static_cast<T>(x2);
 """
@@ -587,30 +629,37 @@ def _gemv(
     residual: mx.array | None,
     act: str,
     num_heads: int = 0,
-    rope: tuple[mx.array, mx.array, mx.array | None] | None = None,
+    heads_args: tuple = (None, None, None, None),
 ) -> mx.array | list[mx.array]:
-    """Our kernel for ``project`` (act "none", "swiglu", "gelu") or ``heads`` (act "heads")."""
+    """Our kernel for ``project`` (act "none", "swiglu", "gelu") or ``heads`` (act "heads", with
+    ``heads_args`` = its position, pad, rope_periods, cache)."""
     bias = layer.get("bias")
     kind = _norm_kind(norm)
-    has_pad = rope is not None and rope[2] is not None
-    key = (kind, bias is not None, residual is not None, act, rope is not None, has_pad)
+    position, pad, periods, cache = heads_args
+    rope, has_cache = periods is not None, cache is not None
+    has_pad = rope and pad is not None  # pad only moves RoPE's position
+    key = (kind, bias is not None, residual is not None, act, rope, has_pad, has_cache)
     if key not in _gemv_kernels:
         names = ["x", "w"] + {"none": [], "rms": ["norm_w", "eps"], "layer": ["norm_w", "norm_b", "eps"]}[
             kind
         ]
         names += ["bias"] if bias is not None else []
         names += ["residual"] if residual is not None else []
-        names += (["periods", "position"] + (["pad"] if has_pad else [])) if rope is not None else []
+        names += ["periods"] if rope else []
+        names += ["position"] if rope or has_cache else []
+        names += ["pad"] if has_pad else []
+        names += ["keys", "values"] if has_cache else []
         if act == "heads":
-            columns, outputs = _HEADS_COLUMNS, ["q", "k", "v"]
+            columns, outputs = _HEADS_COLUMNS, (["q"] if has_cache else ["q", "k", "v"])
             epilogue = _HEADS_EPILOGUE % dict(
                 bias0="+ static_cast<float>(bias[n0])" if bias is not None else "",
                 bias1="+ static_cast<float>(bias[n1])" if bias is not None else "",
                 rope=(
                     ""
-                    if rope is None
+                    if not rope
                     else _ROPE % dict(position="position[0] - pad[m]" if has_pad else "position[0]")
                 ),
+                store=_STORE_CACHE if has_cache else _STORE_HEADS,
             )
         else:
             columns, outputs = _ROWS_COLUMNS, ["out"]
@@ -627,7 +676,7 @@ def _gemv(
             epilogue=epilogue,
         )
         name = "_".join(
-            ["gemv", kind, act] + [n for n in names if n in ("bias", "residual", "position", "pad")]
+            ["gemv", kind, act] + [n for n in names if n in ("bias", "residual", "periods", "pad", "keys")]
         )
         _gemv_kernels[key] = mx.fast.cuda_kernel(name, names, outputs, source)
     k = x.shape[-1]
@@ -642,11 +691,12 @@ def _gemv(
     if act == "heads":
         hd = layer.weight.shape[0] // (3 * num_heads)
         units = 3 * num_heads * hd // 2
-        if rope is not None:
-            periods, position, pad = rope
-            inputs += [periods.astype(mx.float32), position] + ([pad] if has_pad else [])
+        inputs += [periods.astype(mx.float32)] if rope else []
+        inputs += [position] if rope or has_cache else []
+        inputs += [pad] if has_pad else []
+        inputs += list(cache) if has_cache else []
         template += [("UNITS", units), ("PAIR", True), ("H", num_heads), ("HD", hd)]
-        shape, n_out = (m, num_heads, 1, hd), 3
+        shape, n_out = (m, num_heads, 1, hd), 1 if has_cache else 3
     else:
         units = layer.weight.shape[0] // (2 if act == "swiglu" else 1)
         template += [("UNITS", units), ("PAIR", act == "swiglu")]
@@ -659,7 +709,9 @@ def _gemv(
         output_shapes=[shape] * n_out,
         output_dtypes=[x.dtype] * n_out,
     )
-    return outs if act == "heads" else outs[0]
+    if act != "heads":
+        return outs[0]
+    return (outs[0], *cache) if has_cache else outs
 
 
 def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None) -> mx.array:

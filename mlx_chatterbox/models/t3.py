@@ -217,9 +217,16 @@ class Attention(nn.Module):
         index pad[b], so its token sits at sequence position ``position - pad[b]`` and sees nothing before.
         Nothing here depends on the values of position or pad, so a compiled step is traced once per shape.
         tap: ``AttentionTaps.at``'s recorder for this layer."""
-        q, k, v = heads(self.qkv_proj, x, self.num_heads, norm=norm, rope=(self._rope_periods, position, pad))
-        keys = mx.slice_update(keys, k, position[None], axes=(2,))
-        values = mx.slice_update(values, v, position[None], axes=(2,))
+        q, keys, values = heads(
+            self.qkv_proj,
+            x,
+            self.num_heads,
+            norm=norm,
+            position=position,
+            pad=pad,
+            rope_periods=self._rope_periods,
+            cache=(keys, values),
+        )
         if tap is not None:
             tap(q, keys, visible_mask(keys.shape[2], position, pad), self.head_dim**-0.5)
         out = decode_attention(q, keys, values, position, pad)
@@ -239,7 +246,15 @@ class Attention(nn.Module):
         """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
         ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
         returned as ``layers.window_attention`` takes and gives them."""
-        q, k, v = heads(self.qkv_proj, x, self.num_heads, norm=norm, rope=(self._rope_periods, at[0], pad))
+        q, k, v = heads(
+            self.qkv_proj,
+            x,
+            self.num_heads,
+            norm=norm,
+            position=at[0],
+            pad=pad,
+            rope_periods=self._rope_periods,
+        )
         out, window_keys, window_values = window_attention(
             q, k, v, at, pad, keys, values, window_keys, window_values
         )
