@@ -294,7 +294,10 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
     calls: list[int] = []
     real_vocode, real_batch = tts.vocode, tts.s3gen.batch
 
+    took_first = threading.Event()
+
     def slow_vocode(*args, **kwargs):
+        took_first.set()
         if not stepped:  # the first piece: hold S3Gen until T3 has finished every other job
             end = time.monotonic() + 30
             while time.monotonic() < end and any(
@@ -312,6 +315,17 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
     monkeypatch.setattr(tts, "vocode", slow_vocode)
     monkeypatch.setattr(tts.s3gen, "batch", spy)
     with Worker(tts, vocode_frames=frames, vocode_bucket=bucket, vocode_thread=True) as worker:
+        real_end_pieces = worker._end_pieces
+
+        def end_pieces(ended):
+            # The first piece is queued: T3 steps on once the vocoding thread has taken it, alone (a thread
+            # woken late on a loaded machine would otherwise find the next piece ready too).
+            more = real_end_pieces(ended)
+            if any(j.job is first for j in ended):
+                took_first.wait(30)
+            return more
+
+        monkeypatch.setattr(worker, "_end_pieces", end_pieces)
         hold = worker.run(time.sleep, 0.3)  # all five start together
         tickets += [worker.submit(job) for job in [first] + rest]
         hold.result()
