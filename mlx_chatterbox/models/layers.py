@@ -498,6 +498,8 @@ _GEMV = """
     float a0[M], a1[M];
     #pragma unroll
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
+    // Unrolled so that several 16-byte weight loads are in flight per lane: a warp's row is 8-32 loads deep.
+    #pragma unroll 4
     for (int k = lane * V; k < K; k += 32 * V) {
         uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
         uint4 r1 = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
@@ -725,13 +727,13 @@ def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None)
     return visible
 
 
-# One block of 8 warps per (row, head): with 1-2 rows that is only 16-32 blocks, so each warp's share of a long
-# context is what the step waits for. Each warp takes every 8th visible key with an online softmax (running max,
-# sum and weighted values: no scores stored, so no shared memory that depends on the capacity), then warp 0
-# merges the 8. All in fp32 whatever T. at = [position, base]: indices from base on are read from the window
+# One block of 16 warps per (row, head): with 1-2 rows that is only 16-32 blocks, so each warp's share of a long
+# context is what the step waits for. Each warp takes every 16th visible key with an online softmax (running
+# max, sum and weighted values: no scores stored, so no shared memory that depends on the capacity), then warp 0
+# merges the 16. All in fp32 whatever T. at = [position, base]: indices from base on are read from the window
 # buffers (models/cache.py BatchKVCache), those before from keys/values; without a window base is past position.
 _DECODE_ATTENTION = """
-    constexpr int WARPS = 8;
+    constexpr int WARPS = 16;
     constexpr int PER = D / 32;
     int bh = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -825,8 +827,8 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
     return _decode_attention_kernels[has_pad, window](
         inputs=inputs,
         template=[("T", q.dtype), ("D", hd), ("H", h)],
-        grid=(b * h * 256, 1, 1),
-        threadgroup=(256, 1, 1),
+        grid=(b * h * 512, 1, 1),
+        threadgroup=(512, 1, 1),
         output_shapes=[(b, 1, h * hd)],
         output_dtypes=[q.dtype],
     )[0]
