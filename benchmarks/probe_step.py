@@ -254,6 +254,56 @@ def host_split(dtype_name: str, tokens: int) -> dict:
     return result
 
 
+def turbo_host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
+    """``host_split`` for Turbo or Nano (1 row, Turbo's sampling chain), as generate_turbo_tokens runs it."""
+    import bench_turbo
+    from mlx_chatterbox.generation import turbo
+    from mlx_chatterbox.models.gpt2 import NANO, TURBO
+    from mlx_chatterbox.sampling import TurboParams
+
+    dtype = getattr(mx, dtype_name)
+    cfg = NANO if model_name == "nano" else TURBO
+    model = bench_turbo.random_t3(cfg, dtype)
+    text, prompt = bench_turbo.fixed_t3_inputs()
+    speaker = mx.random.normal((1, cfg.speaker_embed_size)).astype(dtype)
+    embeds = model.prepare_input_embeds(
+        speaker, mx.array([prompt], dtype=mx.int32), mx.array([text], mx.int32)
+    )
+    params = TurboParams(max_new_tokens=tokens)
+    result = {}
+    for run in range(2):  # the first traces every capacity
+        mx.reset_peak_memory()
+        draws = turbo.make_draws(tokens, mx.random.key(0), None)
+        logits, cache = model.prefill(embeds)
+        token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        seen = mx.zeros((1, cfg.speech_vocab_size), dtype=mx.bool_)
+        step = turbo.decode_step(model, params, False)
+        mx.async_eval(token)
+        build = queue = wait = 0.0
+        t_start = time.perf_counter()
+        for i in range(tokens - 1):
+            t0 = time.perf_counter()
+            position = mx.array(cache.claim(), dtype=mx.int32)
+            nxt, seen, cache.kv = step(mx.maximum(token, 0), position, seen, draws[i + 1], cache.kv)
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            token.item()
+            t3 = time.perf_counter()
+            build, queue, wait = build + t1 - t0, queue + t2 - t1, wait + t3 - t2
+            token = nxt
+        n = tokens - 1
+        total = time.perf_counter() - t_start
+        result = dict(
+            ms_step=1000 * total / n,
+            build_ms=1000 * build / n,
+            queue_ms=1000 * queue / n,
+            wait_ms=1000 * wait / n,
+            peak_mb=mx.get_peak_memory() / 2**20,
+        )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", default="micro,step")
@@ -278,17 +328,22 @@ def main() -> None:
                 print(f"| {name} | {us:.1f} |", flush=True)
     if "split" in parts:
         print(
-            "\n| dtype | system | ms/step | build ms | queue ms | wait ms | peak MiB |\n|---|---|---|---|---|---|---|"
+            "\n| model | dtype | system | ms/step | build ms | queue ms | wait ms | peak MiB |"
+            "\n|---|---|---|---|---|---|---|---|"
         )
-        for dn in dtypes:
-            for system in ("mlx-ops", "ours"):
+        for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
+            for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
                 layers.CUDA_DECODE = system == "ours"
-                r = host_split(dn, args.tokens)
+                r = (
+                    host_split(dn, args.tokens)
+                    if model == "english"
+                    else turbo_host_split(model, dn, args.tokens)
+                )
                 gc.collect()
                 mx.clear_cache()
                 layers.CUDA_DECODE = True
                 print(
-                    f"| {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} | {r['queue_ms']:.2f} | "
+                    f"| {model} | {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} | {r['queue_ms']:.2f} | "
                     f"{r['wait_ms']:.2f} | {r['peak_mb']:.0f} |",
                     flush=True,
                 )
