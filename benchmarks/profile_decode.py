@@ -16,6 +16,7 @@ import time
 
 import mlx.core as mx
 
+from mlx_chatterbox.models.layers import BufferState, WindowState
 from mlx_chatterbox.models.t3 import T3, T3Config
 
 
@@ -67,19 +68,29 @@ def main() -> None:
             s[:, :, cap - 2 * w : cap - w] = window[0]  # as BatchKVCache.flush: a static-index update
             return s
 
+        def one_layer(h: mx.array, state: BufferState | WindowState) -> tuple[mx.array, ...]:
+            h, state = layer.decode(h, state)
+            return (h, *state.written)
+
         parts = {
-            "llama decode, pad": (mx.compile(lambda s: model.tfmr.decode(s[0], pos, s[1], pad)), (x, kv)),
-            "llama decode, no pad": (mx.compile(lambda s: model.tfmr.decode(s[0], pos, s[1])), (x, kv)),
+            "llama decode, pad": (
+                mx.compile(lambda s: model.tfmr.decode(s[0], BufferState.per_layer(s[1], pos, pad))),
+                (x, kv),
+            ),
+            "llama decode, no pad": (
+                mx.compile(lambda s: model.tfmr.decode(s[0], BufferState.per_layer(s[1], pos))),
+                (x, kv),
+            ),
             "one layer, pad": (
-                mx.compile(lambda s: layer.decode(s[0], pos, s[1], s[2], pad)),
+                mx.compile(lambda s: one_layer(s[0], BufferState(s[1], s[2], pos, pad))),
                 (x, kv[0], kv[1]),
             ),
             "llama decode_window, pad": (
-                mx.compile(lambda s: model.tfmr.decode_window(s[0], at, pad, kv, s[1])),
+                mx.compile(lambda s: model.tfmr.decode(s[0], WindowState.per_layer(kv, s[1], at, pad))),
                 (x, window),
             ),
             "one layer decode_window, pad": (
-                mx.compile(lambda s: layer.decode_window(s[0], at, pad, kv[0], kv[1], s[1], s[2])),
+                mx.compile(lambda s: one_layer(s[0], WindowState(kv[0], kv[1], s[1], s[2], at, pad))),
                 (x, window[0], window[1]),
             ),
             "one layer mlp": (mx.compile(lambda s: layer.mlp(s)), x),

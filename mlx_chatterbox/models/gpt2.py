@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import Linear, decode_attention, heads, left_pad_mask, project, window_attention
+from .layers import BufferState, Linear, WindowState, left_pad_mask, project
 
 
 @dataclass(frozen=True)
@@ -87,46 +87,15 @@ class Attention(nn.Module):
         return self.c_proj(out.transpose(0, 2, 1, 3).reshape(b, n, d))
 
     def decode(
-        self,
-        x: mx.array,
-        norm: nn.Module,
-        position: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        pad: mx.array | None = None,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """One token: x (B, 1, D), the block's input, plus attention over ``norm(x)`` at buffer index
-        ``position`` (an int32 scalar array) against key and value buffers (B, H, capacity, hd); returns that
-        and the buffers with this token written in. On CUDA the norm and the projection are one primitive, as
-        are the output projection and the residual add (``layers.heads``, ``layers.project``). Nothing depends
-        on the value of ``position``, so a compiled step is traced once per capacity.
-        pad: (B,) int32 for rows left-padded to a common length (generation/turbo_batch.py): row b's sequence
-        starts at buffer index pad[b] and sees nothing before it."""
-        q, keys, values = heads(
-            self.c_attn, x, self.num_heads, norm=norm, position=position, cache=(keys, values)
-        )
-        out = decode_attention(q, keys, values, position, pad)
-        return project(self.c_proj, out, residual=x), keys, values
-
-    def decode_window(
-        self,
-        x: mx.array,
-        norm: nn.Module,
-        at: mx.array,
-        pad: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        window_keys: mx.array,
-        window_values: mx.array,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
-        ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
-        returned as ``layers.window_attention`` takes and gives them."""
-        q, k, v = heads(self.c_attn, x, self.num_heads, norm=norm)
-        out, window_keys, window_values = window_attention(
-            q, k, v, at, pad, keys, values, window_keys, window_values
-        )
-        return project(self.c_proj, out, residual=x), window_keys, window_values
+        self, x: mx.array, norm: nn.Module, state: BufferState | WindowState
+    ) -> tuple[mx.array, BufferState | WindowState]:
+        """One token: x (B, 1, D), the block's input, plus attention over ``norm(x)``, with ``state`` this
+        block's keys and values; returns that and the state with this token written in. On CUDA the norm and
+        the projection are one primitive, as are the output projection and the residual add (``layers.heads``,
+        ``layers.project``). Nothing depends on the values of positions, so a compiled step is traced once per
+        shape."""
+        out, state = state.attend(self.c_attn, x, self.num_heads, norm=norm)
+        return project(self.c_proj, out, residual=x), state
 
 
 class MLP(nn.Module):
@@ -161,25 +130,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
     def decode(
-        self, x: mx.array, position: mx.array, keys: mx.array, values: mx.array, pad: mx.array | None = None
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.attn.decode(x, self.ln_1, position, keys, values, pad)
-        return self.mlp(h, self.ln_2, residual=h), keys, values
-
-    def decode_window(
-        self,
-        x: mx.array,
-        at: mx.array,
-        pad: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        window_keys: mx.array,
-        window_values: mx.array,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        h, window_keys, window_values = self.attn.decode_window(
-            x, self.ln_1, at, pad, keys, values, window_keys, window_values
-        )
-        return self.mlp(h, self.ln_2, residual=h), window_keys, window_values
+        self, x: mx.array, state: BufferState | WindowState
+    ) -> tuple[mx.array, BufferState | WindowState]:
+        h, state = self.attn.decode(x, self.ln_1, state)
+        return self.mlp(h, self.ln_2, residual=h), state
 
 
 class GPT2(nn.Module):
@@ -212,38 +166,18 @@ class GPT2(nn.Module):
         return self.ln_f(x)
 
     def decode(
-        self, x: mx.array, position: mx.array, kv: list[mx.array], pad: mx.array | None = None
+        self, x: mx.array, positions: mx.array, states: list[BufferState] | list[WindowState]
     ) -> tuple[mx.array, list[mx.array]]:
-        """One embedded token (B, 1, D) at ``position``; ``kv`` holds each block's key and value buffers.
-        pad: (B,) for left-padded rows (``Attention.decode``): row b's token is at wpe[position - pad[b]].
-        Returns the last block's output before ``ln_f`` (``T3Turbo`` fuses that into the head)."""
-        x = x + (self.wpe.weight[position] if pad is None else self.wpe.weight[position - pad][:, None])
-        out = []
-        for i, block in enumerate(self.h):
-            x, keys, values = block.decode(x, position, kv[2 * i], kv[2 * i + 1], pad)
-            out += [keys, values]
-        return x, out
-
-    def decode_window(
-        self,
-        x: mx.array,
-        positions: mx.array,
-        at: mx.array,
-        pad: mx.array,
-        kv: list[mx.array],
-        window: list[mx.array],
-    ) -> tuple[mx.array, list[mx.array]]:
-        """``decode`` over big buffers ``kv`` (read only) and windows ``window`` (``Attention.decode_window``),
-        both in block order, row b's token at wpe[positions[b]]; returns the last block's output before
-        ``ln_f`` and the windows with the token written in."""
-        x = x + self.wpe.weight[positions][:, None]
-        out = []
-        for i, block in enumerate(self.h):
-            x, keys, values = block.decode_window(
-                x, at, pad, kv[2 * i], kv[2 * i + 1], window[2 * i], window[2 * i + 1]
-            )
-            out += [keys, values]
-        return x, out
+        """One embedded token (B, 1, D) at wpe row ``positions`` (int32: a scalar, or (B,) one per row) through
+        the blocks, each with its state (``layers.BufferState`` or ``layers.WindowState``). Returns the last
+        block's output before ``ln_f`` (``T3Turbo`` fuses that into the head) and what the states wrote, in the
+        cache's layout."""
+        x = x + self.wpe.weight[positions].reshape(-1, 1, x.shape[-1])
+        written = []
+        for block, state in zip(self.h, states):
+            x, state = block.decode(x, state)
+            written += state.written
+        return x, written
 
 
 class CondEnc(nn.Module):
@@ -323,10 +257,11 @@ class T3Turbo(nn.Module):
         buffer index) -> its logits (B, V) and the key/value buffers with it written in. Upstream embeds a fed
         token with ``speech_emb`` only; GPT-2 adds ``wpe[position]``. Pure in its arrays, so that it can be
         compiled (generation/turbo.py); the caller keeps ``position`` below ``n_positions``.
-        pad: (B,) int32 for rows left-padded to a common length: row b's absolute position is
-        ``position - pad[b]`` (``Attention.decode``)."""
-        h, kv = self.tfmr.decode(self.speech_emb(token)[:, None], position, kv, pad)
-        return self._head(h), kv
+        pad: (B,) int32 for rows left-padded to a common length (generation/turbo_batch.py): row b's sequence
+        starts at buffer index pad[b], so its absolute position is ``position - pad[b]``, and it sees nothing
+        before pad[b]."""
+        positions = position if pad is None else position - pad
+        return self._step(token, positions, BufferState.per_layer(kv, position, pad))
 
     def decode_window(
         self,
@@ -342,13 +277,14 @@ class T3Turbo(nn.Module):
         [buffer index of this token, the window's base] (int32 (2,)), ``pad`` (B,) the rows' left padding,
         ``kv`` the cache's big buffers (read only), ``window`` its windows. Returns the logits (B, V) and the
         windows with the token written in."""
-        h, window = self.tfmr.decode_window(self.speech_emb(token)[:, None], positions, at, pad, kv, window)
-        return self._head(h), window
+        return self._step(token, positions, WindowState.per_layer(kv, window, at, pad))
 
-    def _head(self, h: mx.array) -> mx.array:
-        """A decode step's (B, 1, D) last-block output -> logits (B, V): ``ln_f`` and the speech head (one
-        primitive on CUDA)."""
-        return project(self.speech_head, h, norm=self.tfmr.ln_f)[:, 0]
+    def _step(
+        self, token: mx.array, positions: mx.array, states: list[BufferState] | list[WindowState]
+    ) -> tuple[mx.array, list[mx.array]]:
+        """A decode step: token (B,) -> logits (B, V); ``ln_f`` and the speech head are one primitive on CUDA."""
+        h, written = self.tfmr.decode(self.speech_emb(token)[:, None], positions, states)
+        return project(self.speech_head, h, norm=self.tfmr.ln_f)[:, 0], written
 
     def __call__(self, embeds: mx.array) -> mx.array:
         """Teacher-forced pass: (B, N, D) input embeddings from position 0 -> speech logits (B, N, V), where

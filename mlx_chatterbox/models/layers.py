@@ -17,6 +17,8 @@ functions, which are fast on GPUs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -867,3 +869,80 @@ def decode_attention(
     return _attention_kernel(
         q, [q, keys, values, at] + ([] if pad is None else [pad]), pad is not None, False
     )
+
+
+# One layer's keys and values in a decode step, as the two caches of models/cache.py hold them. ``attend`` runs
+# the layer's q/k/v projection (``heads``) and its attention, so that a model has one decode for both.
+
+
+class BufferState(NamedTuple):
+    """Fixed-size buffers (``KVCache``): keys, values (B, H, capacity, hd), the token at buffer index
+    ``position`` (int32 scalar array), ``pad`` (B,) int32 for rows left-padded to a common length (row b
+    starts at index pad[b]). tap: called with q, the keys, the mask and the scale (t3.py ``AttentionTaps``).
+    """
+
+    keys: mx.array
+    values: mx.array
+    position: mx.array
+    pad: mx.array | None = None
+    tap: Callable | None = None
+
+    @classmethod
+    def per_layer(
+        cls, kv: list[mx.array], position: mx.array, pad: mx.array | None = None
+    ) -> list[BufferState]:
+        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``."""
+        return [cls(k, v, position, pad) for k, v in zip(kv[::2], kv[1::2])]
+
+    @property
+    def written(self) -> tuple[mx.array, mx.array]:
+        """What a step gives back to the cache: the buffers."""
+        return self.keys, self.values
+
+    def attend(
+        self, layer: nn.Module, x: mx.array, num_heads: int, **kw: object
+    ) -> tuple[mx.array, BufferState]:
+        """``heads(layer, x, num_heads, **kw)`` (kw: its norm, rope_periods) of x (B, 1, D), k and v
+        written into the buffers at ``position``, then ``decode_attention``: the heads merged (B, 1, H·hd) and
+        the state with the token written in."""
+        q, keys, values = heads(
+            layer, x, num_heads, position=self.position, pad=self.pad, cache=(self.keys, self.values), **kw
+        )
+        if self.tap is not None:
+            self.tap(q, keys, visible_mask(keys.shape[2], self.position, self.pad), q.shape[-1] ** -0.5)
+        out = decode_attention(q, keys, values, self.position, self.pad)
+        return out, self._replace(keys=keys, values=values)
+
+
+class WindowState(NamedTuple):
+    """A batch cache (``BatchKVCache``) in ``window_attention``'s terms: big buffers (read only), the
+    windows, at = [buffer index of the token, the window's base], the rows' left padding."""
+
+    keys: mx.array
+    values: mx.array
+    window_keys: mx.array
+    window_values: mx.array
+    at: mx.array
+    pad: mx.array
+
+    @classmethod
+    def per_layer(
+        cls, kv: list[mx.array], window: list[mx.array], at: mx.array, pad: mx.array
+    ) -> list[WindowState]:
+        """One state per layer from a ``BatchKVCache``'s ``kv`` and ``window``, both in layer order."""
+        return [cls(*a, at, pad) for a in zip(kv[::2], kv[1::2], window[::2], window[1::2])]
+
+    @property
+    def written(self) -> tuple[mx.array, mx.array]:
+        """What a step gives back to the cache: the windows."""
+        return self.window_keys, self.window_values
+
+    def attend(
+        self, layer: nn.Module, x: mx.array, num_heads: int, **kw: object
+    ) -> tuple[mx.array, WindowState]:
+        """As ``BufferState.attend``, the token written into the windows by ``window_attention``."""
+        q, k, v = heads(layer, x, num_heads, position=self.at[0], pad=self.pad, **kw)
+        out, window_keys, window_values = window_attention(
+            q, k, v, self.at, self.pad, self.keys, self.values, self.window_keys, self.window_values
+        )
+        return out, self._replace(window_keys=window_keys, window_values=window_values)

@@ -15,15 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import (
-    Linear,
-    decode_attention,
-    heads,
-    left_pad_mask,
-    project,
-    visible_mask,
-    window_attention,
-)
+from .layers import BufferState, Linear, WindowState, left_pad_mask, project
 
 
 @dataclass(frozen=True)
@@ -200,65 +192,18 @@ class Attention(nn.Module):
         return self._out(out)
 
     def decode(
-        self,
-        x: mx.array,
-        norm: nn.Module,
-        position: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        pad: mx.array | None = None,
-        tap: Callable | None = None,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """One token: x (B, 1, D), the layer's input, plus attention over ``norm(x)`` at buffer index
-        ``position`` (an int32 scalar array) against fixed-size key and value buffers (B, H, capacity, hd);
-        returns that and the buffers with this token written in. On CUDA the norm, projection and RoPE are one
-        primitive, as are the output projection and the residual add (``layers.heads``, ``layers.project``).
-        pad: (B,) int32, for rows of a batch left-padded to a common length: row b's sequence starts at buffer
-        index pad[b], so its token sits at sequence position ``position - pad[b]`` and sees nothing before.
-        Nothing here depends on the values of position or pad, so a compiled step is traced once per shape.
-        tap: ``AttentionTaps.at``'s recorder for this layer."""
-        q, keys, values = heads(
-            self.qkv_proj,
-            x,
-            self.num_heads,
-            norm=norm,
-            position=position,
-            pad=pad,
-            rope_periods=self._rope_periods,
-            cache=(keys, values),
+        self, x: mx.array, norm: nn.Module, state: BufferState | WindowState
+    ) -> tuple[mx.array, BufferState | WindowState]:
+        """One token: x (B, 1, D), the layer's input, plus attention over ``norm(x)``, with ``state`` this
+        layer's keys and values; returns that and the state with this token written in. On CUDA the norm,
+        projection, RoPE and cache write are one primitive, as are the output projection and the residual add
+        (``layers.heads``, ``layers.project``). A left-padded row b's token sits at sequence position (buffer
+        index - pad[b]) and sees nothing before pad[b]. Nothing here depends on the values of positions or pad,
+        so a compiled step is traced once per shape."""
+        out, state = state.attend(
+            self.qkv_proj, x, self.num_heads, norm=norm, rope_periods=self._rope_periods
         )
-        if tap is not None:
-            tap(q, keys, visible_mask(keys.shape[2], position, pad), self.head_dim**-0.5)
-        out = decode_attention(q, keys, values, position, pad)
-        return project(self.o_proj, out, residual=x), keys, values
-
-    def decode_window(
-        self,
-        x: mx.array,
-        norm: nn.Module,
-        at: mx.array,
-        pad: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        window_keys: mx.array,
-        window_values: mx.array,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """``decode`` for a batch whose newest positions sit in a small window (models/cache.py
-        ``BatchKVCache``): one token (B, 1, D) at buffer index ``at[0]``; the arguments and the windows
-        returned as ``layers.window_attention`` takes and gives them."""
-        q, k, v = heads(
-            self.qkv_proj,
-            x,
-            self.num_heads,
-            norm=norm,
-            position=at[0],
-            pad=pad,
-            rope_periods=self._rope_periods,
-        )
-        out, window_keys, window_values = window_attention(
-            q, k, v, at, pad, keys, values, window_keys, window_values
-        )
-        return project(self.o_proj, out, residual=x), window_keys, window_values
+        return project(self.o_proj, out, residual=x), state
 
 
 class MLP(nn.Module):
@@ -297,31 +242,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(
-        self,
-        x: mx.array,
-        position: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        pad: mx.array | None = None,
-        tap: Callable | None = None,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        h, keys, values = self.self_attn.decode(x, self.input_layernorm, position, keys, values, pad, tap)
-        return self.mlp(h, self.post_attention_layernorm, residual=h), keys, values
-
-    def decode_window(
-        self,
-        x: mx.array,
-        at: mx.array,
-        pad: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        window_keys: mx.array,
-        window_values: mx.array,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        h, window_keys, window_values = self.self_attn.decode_window(
-            x, self.input_layernorm, at, pad, keys, values, window_keys, window_values
-        )
-        return self.mlp(h, self.post_attention_layernorm, residual=h), window_keys, window_values
+        self, x: mx.array, state: BufferState | WindowState
+    ) -> tuple[mx.array, BufferState | WindowState]:
+        h, state = self.self_attn.decode(x, self.input_layernorm, state)
+        return self.mlp(h, self.post_attention_layernorm, residual=h), state
 
 
 class Llama(nn.Module):
@@ -355,35 +279,16 @@ class Llama(nn.Module):
         return self.norm(x)
 
     def decode(
-        self,
-        x: mx.array,
-        position: mx.array,
-        kv: list[mx.array],
-        pad: mx.array | None = None,
-        taps: AttentionTaps | None = None,
+        self, x: mx.array, states: list[BufferState] | list[WindowState]
     ) -> tuple[mx.array, list[mx.array]]:
-        """One token through every layer; ``kv`` holds each layer's key and value buffers, in layer order.
-        Returns the last layer's output before the final norm (``T3.decode`` fuses that into the head)."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            tap = None if taps is None else taps.at(i)
-            x, keys, values = layer.decode(x, position, kv[2 * i], kv[2 * i + 1], pad, tap)
-            out += [keys, values]
-        return x, out
-
-    def decode_window(
-        self, x: mx.array, at: mx.array, pad: mx.array, kv: list[mx.array], window: list[mx.array]
-    ) -> tuple[mx.array, list[mx.array]]:
-        """``decode`` over big buffers ``kv`` (read only) and windows ``window`` (``Attention.decode_window``),
-        both in layer order; returns the last layer's output before the final norm and the windows with the
-        token written in."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            x, keys, values = layer.decode_window(
-                x, at, pad, kv[2 * i], kv[2 * i + 1], window[2 * i], window[2 * i + 1]
-            )
-            out += [keys, values]
-        return x, out
+        """One token through every layer, each with its state (``layers.BufferState`` or
+        ``layers.WindowState``). Returns the last layer's output before the final norm (``T3`` fuses that into
+        the head) and what the states wrote, in the cache's layout."""
+        written = []
+        for layer, state in zip(self.layers, states):
+            x, state = layer.decode(x, state)
+            written += state.written
+        return x, written
 
 
 class AttentionBlock(nn.Module):
@@ -524,9 +429,10 @@ class T3(nn.Module):
         (generation/speech_tokens.py, generation/aligned.py)."""
         if taps is not None and taps.first_row:
             raise ValueError(f"a decode step has one query row; got taps with first_row={taps.first_row}")
-        x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
-        h, kv = self.tfmr.decode(x, position, kv, pad, taps)
-        return self._head(h), kv
+        states = BufferState.per_layer(kv, position, pad)
+        if taps is not None:
+            states = [state._replace(tap=taps.at(i)) for i, state in enumerate(states)]
+        return self._step(token, speech_position, states)
 
     def decode_window(
         self,
@@ -541,14 +447,16 @@ class T3(nn.Module):
         this token, the window's base] (int32 (2,)), ``pad`` (B,) the rows' left padding; ``kv`` the cache's big
         buffers (read only), ``window`` its windows. Returns the logits (B, V) and the windows with the token
         written in."""
-        x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
-        h, window = self.tfmr.decode_window(x, at, pad, kv, window)
-        return self._head(h), window
+        return self._step(token, speech_position, WindowState.per_layer(kv, window, at, pad))
 
-    def _head(self, h: mx.array) -> mx.array:
-        """A decode step's (B, 1, D) last-layer output -> logits (B, V): the final norm and the speech head (one
-        primitive on CUDA)."""
-        return project(self.speech_head, h, norm=self.tfmr.norm)[:, 0]
+    def _step(
+        self, token: mx.array, speech_position: mx.array, states: list[BufferState] | list[WindowState]
+    ) -> tuple[mx.array, list[mx.array]]:
+        """A decode step: token (B,) -> logits (B, V); the final norm and the speech head are one primitive on
+        CUDA."""
+        x = (self.speech_emb(token) + self.speech_pos_emb.weight[speech_position])[:, None]
+        h, written = self.tfmr.decode(x, states)
+        return project(self.speech_head, h, norm=self.tfmr.norm)[:, 0], written
 
     def __call__(self, cond: T3Cond, text_tokens: mx.array, speech_tokens: mx.array) -> mx.array:
         """Teacher-forced pass (upstream ``T3.forward``): [cond | text | speech] in one causal pass.
