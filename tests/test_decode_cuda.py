@@ -129,10 +129,13 @@ def decode_logits(model, embeds: mx.array, tokens: list[int]) -> mx.array:
 
 
 @cuda
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("which", ["t3", "turbo"])
-def test_decode_steps_equal_with_and_without_cuda_paths(which, monkeypatch):
+def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, monkeypatch):
     """Whole decode steps (head dim 64, so the kernel runs; CFG's 2 rows or Turbo's 1) match the same steps
-    through MLX's own ops, which the parity tests compare with upstream."""
+    through MLX's own ops, which the parity tests compare with upstream; with the keys and values written into
+    the cache by the q/k/v kernel (``layers.KV_IN_PLACE``) or by ``slice_update``."""
+    monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
     mx.random.seed(3)
     if which == "t3":
         model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
@@ -336,6 +339,7 @@ def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, with_c
             args["cache"] = tuple(mx.array(a, mx.float32).astype(dtype) for a in buffers)
         return [a.astype(mx.float32) for a in layers.heads(lin, xm, h, norm=norm, **args)]
 
+    monkeypatch.setattr(layers, "KV_IN_PLACE", True)  # the kernel's own write, where it writes one
     fused = run()
     monkeypatch.setattr(layers, "CUDA_DECODE", False)
     composed = run()

@@ -334,6 +334,11 @@ GEMV_ROWS = 4
 # False keeps MLX's own ops on CUDA too (benchmarks/probe_step.py compares the two in one run).
 CUDA_DECODE = True
 
+# Whether ``heads`` writes k and v into the cache buffers in place on CUDA (ADR 13), instead of two
+# ``slice_update``s a layer. Off until it has run on a GPU: written 2026-12-02 when no device time was left to run
+# tests/test_decode_cuda.py, which covers it (the kernel against the composed path, whole decode steps).
+KV_IN_PLACE = False
+
 
 # Whether MLX runs on CUDA here, asked once (``mx.cuda`` is absent from MLX builds older than the CUDA backend).
 _CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -400,39 +405,43 @@ def heads(
     cache: key and value buffers (B, H, capacity, hd): k and v are written at index ``position`` and the
         buffers are returned in their place, (q, keys, values).
 
-    On CUDA one primitive (as ``project``), which writes k and v into the buffers where they are: MLX has no
-    in-place update for a custom kernel, so the kernel writes through its read-only inputs, which is sound
-    because nothing reads the buffers before it in the step (the attention that does needs its q) and every
-    buffer here is made whole by MLX (``models/cache.py``: pads and concatenations, row-contiguous, so MLX
-    hands the kernel the buffer itself, not a copy). Elsewhere the plain ops, with two ``slice_update``s."""
+    On CUDA one primitive (as ``project``), and with ``KV_IN_PLACE`` that primitive also writes k and v into
+    the buffers where they are: MLX has no in-place update for a custom kernel, so the kernel writes through its
+    read-only inputs, which is sound because nothing reads the buffers before it in the step (the attention
+    that does needs its q) and every buffer here is made whole by MLX (``models/cache.py``: pads and
+    concatenations, row-contiguous, so MLX hands the kernel the buffer itself, not a copy). Elsewhere the plain
+    ops, with two ``slice_update``s."""
     b = x.shape[0]
     hd = layer.weight.shape[0] // (3 * num_heads)
     if (rope_periods is not None or cache is not None) and position is None:
         raise ValueError("RoPE and the cache write need the token's position")
     if _fusable(layer, x, norm) and hd % 2 == 0:
-        return tuple(
-            _gemv(
-                x,
-                layer,
-                norm,
-                None,
-                "heads",
-                num_heads=num_heads,
-                heads_args=(position, pad, rope_periods, cache),
+        in_place = cache if KV_IN_PLACE else None
+        out = _gemv(
+            x,
+            layer,
+            norm,
+            None,
+            "heads",
+            num_heads=num_heads,
+            heads_args=(position, pad, rope_periods, in_place),
+        )
+        if cache is None or in_place is not None:
+            return tuple(out)
+        q, k, v = out
+    else:
+        # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes.
+        qkv = layer(x if norm is None else norm(x)).reshape(b, 3, num_heads, 1, hd)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        if rope_periods is not None:
+            offset = position if pad is None else position - pad  # a (B,) offset is one per row (axis 0)
+            # q and k in one call: one kernel instead of two.
+            qk = mx.fast.rope(
+                qkv[:, :2], hd, traditional=False, base=None, scale=1.0, offset=offset, freqs=rope_periods
             )
-        )
-    # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes.
-    qkv = layer(x if norm is None else norm(x)).reshape(b, 3, num_heads, 1, hd)
-    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    if rope_periods is not None:
-        offset = position if pad is None else position - pad  # a (B,) offset is one per row (axis 0)
-        # q and k in one call: one kernel instead of two.
-        qk = mx.fast.rope(
-            qkv[:, :2], hd, traditional=False, base=None, scale=1.0, offset=offset, freqs=rope_periods
-        )
-        q, k = qk[:, 0], qk[:, 1]
-    if cache is None:
-        return q, k, v
+            q, k = qk[:, 0], qk[:, 1]
+        if cache is None:
+            return q, k, v
     keys, values = cache
     keys = mx.slice_update(keys, k, position[None], axes=(2,))
     values = mx.slice_update(values, v, position[None], axes=(2,))
@@ -500,8 +509,6 @@ _GEMV = """
     float a0[M], a1[M];
     #pragma unroll
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
-    // Unrolled so that several 16-byte weight loads are in flight per lane: a warp's row is 8-32 loads deep.
-    #pragma unroll 4
     for (int k = lane * V; k < K; k += 32 * V) {
         uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
         uint4 r1 = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
@@ -729,13 +736,12 @@ def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None)
     return visible
 
 
-# One block of 16 warps per (row, head): with 1-2 rows that is only 16-32 blocks, so each warp's share of a long
-# context is what the step waits for. Each warp takes every 16th visible key with an online softmax (running
+# One block of 4 warps per (row, head); each warp takes every 4th visible key with an online softmax (running
 # max, sum and weighted values: no scores stored, so no shared memory that depends on the capacity), then warp 0
-# merges the 16. All in fp32 whatever T. at = [position, base]: indices from base on are read from the window
+# merges the 4. All in fp32 whatever T. at = [position, base]: indices from base on are read from the window
 # buffers (models/cache.py BatchKVCache), those before from keys/values; without a window base is past position.
 _DECODE_ATTENTION = """
-    constexpr int WARPS = 16;
+    constexpr int WARPS = 4;
     constexpr int PER = D / 32;
     int bh = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -829,8 +835,8 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
     return _decode_attention_kernels[has_pad, window](
         inputs=inputs,
         template=[("T", q.dtype), ("D", hd), ("H", h)],
-        grid=(b * h * 512, 1, 1),
-        threadgroup=(512, 1, 1),
+        grid=(b * h * 128, 1, 1),
+        threadgroup=(128, 1, 1),
         output_shapes=[(b, 1, h * hd)],
         output_dtypes=[q.dtype],
     )[0]
