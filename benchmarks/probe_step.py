@@ -315,7 +315,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--models", default="english,turbo,nano")
     parser.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
+    parser.add_argument("--kv-in-place", action="store_true", help="layers.KV_IN_PLACE for ours (ADR 13)")
     args = parser.parse_args()
+    layers.KV_IN_PLACE = args.kv_in_place
     mx.set_default_device(getattr(mx, args.device))
     parts = args.part.split(",")
     dtypes = args.dtypes.split(",")
