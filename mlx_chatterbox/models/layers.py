@@ -335,8 +335,9 @@ GEMV_ROWS = 4
 CUDA_DECODE = True
 
 # Whether ``heads`` writes k and v into the cache buffers in place on CUDA (ADR 13), instead of two
-# ``slice_update``s a layer. Off until it has run on a GPU: written 2026-12-02 when no device time was left to run
-# tests/test_decode_cuda.py, which covers it (the kernel against the composed path, whole decode steps).
+# ``slice_update``s a layer. Off: its first form failed tests/test_decode_cuda.py's whole-step test on the H200
+# (a later reader of a buffer was not ordered after the write); the ``mx.depends`` that orders it is written,
+# not yet run there.
 KV_IN_PLACE = False
 
 
@@ -407,10 +408,11 @@ def heads(
 
     On CUDA one primitive (as ``project``), and with ``KV_IN_PLACE`` that primitive also writes k and v into
     the buffers where they are: MLX has no in-place update for a custom kernel, so the kernel writes through its
-    read-only inputs, which is sound because nothing reads the buffers before it in the step (the attention
-    that does needs its q) and every buffer here is made whole by MLX (``models/cache.py``: pads and
-    concatenations, row-contiguous, so MLX hands the kernel the buffer itself, not a copy). Elsewhere the plain
-    ops, with two ``slice_update``s."""
+    read-only inputs. MLX then does not know the buffers changed, so they are returned through ``mx.depends``
+    on q: whatever reads them later (this step's attention, the next step's, a capacity growth's pad) is
+    ordered after the write. The buffers are made whole by MLX (``models/cache.py``: pads and concatenations,
+    row-contiguous), so MLX hands the kernel the buffer itself, not a copy. Elsewhere the plain ops, with two
+    ``slice_update``s."""
     b = x.shape[0]
     hd = layer.weight.shape[0] // (3 * num_heads)
     if (rope_periods is not None or cache is not None) and position is None:
@@ -426,8 +428,10 @@ def heads(
             num_heads=num_heads,
             heads_args=(position, pad, rope_periods, in_place),
         )
-        if cache is None or in_place is not None:
+        if cache is None:
             return tuple(out)
+        if in_place is not None:
+            return out[0], *mx.depends(list(cache), [out[0]])
         q, k, v = out
     else:
         # One token's (B, 1, 3·H·hd) is (B, 3, H, 1, hd) in memory: reshapes alone, no transposes.
@@ -722,7 +726,7 @@ def _gemv(
     )
     if act != "heads":
         return outs[0]
-    return (outs[0], *cache) if has_cache else outs
+    return outs
 
 
 def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None) -> mx.array:
