@@ -207,10 +207,43 @@ def step_primitives(model_name: str, dtype: mx.Dtype) -> tuple[int, int, dict]:
     return sum(counts.values()), sum(v for k, v in counts.items() if k in VIEWS), dict(counts.most_common())
 
 
-def host_split(dtype_name: str, tokens: int) -> dict:
-    """English decode as generate_speech_tokens runs it, with the host's time in building a step, in queueing
-    it (mx.async_eval) and in waiting for the token one step behind (.item()): a wait near 0 means the host
-    is the bound, a long wait the device."""
+def host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
+    """A decode loop as generate_speech_tokens (English) or generate_turbo_tokens (Turbo, Nano) runs it, with the
+    host's time per step in building the compiled step, in queueing it (mx.async_eval) and in waiting for the
+    token one step behind (.item()): a wait near 0 means the host is the bound, a long wait the device."""
+    start, advance = (_english_loop if model_name == "english" else _turbo_loop)(
+        model_name, dtype_name, tokens
+    )
+    result = {}
+    for run in range(2):  # the first traces every capacity
+        mx.reset_peak_memory()
+        token, seen, cache = start()
+        mx.async_eval(token)
+        build = queue = wait = 0.0
+        t_start = time.perf_counter()
+        for i in range(tokens - 1):
+            t0 = time.perf_counter()
+            nxt, seen, cache.kv = advance(i, token, seen, cache)
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            token.item()
+            t3 = time.perf_counter()
+            build, queue, wait = build + t1 - t0, queue + t2 - t1, wait + t3 - t2
+            token = nxt
+        n = tokens - 1
+        result = dict(
+            ms_step=1000 * (time.perf_counter() - t_start) / n,
+            build_ms=1000 * build / n,
+            queue_ms=1000 * queue / n,
+            wait_ms=1000 * wait / n,
+            peak_mb=mx.get_peak_memory() / 2**20,
+        )
+    return result
+
+
+def _english_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
+    """``host_split``'s start (prefill, first token) and one step for English T3 (CFG, default knobs)."""
     import bench_t3
     from mlx_chatterbox.generation import speech_tokens as st
     from mlx_chatterbox.models.t3 import T3
@@ -222,40 +255,21 @@ def host_split(dtype_name: str, tokens: int) -> dict:
     mx.eval(model.parameters())
     text, voice = bench_t3.fixed_inputs()[0], bench_t3.t3_voice(dtype)
     params = SamplingParams(max_new_tokens=tokens)
-    result = {}
-    for run in range(2):  # the first traces every capacity
-        mx.reset_peak_memory()
-        draws = st.make_draws(params, mx.random.key(0), None)
-        token, seen, cache = st.start(model, voice, text, params, draws, False)
-        step = st.decode_step(model, params, False)
-        mx.async_eval(token)
-        build = queue = wait = 0.0
-        t_start = time.perf_counter()
-        for i in range(tokens - 1):
-            t0 = time.perf_counter()
-            position = mx.array([i + 1, cache.claim()], dtype=mx.int32)
-            nxt, seen, cache.kv = step(token, position, seen, draws[i + 1], cache.kv)
-            t1 = time.perf_counter()
-            mx.async_eval(nxt)
-            t2 = time.perf_counter()
-            token.item()
-            t3 = time.perf_counter()
-            build, queue, wait = build + t1 - t0, queue + t2 - t1, wait + t3 - t2
-            token = nxt
-        total = time.perf_counter() - t_start
-        n = tokens - 1
-        result = dict(
-            ms_step=1000 * total / n,
-            build_ms=1000 * build / n,
-            queue_ms=1000 * queue / n,
-            wait_ms=1000 * wait / n,
-            peak_mb=mx.get_peak_memory() / 2**20,
-        )
-    return result
+    draws = st.make_draws(params, mx.random.key(0), None)
+    step = st.decode_step(model, params, False)
+
+    def start() -> tuple:
+        return st.start(model, voice, text, params, draws, False)
+
+    def advance(i: int, token: mx.array, seen: mx.array, cache) -> tuple:
+        position = mx.array([i + 1, cache.claim()], dtype=mx.int32)
+        return step(token, position, seen, draws[i + 1], cache.kv)
+
+    return start, advance
 
 
-def turbo_host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
-    """``host_split`` for Turbo or Nano (1 row, Turbo's sampling chain), as generate_turbo_tokens runs it."""
+def _turbo_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
+    """``host_split``'s start and one step for Turbo or Nano (1 row, Turbo's sampling chain)."""
     import bench_turbo
     from mlx_chatterbox.generation import turbo
     from mlx_chatterbox.models.gpt2 import NANO, TURBO
@@ -270,38 +284,19 @@ def turbo_host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
         speaker, mx.array([prompt], dtype=mx.int32), mx.array([text], mx.int32)
     )
     params = TurboParams(max_new_tokens=tokens)
-    result = {}
-    for run in range(2):  # the first traces every capacity
-        mx.reset_peak_memory()
-        draws = turbo.make_draws(tokens, mx.random.key(0), None)
+    draws = turbo.make_draws(tokens, mx.random.key(0), None)
+    step = turbo.decode_step(model, params, False)
+
+    def start() -> tuple:
         logits, cache = model.prefill(embeds)
-        token = mx.argmax(logits, axis=-1).astype(mx.int32)
         seen = mx.zeros((1, cfg.speech_vocab_size), dtype=mx.bool_)
-        step = turbo.decode_step(model, params, False)
-        mx.async_eval(token)
-        build = queue = wait = 0.0
-        t_start = time.perf_counter()
-        for i in range(tokens - 1):
-            t0 = time.perf_counter()
-            position = mx.array(cache.claim(), dtype=mx.int32)
-            nxt, seen, cache.kv = step(mx.maximum(token, 0), position, seen, draws[i + 1], cache.kv)
-            t1 = time.perf_counter()
-            mx.async_eval(nxt)
-            t2 = time.perf_counter()
-            token.item()
-            t3 = time.perf_counter()
-            build, queue, wait = build + t1 - t0, queue + t2 - t1, wait + t3 - t2
-            token = nxt
-        n = tokens - 1
-        total = time.perf_counter() - t_start
-        result = dict(
-            ms_step=1000 * total / n,
-            build_ms=1000 * build / n,
-            queue_ms=1000 * queue / n,
-            wait_ms=1000 * wait / n,
-            peak_mb=mx.get_peak_memory() / 2**20,
-        )
-    return result
+        return mx.argmax(logits, axis=-1).astype(mx.int32), seen, cache
+
+    def advance(i: int, token: mx.array, seen: mx.array, cache) -> tuple:
+        position = mx.array(cache.claim(), dtype=mx.int32)
+        return step(mx.maximum(token, 0), position, seen, draws[i + 1], cache.kv)
+
+    return start, advance
 
 
 def main() -> None:
@@ -336,11 +331,7 @@ def main() -> None:
         for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
             for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
                 layers.CUDA_DECODE = system == "ours"
-                r = (
-                    host_split(dn, args.tokens)
-                    if model == "english"
-                    else turbo_host_split(model, dn, args.tokens)
-                )
+                r = host_split(model, dn, args.tokens)
                 gc.collect()
                 mx.clear_cache()
                 layers.CUDA_DECODE = True
