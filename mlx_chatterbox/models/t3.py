@@ -196,7 +196,7 @@ class Attention(nn.Module):
     ) -> tuple[mx.array, BufferState | WindowState]:
         """One token: x (B, 1, D), the layer's input, plus attention over ``norm(x)``, with ``state`` this
         layer's keys and values; returns that and the state with this token written in. On CUDA the norm,
-        projection, RoPE and cache write are one primitive, as are the output projection and the residual add
+        projection and RoPE are one primitive, as are the output projection and the residual add
         (``layers.heads``, ``layers.project``). A left-padded row b's token sits at sequence position (buffer
         index - pad[b]) and sees nothing before pad[b]. Nothing here depends on the values of positions or pad,
         so a compiled step is traced once per shape."""
