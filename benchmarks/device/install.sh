@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On a fresh device machine, in three back-to-back `run` calls (it is taken back after 30 s idle):
+#   1. carry [".whl/a"]: bash benchmarks/device/install.sh a
+#   2. carry [".whl/b"]: bash benchmarks/device/install.sh b
+#   3. carry [".whl/c", ".whl/d"]: bash benchmarks/device/install.sh c && <the work, e.g. start.sh>
+# MLX-CUDA goes into the image's python3 (a venv does not see its torch); the rest into /tmp/site.
+set -euo pipefail
+mkdir -p ~/stash ~/res ~/ptx
+case "$1" in
+  a|b) cp .whl/"$1"/* ~/stash/ ;;
+  c)
+    cat ~/stash/partaa ~/stash/partab .whl/c/partac > ~/stash/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    python3 -m pip install -q --no-index --no-deps ~/stash/mlx_cuda_13-*.whl .whl/c/mlx-0.32.4-*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/d/*.whl
+    python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())"
+    ;;
+  *) echo "usage: install.sh a|b|c" >&2; exit 2 ;;
+esac

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The real server under load (issue 24): a random full-size model of VARIANT (english or turbo) served with
+# `serve --max-batch 128 --max-queue 256` plus SERVE_FLAGS, then bench_serve.py scenarios, one per remaining
+# argument, into ~/res/serve.jsonl: bash serve.sh english "" "--concurrency 128 --formats whole --requests 128" ...
+export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
+variant=$1 flags=$2
+shift 2
+echo "== commit $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)"
+dir=/tmp/serve-$variant
+[ -d "$dir/mlx" ] || python3 -c "
+import sys; sys.path[:0] = ['benchmarks', '.']
+from pathlib import Path; import bench_serve
+d = Path('$dir'); d.mkdir(exist_ok=True); bench_serve.write_random_model('full', '$variant', d)"
+# shellcheck disable=SC2086  # the flags are words
+python3 -m mlx_chatterbox serve --model "$dir/mlx" --voice "$dir/voice.safetensors" --port 8000 \
+    --max-batch 128 --max-queue 256 $flags > ~/res/serve_server.log 2>&1 &
+server=$!
+t0=$SECONDS
+until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; do
+  sleep 1
+  if ! kill -0 $server 2>/dev/null || [ $((SECONDS - t0)) -gt 600 ]; then
+    echo "serve did not start"; tail -20 ~/res/serve_server.log; echo "== done"; exit 1
+  fi
+done
+echo "== $variant $flags: up after $((SECONDS - t0)) s"
+for scenario in "$@"; do
+  echo "== $scenario"
+  # shellcheck disable=SC2086
+  timeout 900 python3 benchmarks/bench_serve.py --url http://127.0.0.1:8000 $scenario --out ~/res/serve.jsonl 2>&1 \
+      | grep -v '^{'
+done
+kill -INT $server
+wait $server
+echo "== done"

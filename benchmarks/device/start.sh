@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Start a job on the device machine detached (it outlives the 600 s call), its output in ~/res/JOB.log, then wait
+# as wait.sh does: bash benchmarks/device/start.sh JOB SECONDS [ARGS...]; JOB is decode or serve (this folder).
+set -uo pipefail
+job=$1 wait_s=$2
+shift 2
+( setsid nohup bash "$(dirname "$0")/$job.sh" "$@" > ~/res/"$job".log 2>&1 & )
+exec bash "$(dirname "$0")/wait.sh" "$wait_s" "$job"
