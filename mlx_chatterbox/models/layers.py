@@ -335,9 +335,9 @@ GEMV_ROWS = 4
 CUDA_DECODE = True
 
 # Whether ``heads`` writes k and v into the cache buffers in place on CUDA (ADR 13), instead of two
-# ``slice_update``s a layer. Off: its first form failed tests/test_decode_cuda.py's whole-step test on the H200
-# (a later reader of a buffer was not ordered after the write); the ``mx.depends`` that orders it is written,
-# not yet run there.
+# ``slice_update``s a layer. Off: MLX does not know of the write, so it is ordered before later readers only when
+# each decode step is evaluated on its own (the generation loops do; tests/test_decode_cuda.py's lazy
+# 300-step graph failed with it on the H200), and the ``mx.depends`` below has not run on a GPU.
 KV_IN_PLACE = False
 
 
@@ -409,10 +409,10 @@ def heads(
     On CUDA one primitive (as ``project``), and with ``KV_IN_PLACE`` that primitive also writes k and v into
     the buffers where they are: MLX has no in-place update for a custom kernel, so the kernel writes through its
     read-only inputs. MLX then does not know the buffers changed, so they are returned through ``mx.depends``
-    on q: whatever reads them later (this step's attention, the next step's, a capacity growth's pad) is
-    ordered after the write. The buffers are made whole by MLX (``models/cache.py``: pads and concatenations,
-    row-contiguous), so MLX hands the kernel the buffer itself, not a copy. Elsewhere the plain ops, with two
-    ``slice_update``s."""
+    on q, which orders MLX's evaluation of later readers after the write (not the GPU's, within one CUDA
+    graph: see ``KV_IN_PLACE``). The buffers are made whole by MLX (``models/cache.py``: pads and
+    concatenations, row-contiguous), so MLX hands the kernel the buffer itself, not a copy. Elsewhere the plain
+    ops, with two ``slice_update``s."""
     b = x.shape[0]
     hd = layer.weight.shape[0] // (3 * num_heads)
     if (rope_periods is not None or cache is not None) and position is None:
