@@ -113,11 +113,15 @@ def test_linear_takes_matrix_vector_products_on_cuda():
         assert err <= 1e-6, (rows, err)
 
 
-def decode_logits(model, embeds: mx.array, tokens: list[int]) -> mx.array:
-    """Prefill, then the tokens fed one by one through ``model.decode`` (T3's or T3Turbo's): every logit row."""
+def decode_logits(model, embeds: mx.array, tokens: list[int], step_by_step: bool = False) -> mx.array:
+    """Prefill, then the tokens fed one by one through ``model.decode`` (T3's or T3Turbo's): every logit row.
+    step_by_step: each step queued for evaluation on its own, as the generation loops do, instead of one lazy
+    graph of all of them."""
     logits, cache = model.prefill(embeds)
     out = [logits]
     for i, token in enumerate(tokens):
+        if step_by_step:
+            mx.async_eval(logits, cache.kv)
         token = mx.full((embeds.shape[0],), token, dtype=mx.int32)
         position = mx.array(cache.claim(), dtype=mx.int32)
         if isinstance(model, T3):
@@ -129,12 +133,13 @@ def decode_logits(model, embeds: mx.array, tokens: list[int]) -> mx.array:
 
 
 @cuda
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("in_place,step_by_step", [(False, False), (True, True), (True, False)])
 @pytest.mark.parametrize("which", ["t3", "turbo"])
-def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, monkeypatch):
+def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by_step, monkeypatch):
     """Whole decode steps (head dim 64, so the kernel runs; CFG's 2 rows or Turbo's 1) match the same steps
     through MLX's own ops, which the parity tests compare with upstream; with the keys and values written into
-    the cache by the q/k/v kernel (``layers.KV_IN_PLACE``) or by ``slice_update``."""
+    the cache by ``slice_update`` or by the q/k/v kernel (``layers.KV_IN_PLACE``, ADR 13: sound when every step
+    is evaluated on its own; in one lazy graph of 300 steps it failed on the H200 before ``mx.depends``)."""
     monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
     mx.random.seed(3)
     if which == "t3":
@@ -147,7 +152,7 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, monkeyp
     monkeypatch.setattr(layers, "CUDA_DECODE", False)
     composed = decode_logits(model, embeds, tokens)
     monkeypatch.setattr(layers, "CUDA_DECODE", True)
-    fused = decode_logits(model, embeds, tokens)
+    fused = decode_logits(model, embeds, tokens, step_by_step)
     err = (mx.linalg.norm(fused - composed) / mx.linalg.norm(composed)).item()
     assert err <= 1e-5, err
 
