@@ -1,0 +1,323 @@
+"""Where S3Gen's time goes on a GPU (issues 24 and 25): what each kind of operation of the CFM estimator costs at
+its real shapes, one estimator call's primitives with its host and device time, and batched vocoding by stage
+and memory budget. A probe for the H200 (random full-size weights, no torch); prints a short table per part.
+
+    python benchmarks/probe_s3gen.py --part ops,call,batch --rows 1,8,32 --out s3gen_probe.jsonl
+
+- ops: each operation kind of the estimator (its products, convolutions, norms, activations, attention with and
+  without the padding bias) at 2 rows (one request with CFG) and 16 (eight), 1000 frames (10 s prompt + 10 s):
+  microseconds each, n of them built lazily and evaluated together (MLX's encoding plus the device).
+- call: one estimator call at 2·N rows: primitives by kind, the host's time to build the graph, and the time to
+  evaluate it.
+- batch: ``S3Gen.batch`` of N requests of 10 s (the 10 s voice prompt each) by stage (encoder, CFM, HiFT), under
+  the default memory budget ("auto") and none: wall time, RTF of the audio made, MLX's peak above the weights.
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx_chatterbox  # noqa: F401  isort: skip
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from probe_step import VIEWS, chain_time, primitives
+
+from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
+from mlx_chatterbox.generation.vocode import S3Gen, resolve_memory_budget
+from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models import cfm
+from mlx_chatterbox.variants import ENGLISH
+
+FRAMES = 1000  # mel frames of a 10 s prompt + 10 s of speech
+TOKENS = 250
+
+
+def random_s3gen() -> S3Gen:
+    """Full-size English S3Gen with the tests' random weights, through our conversion."""
+    from tests.conftest import upstream_s3gen_weights
+
+    weights = {k: mx.array(v) for k, v in upstream_s3gen_weights(ENGLISH).items()}
+    parts = split_s3gen(weights)
+    nets = {}
+    for _, name, network in S3GEN_PARTS:
+        if name in ("flow", "cfm", "hift"):
+            nets[name] = network(getattr(ENGLISH, name))
+            nets[name].load_weights(
+                list(sanitize_s3gen_part(parts[name], name, ENGLISH).items()), strict=True
+            )
+    mx.eval([n.parameters() for n in nets.values()])
+    return S3Gen(nets["flow"], nets["cfm"], nets["hift"])
+
+
+def voice() -> Voice:
+    rng = np.random.default_rng(0)
+    return Voice(
+        speaker_emb=mx.zeros((1, 256)),
+        t3_prompt_tokens=mx.zeros((1, 1), dtype=mx.int32),
+        s3gen_prompt_tokens=mx.array(rng.integers(0, 6561, (1, TOKENS)).astype(np.int32)),
+        s3gen_prompt_mel=mx.array(rng.standard_normal((1, 2 * TOKENS, 80)).astype(np.float32) - 5),
+        xvector=mx.array(rng.standard_normal((1, 192)).astype(np.float32)),
+    )
+
+
+# --- ops ---
+
+
+def ops(dtype: mx.Dtype, rows: int, n: int, frames: int) -> list[tuple[str, float]]:
+    """Microseconds per operation of the estimator's kinds at (rows, frames, channels)."""
+    c, inner, ff = 256, 512, 1024
+
+    def rand(*shape):
+        return (0.05 * mx.random.normal(shape)).astype(dtype)
+
+    x, x_wide, x_ff = rand(rows, frames, c), rand(rows, frames, inner), rand(rows, frames, ff)
+    m = mx.ones((rows, frames, 1), dtype)
+    q = rand(rows, 8, frames, 64)
+    bias = mx.zeros((rows, 1, 1, frames), dtype)
+    gamma, beta = mx.ones((c,), dtype), mx.zeros((c,), dtype)
+    mx.eval(x, x_wide, x_ff, m, q, bias)
+
+    def many(f, inp):
+        """n independent calls on one input (for operations that change the shape)."""
+        return lambda: [f(inp, i) for i in range(n)]
+
+    def chain(f, inp):
+        def build():
+            y = inp
+            for i in range(n):
+                y = f(y, i)
+            return y
+
+        return build
+
+    def weights(cout, cin, k=None):
+        shape = (cout, cin) if k is None else (cout, k, cin)
+        ws = [rand(*shape) for _ in range(n)]
+        mx.eval(ws)
+        return ws
+
+    w_q, w_out, w_ff1, w_ff2 = weights(inner, c), weights(c, inner), weights(ff, c), weights(c, ff)
+    w_qkv, w_c3, w_in3 = weights(3 * inner, c), weights(c, c, 3), weights(c, 320, 3)
+    b_c, b_ff = rand(c), rand(ff)
+    x_in = rand(rows, frames, 320)
+    mx.eval(b_c, b_ff, x_in)
+    pad = [(0, 0), (2, 0), (0, 0)]
+    table = [
+        ("linear 256->512 (to_q/k/v)", many(lambda y, i: y @ w_q[i].T, x)),
+        ("linear 256->1536 (q, k, v as one)", many(lambda y, i: y @ w_qkv[i].T, x)),
+        ("linear 512->256 + bias (to_out)", many(lambda y, i: mx.addmm(b_c, y, w_out[i].T), x_wide)),
+        ("linear 256->1024 + bias (ff in)", many(lambda y, i: mx.addmm(b_ff, y, w_ff1[i].T), x)),
+        ("linear 1024->256 + bias (ff out)", many(lambda y, i: mx.addmm(b_c, y, w_ff2[i].T), x_ff)),
+        ("conv1d k3 256->256 (causal pad + conv)", many(lambda y, i: mx.conv1d(mx.pad(y, pad), w_c3[i]), x)),
+        ("conv1d k3 320->256 (first block)", many(lambda y, i: mx.conv1d(mx.pad(y, pad), w_in3[i]), x_in)),
+        ("pad alone", many(lambda y, i: mx.pad(y, pad), x)),
+        ("layer_norm 256", chain(lambda y, i: mx.fast.layer_norm(y, gamma, beta, 1e-5), x)),
+        ("mish", chain(lambda y, i: nn.mish(y), x)),
+        ("gelu (erf) on 1024", chain(lambda y, i: nn.gelu(y), x_ff)),
+        ("multiply by the frame mask", chain(lambda y, i: y * m, x)),
+        ("add", chain(lambda y, i: y + x, x)),
+        (
+            "heads split: reshape + transpose + copy",
+            many(
+                lambda y, i: mx.contiguous((y + i).reshape(rows, frames, 8, 64).transpose(0, 2, 1, 3)), x_wide
+            ),
+        ),
+        (
+            "sdpa 8 heads x 64, no mask",
+            chain(lambda y, i: mx.fast.scaled_dot_product_attention(y, q, q, scale=0.125), q),
+        ),
+        (
+            "sdpa 8 heads x 64, padding bias",
+            chain(lambda y, i: mx.fast.scaled_dot_product_attention(y, q, q, scale=0.125, mask=bias), q),
+        ),
+    ]
+    return [(name, chain_time(build, n)) for name, build in table]
+
+
+# --- call ---
+
+
+def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int) -> dict:
+    """One estimator call at 2·requests rows (CFG); with a padding mask when requests > 1, as batches run."""
+    est = s3gen.estimator
+    est.set_dtype(dtype)
+    b = 2 * requests
+    x, mu, cond = (mx.random.normal((b, frames, 80)).astype(dtype) for _ in range(3))
+    spks, t = mx.random.normal((b, 80)).astype(dtype), mx.full((b,), 0.3)
+    mask = None if requests == 1 else mx.ones((b, frames), dtype=mx.bool_)
+    mx.eval(x, mu, cond, spks, t, mask if mask is not None else x)
+    counts = primitives(est(x, mask, mu, t, spks, cond))
+    builds, evals = [], []
+    for _ in range(repeats + 1):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = est(x, mask, mu, t, spks, cond)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        builds.append(t1 - t0)
+        evals.append(t2 - t1)
+    est.set_dtype(mx.float32)
+    return dict(
+        dtype=str(dtype).split(".")[-1],
+        rows=b,
+        primitives=sum(counts.values()),
+        views=sum(v for k, v in counts.items() if k in VIEWS),
+        build_ms=1e3 * statistics.median(builds[1:]),
+        eval_ms=1e3 * statistics.median(evals[1:]),
+        kinds=dict(counts.most_common(12)),
+    )
+
+
+# --- batch ---
+
+
+def batch(s3gen: S3Gen, requests: int, budget, repeats: int) -> dict:
+    """``S3Gen.batch`` of ``requests`` x 10 s, and its stages evaluated one by one."""
+    v = voice()
+    rng = np.random.default_rng(1)
+    ids = [mx.array(rng.integers(0, 6561, (1, TOKENS)).astype(np.int32)) for _ in range(requests)]
+    keys = [mx.random.key(i) for i in range(requests)]
+    s3gen.memory_budget = budget
+    lengths = mx.array([2 * TOKENS] * requests, dtype=mx.int32)
+    everything = mx.concatenate([mx.concatenate([v.s3gen_prompt_tokens, t], axis=1) for t in ids])
+    runs = []
+    for _ in range(repeats + 1):
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        mx.eval(s3gen.batch(ids, [v] * requests, keys=keys, bucket=25))
+        t1 = time.perf_counter()
+        peak = mx.get_peak_memory() - before
+        # The stages apart, each evaluated alone under the same budget.
+        limit = resolve_memory_budget(budget)
+        old = mx.set_memory_limit(mx.get_active_memory() + limit) if limit is not None else None
+        mu, mask = s3gen.flow.encode(everything, lengths, isolate_rows=requests > 1)
+        mx.eval(mu, mask)
+        t2 = time.perf_counter()
+        spks = s3gen.flow.embed_speaker(mx.concatenate([v.xvector] * requests))
+        mel = cfm.solve(
+            s3gen.estimator,
+            mu,
+            mask if requests > 1 else None,
+            spks,
+            mx.zeros(mu.shape),
+            mx.random.normal(mu.shape),
+            10,
+            0.7,
+        )
+        mx.eval(mel)
+        t3 = time.perf_counter()
+        mx.eval(s3gen.hift(mel[:, 2 * TOKENS :]))
+        t4 = time.perf_counter()
+        if old is not None:
+            mx.set_memory_limit(old)
+        runs.append(
+            dict(
+                total_ms=1e3 * (t1 - t0),
+                encoder_ms=1e3 * (t2 - t1),
+                cfm_ms=1e3 * (t3 - t2),
+                hift_ms=1e3 * (t4 - t3),
+                peak_mib=peak / 2**20,
+            )
+        )
+    out = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+    audio_s = requests * TOKENS * 0.04
+    return dict(
+        requests=requests,
+        memory_budget=str(budget),
+        audio_s=audio_s,
+        rtf=out["total_ms"] / 1e3 / audio_s,
+        **out,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", default="ops,call,batch")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="ops and call")
+    p.add_argument(
+        "--rows", default="1,8,32", help="requests per call (call, batch; ops takes the first two)"
+    )
+    p.add_argument(
+        "--budgets", default="auto,none", help="batch: S3Gen.memory_budget values (MiB or auto/none)"
+    )
+    p.add_argument("--frames", type=int, default=FRAMES, help="ops and call: mel frames a row")
+    p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
+    p.add_argument("--out", help="append JSON lines here")
+    args = p.parse_args()
+    mx.set_default_device(getattr(mx, args.device))
+    parts, dtypes = args.part.split(","), [getattr(mx, d) for d in args.dtypes.split(",")]
+    requests = [int(r) for r in args.rows.split(",")]
+
+    def emit(row: dict) -> None:
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if "ops" in parts:
+        rows = [2 * r for r in requests[:2]]
+        results = {(d, r): dict(ops(d, r, args.n, args.frames)) for d in dtypes for r in rows}
+        cols = [(d, r) for d in dtypes for r in rows]
+        print(
+            f"\n| op, {args.frames} frames | "
+            + " | ".join(f"{str(d).split('.')[-1]} {r} rows µs" for d, r in cols)
+            + " |\n|---|"
+            + "---|" * len(cols)
+        )
+        for name in results[cols[0]]:
+            print(f"| {name} | " + " | ".join(f"{results[c][name]:.1f}" for c in cols) + " |", flush=True)
+        emit(
+            dict(
+                part="ops",
+                n=args.n,
+                results={f"{str(d).split('.')[-1]}-{r}": v for (d, r), v in results.items()},
+            )
+        )
+    s3gen = random_s3gen() if {"call", "batch"} & set(parts) else None
+    if "call" in parts:
+        print(
+            "\n| dtype | rows | primitives (views) | build ms | eval ms | top kinds |\n|---|---|---|---|---|---|"
+        )
+        for d in dtypes:
+            for r in requests:
+                row = call(s3gen, d, r, args.repeats, args.frames)
+                emit(dict(part="call", **row))
+                top = ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
+                print(
+                    f"| {row['dtype']} | {row['rows']} | {row['primitives']} ({row['views']}) | "
+                    f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} |",
+                    flush=True,
+                )
+    if "batch" in parts:
+        print(
+            "\n| requests | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
+            "\n|---|---|---|---|---|---|---|---|"
+        )
+        for budget in args.budgets.split(","):
+            value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
+            for r in requests:
+                row = batch(s3gen, r, value, args.repeats)
+                emit(dict(part="batch", **row))
+                print(
+                    f"| {r} | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
+                    f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
