@@ -668,3 +668,27 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
     assert [v["id"] for v in seen["voices"]] == ["default"]
     assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
     assert "serving mlx on http://0.0.0.0:8123" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag,cuda,threaded",
+    [
+        ([], False, False),
+        ([], True, True),
+        (["--vocode-thread"], False, True),
+        (["--vocode-thread", "off"], True, False),
+    ],
+)
+def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded):
+    """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare."""
+    seen = {}
+
+    def serve(app, host, port, shutdown_timeout, log_level):
+        with TestClient(app) as http:
+            seen["health"] = http.get("/health").json()
+
+    monkeypatch.setattr(run_module, "serve", serve)
+    monkeypatch.setattr(worker_module, "default_vocode_thread", lambda: cuda)
+    args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
+    assert main(args) == 0
+    assert seen["health"]["vocode_thread"] is threaded

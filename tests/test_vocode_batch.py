@@ -11,6 +11,7 @@ import pytest
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation import vocode
 from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
 # fp32, measured on the 2-core CPU: mel rel. L2 0 to 1.8e-8 per request, waveform 2.1e-7 to 2.5e-7 (float
@@ -142,6 +143,22 @@ def test_memory_budget_changes_no_number_and_restores_the_limit(tts):
         ):
             dataclasses.replace(tts.s3gen, memory_budget=bad)(ids[0], voices[0], cfm_steps=1)
         assert mx.get_memory_limit() == limit
+
+
+def test_auto_budget_grows_with_the_requests_of_a_call(tts, monkeypatch):
+    """ "auto" gives every request of a batched call the single call's budget, up to AUTO_ROWS requests (a
+    fixed budget starved batches on the H200); a budget in bytes is the whole call's."""
+    one = vocode.resolve_memory_budget("auto")
+    assert vocode.resolve_memory_budget("auto", 3) == 3 * one
+    assert vocode.resolve_memory_budget("auto", 50) == vocode.AUTO_ROWS * one
+    assert vocode.resolve_memory_budget(2**20, 3) == 2**20
+    limits = []
+    real = mx.set_memory_limit
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or real(n))
+    ids, voices, keys = requests()
+    active = mx.get_active_memory()
+    tts.s3gen.batch(ids[:3], voices[:3], cfm_steps=1, keys=keys[:3])
+    assert abs(limits[0] - 3 * one - active) < one  # the call raised it by 3 requests' budgets
 
 
 def test_interleaved_memory_bounds_restore_the_callers_limit():

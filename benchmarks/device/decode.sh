@@ -3,7 +3,7 @@
 # kernels), then single-stream decode speed for every model (benchmarks/probe_step.py) into ~/res/step.jsonl.
 # Extra arguments go to probe_step.py (e.g. --kv-in-place, --systems mlx-ops,ours,upstream --upstream-src DIR).
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
-echo "== commit $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)"
+echo "== commit $BENCH_COMMIT"
 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda.py 2>&1 | tail -8
 timeout 500 python3 benchmarks/probe_step.py --part step,split --tokens 200 --repeats 2 --systems mlx-ops,ours \
     --models english,turbo,nano --dtypes float32,bfloat16 --out ~/res/step.jsonl "$@" 2>&1 | grep -v '^{'

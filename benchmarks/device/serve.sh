@@ -5,7 +5,7 @@
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 variant=$1 flags=$2
 shift 2
-echo "== commit $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)"
+echo "== commit $BENCH_COMMIT"
 dir=/tmp/serve-$variant
 [ -d "$dir/mlx" ] || python3 -c "
 import sys; sys.path[:0] = ['benchmarks', '.']

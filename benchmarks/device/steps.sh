@@ -4,7 +4,7 @@
 #   bash benchmarks/device/start.sh steps 540 'bash benchmarks/device/serve.sh english "" "--concurrency 8"' \
 #       'python3 benchmarks/probe_s3gen.py --out ~/res/s3gen_probe.jsonl'
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
-echo "== commit $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)"
+echo "== commit $BENCH_COMMIT"
 i=0
 for command in "$@"; do
   i=$((i + 1))

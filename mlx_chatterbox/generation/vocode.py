@@ -44,12 +44,15 @@ class Draws:
     source_noise: mx.array
 
 
-# Bytes an S3Gen call may hold above the memory in use when it starts ("auto"; see bounded_memory).
-# Measured at 10 s prompt + 10 s output, full size, fp32 (peak above the weights; time). CPU, 2 cores:
-# 695 -> 446 MiB at 256 MiB, no slower. H200: 5482 MiB, 308 ms unbounded; 2089 MiB, 320 ms at 2 GiB;
-# 1084 MiB, 312-338 ms at 1 GiB; 756 MiB, 508 ms at 512 MiB (too little work stays queued to keep the GPU
-# busy).
+# Bytes an S3Gen call may hold above the memory in use when it starts ("auto"; see bounded_memory), per request
+# it vocodes, for up to AUTO_ROWS requests. Measured at 10 s prompt + 10 s output, full size, fp32 (peak above
+# the weights; time). CPU, 2 cores: 695 -> 446 MiB at 256 MiB, no slower. H200: 5482 MiB, 308 ms unbounded;
+# 2089 MiB, 320 ms at 2 GiB; 1084 MiB, 312-338 ms at 1 GiB; 756 MiB, 508 ms at 512 MiB (too little work stays
+# queued to keep the GPU busy). Batched (H200, 2026-12-02, benchmarks/probe_s3gen.py): 8 requests took 2135 ms
+# under 1 GiB, 1709 ms under 8 GiB (8.5 GB peak) and 1679 ms unbounded (20.8 GB); 32 requests 7496, 6513 (10.4
+# GB) and 6483 ms (37 GB): a fixed budget starves batches, 1 GiB a request up to 8 does not.
 MEMORY_BUDGETS = {"cpu": 256 * 2**20, "gpu": 2**30}
+AUTO_ROWS = 8
 
 
 def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
@@ -64,7 +67,8 @@ def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(method)
     def run(self: S3Gen, *args, **kwargs) -> R:
-        budget = resolve_memory_budget(self.memory_budget)
+        tokens = args[0] if args else kwargs.get("tokens")
+        budget = resolve_memory_budget(self.memory_budget, len(tokens) if isinstance(tokens, list) else 1)
         if budget is None:
             return method(self, *args, **kwargs)
         _raise_memory_limit(mx.get_active_memory() + budget)
@@ -102,10 +106,12 @@ def _lower_memory_limit() -> None:
             mx.set_memory_limit(_limit_calls[1])
 
 
-def resolve_memory_budget(budget: int | str | None) -> int | None:
-    """``S3Gen.memory_budget`` -> bytes (or None: unbounded); "auto" picks by MLX's default device."""
+def resolve_memory_budget(budget: int | str | None, requests: int = 1) -> int | None:
+    """``S3Gen.memory_budget`` -> bytes (or None: unbounded) for a call that vocodes ``requests`` requests;
+    "auto" gives each of them (up to ``AUTO_ROWS``) the default device's ``MEMORY_BUDGETS``, a number of bytes is
+    the whole call's."""
     if budget == "auto":
-        return MEMORY_BUDGETS["cpu" if mx.default_device() == mx.cpu else "gpu"]
+        return MEMORY_BUDGETS["cpu" if mx.default_device() == mx.cpu else "gpu"] * min(requests, AUTO_ROWS)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
         raise ValueError(f"memory_budget={budget!r} must be a number of bytes >= 0, 'auto' or None")
     return budget
@@ -114,8 +120,9 @@ def resolve_memory_budget(budget: int | str | None) -> int | None:
 @dataclass
 class S3Gen:
     """The three networks that turn speech tokens into audio. ``memory_budget``: bytes a call may hold above
-    the memory in use when it starts; "auto" (``MEMORY_BUDGETS`` for the default device) or None (no bound
-    beyond MLX's own limit: fastest on GPUs, 5x the memory). See ``bounded_memory``."""
+    the memory in use when it starts; "auto" (``MEMORY_BUDGETS`` for the default device, per request of a
+    batched call) or None (no bound beyond MLX's own limit: fastest on GPUs, 5x the memory). See
+    ``bounded_memory``."""
 
     flow: Flow
     estimator: Estimator

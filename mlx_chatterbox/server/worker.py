@@ -12,10 +12,10 @@ chunk): pieces, budgets, seeds per piece, crossfades, pause tags' silences and w
 except that whole pieces vocoded together are equal up to float error. Apart from the vocoding thread's S3Gen
 calls (on its own MLX stream, with arrays of its own), all MLX work happens on the worker thread.
 
-The vocoding thread is opt-in: on 2 CPU cores it gained nothing (T3 and S3Gen share the cores, and S3Gen's
-process-wide memory bound holds T3's evaluations back too: 8 whole requests 13.2 s threaded against 6.7 s),
-and it has not been run on MLX-CUDA, where another thread's CUDA calls once broke the worker's graph captures
-(ADR 10).
+``serve`` runs the vocoding thread by default with MLX-CUDA only (``default_vocode_thread``): there it took 128
+concurrent whole requests from 11.4x to 20.0x real time (H200, 2026-12-02); on 2 CPU cores it lost (T3 and
+S3Gen share the cores, and S3Gen's process-wide memory bound holds T3's evaluations back too: 8 whole requests
+13.2 s threaded against 6.7 s), and on Metal it has not been measured.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ WARM_UP_TOKENS = 12
 # shapes (GPU kernel plans and graphs are per shape).
 VOCODE_FRAMES = 8 * 1500
 VOCODE_BUCKET = 25
+
+
+def default_vocode_thread() -> bool:
+    """``serve --vocode-thread auto``: a vocoding thread with MLX-CUDA, where S3Gen is GPU-bound while T3's steps
+    are host-bound (128 concurrent whole requests on an H200: 11.4x real time without, 20.0x with, 2026-12-02);
+    none on CPUs, where the two share the cores (8 whole requests: 6.7 s without, 13.2 s with, on 2 cores)."""
+    return mx.default_device() != mx.cpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 @dataclasses.dataclass(frozen=True)
