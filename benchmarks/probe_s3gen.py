@@ -23,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_chatterbox  # noqa: F401  isort: skip
 
 import argparse
+import collections
+import io
 import json
+import re
 import statistics
 import time
 
@@ -147,16 +150,40 @@ def ops(dtype: mx.Dtype, rows: int, n: int, frames: int) -> list[tuple[str, floa
 # --- call ---
 
 
+def astype_context(*outputs: mx.array) -> collections.Counter:
+    """Where the graph converts dtypes: (the producer of an AsType's input, the consumer of its output) kinds."""
+    f = io.StringIO()
+    mx.export_to_dot(f, *outputs)
+    labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]', f.getvalue()))
+    edges = re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', f.getvalue(), re.M)
+    producer = {dst: src for src, dst in edges if src in labels}  # array -> the primitive that made it
+    consumers = collections.defaultdict(list)  # array -> the primitives that read it
+    for src, dst in edges:
+        if dst in labels:
+            consumers[src].append(dst)
+    out = collections.Counter()
+    for node, label in labels.items():
+        if label != "AsType":
+            continue
+        (x,) = [src for src, dst in edges if dst == node]
+        (y,) = [dst for src, dst in edges if src == node]
+        for reader in consumers[y] or [None]:
+            out[f"{labels.get(producer.get(x), 'input')} -> {labels.get(reader, 'output')}"] += 1
+    return out
+
+
 def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int) -> dict:
     """One estimator call at 2·requests rows (CFG); with a padding mask when requests > 1, as batches run."""
     est = s3gen.estimator
     est.set_dtype(dtype)
+    mx.eval(est.parameters())  # else every graph below would start with the weights' casts
     b = 2 * requests
     x, mu, cond = (mx.random.normal((b, frames, 80)).astype(dtype) for _ in range(3))
     spks, t = mx.random.normal((b, 80)).astype(dtype), mx.full((b,), 0.3)
     mask = None if requests == 1 else mx.ones((b, frames), dtype=mx.bool_)
     mx.eval(x, mu, cond, spks, t, mask if mask is not None else x)
     counts = primitives(est(x, mask, mu, t, spks, cond))
+    casts = astype_context(est(x, mask, mu, t, spks, cond))
     builds, evals = [], []
     for _ in range(repeats + 1):
         mx.synchronize()
@@ -176,6 +203,7 @@ def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int
         build_ms=1e3 * statistics.median(builds[1:]),
         eval_ms=1e3 * statistics.median(evals[1:]),
         kinds=dict(counts.most_common(12)),
+        casts=dict(casts.most_common(8)),
     )
 
 
@@ -290,7 +318,8 @@ def main() -> None:
     s3gen = random_s3gen() if {"call", "batch"} & set(parts) else None
     if "call" in parts:
         print(
-            "\n| dtype | rows | primitives (views) | build ms | eval ms | top kinds |\n|---|---|---|---|---|---|"
+            "\n| dtype | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> read by) |"
+            "\n|---|---|---|---|---|---|---|"
         )
         for d in dtypes:
             for r in requests:
@@ -299,7 +328,9 @@ def main() -> None:
                 top = ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
                 print(
                     f"| {row['dtype']} | {row['rows']} | {row['primitives']} ({row['views']}) | "
-                    f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} |",
+                    f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} | "
+                    + ", ".join(f"{k} {v}" for k, v in list(row["casts"].items())[:4])
+                    + " |",
                     flush=True,
                 )
     if "batch" in parts:
