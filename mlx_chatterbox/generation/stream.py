@@ -263,7 +263,7 @@ class StreamVocoder:
             return np.zeros(0, np.float32)
         s3gen = self.s3gen
         mel = s3gen.mel(d.tokens, self.voice, cfm_steps=self.cfm_steps, cfm_noise=d.noise, finalize=d.final)
-        return self._complete(d, self._vocode(d, mel))
+        return self._complete(d, mel)
 
     def _prepare(self, final: bool) -> _Decode | None:
         """What a decode at the tokens so far reads and makes final; None when no audio would become final."""
@@ -290,32 +290,27 @@ class StreamVocoder:
             end=end,
         )
 
-    def _vocode(self, d: _Decode, mel: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """HiFT over the decode's segment of its S3Gen ``mel``: f0, the source and the waveform, lazy."""
+    def _complete(self, d: _Decode, mel: mx.array) -> np.ndarray:
+        """The decode's S3Gen ``mel`` -> HiFT over its segment, the stream's state moved past it: the samples
+        it makes final, the crossfade applied."""
         done, spf, hift = self._final_frames, self._spf, self.s3gen.hift
-        segment = mel[:, d.start - d.shift : d.frames - d.shift]
-        f0 = hift.predict_f0(segment)[:, done - d.start :]  # (1, frames - done)
+        start, shift, frames, end = d.start, d.shift, d.frames, d.end
+        segment = mel[:, start - shift : frames - shift]
+        f0 = hift.predict_f0(segment)[:, done - start :]  # (1, frames - done)
         # The sine continues the phase it had at `done`; over the context frames, the previous decode's source
         # is reused as it was (upstream's cache_source).
         fresh = hift.source(
             f0,
             phases=self._phases + mx.array(2 * math.pi * self._cycles, dtype=mx.float32)[None],
-            noise=self._source_noise.take(done * spf, d.frames * spf),
+            noise=self._source_noise.take(done * spf, frames * spf),
         )
         source = mx.concatenate([self._source_tail.astype(fresh.dtype), fresh], axis=1)
         wav = hift.decode(segment, source)
-        if d.start == 0:
+        if start == 0:
             wav = fade_in(wav)  # upstream's trim_fade, on the utterance's first 40 ms only
-        return f0, source, wav
-
-    def _complete(self, d: _Decode, vocoded: tuple[mx.array, mx.array, mx.array]) -> np.ndarray:
-        """The stream's state moved past the decode -> the samples it makes final, the crossfade applied."""
-        f0, source, wav = vocoded
-        done, spf, start, end = self._final_frames, self._spf, d.start, d.end
         # Cycles per frame as HiFT.source computes its frequencies (fp32), summed in float64.
         freq = f0.astype(mx.float32)[..., None] * mx.arange(1, self._harmonics + 1, dtype=mx.float32)
-        rate = self.s3gen.hift.config.sampling_rate
-        freq = np.array(freq / rate, dtype=np.float64)[0]  # (frames - done, H)
+        freq = np.array(freq / hift.config.sampling_rate, dtype=np.float64)[0]  # (frames - done, H)
         self._cycles = (self._cycles + spf * freq[: end - done].sum(axis=0)) % 1.0
         keep = max(0, end - HIFT_CONTEXT)
         self._source_tail = source[:, (keep - start) * spf : (end - start) * spf]
@@ -338,7 +333,7 @@ class _Decode:
     """A stream's decode, prepared: S3Gen's input row, and the generated frames it covers."""
 
     tokens: mx.array  # (1, N) int32: the window and the tokens after it
-    noise: mx.array  # (1, 2·(prompt + N) - held frames, 80): the CFM noise rows of its frames
+    noise: mx.array  # (1, 2·(prompt + N - held tokens), 80): the CFM noise rows of its frames
     final: bool  # finalize (else the lookahead tokens' frames are dropped)
     start: int  # the first generated frame HiFT reads
     shift: int  # generated frames before the window (2 per token left out)
@@ -371,9 +366,8 @@ def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> li
         finalize=[d.final for d in decodes],
         bucket=bucket,
     )
-    vocoded = [v._vocode(d, mel) for v, d, mel in zip(due, decodes, mels)]
-    mx.eval(vocoded)  # every stream's HiFT queued at once
-    audio = {id(v): v._complete(d, out) for v, d, out in zip(due, decodes, vocoded)}
+    # HiFT stream by stream, as push runs it: its memory stays one stream's (HiFT has no masks to batch with).
+    audio = {id(v): v._complete(d, mel) for v, d, mel in zip(due, decodes, mels)}
     return [audio.get(id(v), np.zeros(0, np.float32)) for v in vocoders]
 
 
