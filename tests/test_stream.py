@@ -19,6 +19,7 @@ from mlx_chatterbox.generation.stream import (
     HIFT_HOLDBACK,
     MAX_CHUNK,
     StreamVocoder,
+    decode_together,
     join_pieces,
     min_first_chunk,
 )
@@ -465,3 +466,116 @@ def test_tts_stream_context(tts):
     assert 35 * 960 <= len(cut) == len(whole) == len(default) < 85 * 960
     assert not np.array_equal(cut, whole)
     np.testing.assert_array_equal(default, whole)  # under 85 tokens the default window (50) cuts nothing
+
+
+# --- several streams' due decodes in one batched S3Gen call (decode_together) ---
+
+# Per round, each stream's samples against its own push/finish (fp32, tiny, f0 near 150 Hz): measured relative
+# L2 1.7e-7 to 2.3e-7 (float error of the batched, masked matrix products); 40x room.
+TOGETHER_TOL = 1e-5
+
+
+def together_streams(s3gen: S3Gen) -> list[tuple[StreamVocoder, list[list[int]]]]:
+    """Four streams (voice prompts of 20, 13 with an odd prompt mel, 30 and 7 tokens; windows of 50, 0,
+    "whole" and 10 tokens; two chunk schedules) and the tokens each takes per round before it ends: rounds
+    where 4, 3 and 2 of them are due, final and non-final rows together, windows that cut, a last round
+    alone."""
+    odd = random_voice(seed=3, gen_tokens=13)
+    odd = dataclasses.replace(
+        odd, s3gen_prompt_mel=mx.concatenate([odd.s3gen_prompt_mel, odd.s3gen_prompt_mel[:, :1] + 1], axis=1)
+    )
+    small = dict(first_chunk=8, chunk=7)  # decodes at 8, 15, 29, 57, 113 tokens
+    specs = [  # default chunks: decodes at 10, 35, 85, 185
+        (random_voice(1, gen_tokens=PROMPT), CONTEXT, {}, [12, 30, 45, 20]),  # due, due, due, -; end
+        (odd, 0, small, [9, 8, 14, 30]),  # due, due, due, due; end
+        (random_voice(2, gen_tokens=30), "whole", {}, [10, 25, 50]),  # due, due, due; end
+        (random_voice(4, gen_tokens=7), 10, small, [8, 7, 14, 28, 40]),  # due x 4, -; end alone
+    ]
+    streams = []
+    for i, (voice, context, chunks, sizes) in enumerate(specs):
+        vocoder = StreamVocoder(s3gen, voice, cfm_steps=2, key=mx.random.key(i), context=context, **chunks)
+        tokens = ids(sum(sizes), seed=i)
+        cuts = np.cumsum([0, *sizes])
+        streams.append((vocoder, [tokens[a:b] for a, b in zip(cuts[:-1], cuts[1:])]))
+    return streams
+
+
+def test_streams_decoded_together_equal_their_own_decodes(voiced, monkeypatch):
+    """Round by round, the streams take their tokens (or end), then ``decode_together`` runs the due decodes in
+    one S3Gen call: each round's samples are each stream's own push/finish's, within TOGETHER_TOL."""
+    tts = voiced
+    expected = [[v.push(g) for g in groups] + [v.finish()] for v, groups in together_streams(tts.s3gen)]
+    estimator_calls, rows = [], []
+    real_call, real_batch_mel = Estimator.__call__, tts.s3gen.batch_mel
+
+    def counted(self, *args, **kwargs):
+        estimator_calls.append(args[0].shape[0])  # the rows of one call (CFG doubles them)
+        return real_call(self, *args, **kwargs)
+
+    def spy(tokens, voices, **kwargs):
+        rows.append([(t.shape[1], f) for t, f in zip(tokens, kwargs["finalize"])])
+        return real_batch_mel(tokens, voices, **kwargs)
+
+    monkeypatch.setattr(Estimator, "__call__", counted)
+    monkeypatch.setattr(tts.s3gen, "batch_mel", spy)
+    streams = together_streams(tts.s3gen)
+    got: list[list[np.ndarray]] = [[] for _ in streams]
+    cut = []  # the streams whose window left tokens out, per decode
+    for r in range(max(len(groups) for _, groups in streams) + 1):
+        live = [i for i, (_, groups) in enumerate(streams) if r <= len(groups)]
+        for i in live:
+            vocoder, groups = streams[i]
+            if r < len(groups):
+                vocoder.take(groups[r])
+            else:
+                vocoder.end()
+        due = {i: streams[i][0].due for i in live if streams[i][0].due}
+        for i in due:
+            vocoder = streams[i][0]
+            if due[i] < vocoder.voice.s3gen_prompt_tokens.shape[1] + vocoder.pushed:
+                cut.append(i)
+        estimator_calls.clear()
+        for i, out in zip(live, decode_together([streams[i][0] for i in live], bucket=8)):
+            got[i].append(out)
+        assert all(not streams[i][0].due for i in live)
+        # Several due decodes: one S3Gen call (2 CFM steps, 2 estimator calls of 2 x their rows).
+        assert estimator_calls == [2 * len(due)] * 2, (r, due, estimator_calls)
+        if len(due) > 1:  # the rows as each stream's `due` said: prompt, window and new tokens
+            prompts = [streams[i][0].voice.s3gen_prompt_tokens.shape[1] for i in due]
+            assert [n + p for (n, _), p in zip(rows[-1], prompts)] == list(due.values())
+    assert sorted(set(cut)) == [0, 1, 3]  # all but "whole"
+    # Rounds 3 and 4: the "whole" stream's end between two chunk decodes, then two ends (round 5: one alone).
+    finals = [[final for _, final in call] for call in rows]
+    assert finals == [[False] * 4] * 3 + [[False, True, False], [True] * 2]
+    errors = []
+    for i, (outs, refs) in enumerate(zip(got, expected)):
+        assert [len(o) for o in outs] == [len(o) for o in refs]
+        a, b = np.concatenate(outs), np.concatenate(refs)
+        errors.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+    print("rel. L2 per stream:", ["%.1e" % e for e in errors])
+    assert max(errors) < TOGETHER_TOL, errors
+
+
+def test_take_end_and_decode_together_refuse_misuse(tts):
+    voice, tokens = random_voice(gen_tokens=PROMPT), ids(20)
+    a = StreamVocoder(tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0))
+    b = StreamVocoder(tts.s3gen, voice, cfm_steps=2, key=mx.random.key(1))
+    a.take(tokens[:5])
+    assert a.due == 0 and decode_together([a])[0].shape == (0,)
+    a.take(tokens[5:12])
+    b.take(tokens[:12])
+    assert a.due == b.due == PROMPT + 12
+    for call in (lambda: a.take([1]), a.end, lambda: a.push([1]), a.finish):
+        with pytest.raises(RuntimeError, match=r"a decode is due: run it \(decode_together\)"):
+            call()
+    with pytest.raises(ValueError, match="differ in S3Gen or cfm_steps"):
+        decode_together([a, b])
+    with pytest.raises(ValueError, match="a vocoder is given twice"):
+        decode_together([a, a])
+    assert a.due and b.due  # nothing ran
+    outs = decode_together([a]) + decode_together([b])
+    assert [len(o) for o in outs] == [480 * (2 * (12 - 3) - HIFT_HOLDBACK) - CROSSFADE] * 2
+    # A due decode alone runs as push runs it: exactly.
+    twin = StreamVocoder(tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0))
+    np.testing.assert_array_equal(outs[0], np.concatenate([twin.push(tokens[:5]), twin.push(tokens[5:12])]))
+    assert decode_together([]) == []

@@ -82,6 +82,28 @@ def test_batched_waveform_equals_one_by_one(tts, bucket):
     assert not np.allclose(np.asarray(batched[1]), np.asarray(batched[3]))
 
 
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_batched_mel_with_given_noise_and_rows_not_final(tts, bucket):
+    """Streaming's rows: each row's CFM noise given, and rows with ``finalize=False`` (the frames of their
+    last 3 tokens dropped, masked in the batch) next to final ones, each equal to its ``mel`` alone."""
+    ids, voices, _ = requests()
+    finalize = [False, True, False, False]
+    noises = []
+    for i, (t, v, final) in enumerate(zip(ids, voices, finalize)):
+        frames = 2 * (v.s3gen_prompt_tokens.shape[1] + t.shape[1] - (0 if final else 3))
+        noises.append(mx.random.normal((1, frames, 80), key=mx.random.key(40 + i)))
+    s3gen = tts.s3gen
+    batched = s3gen.batch_mel(ids, voices, cfm_steps=3, cfm_noises=noises, finalize=finalize, bucket=bucket)
+    errors = []
+    for row, t, v, noise, final in zip(batched, ids, voices, noises, finalize):
+        alone = tts.s3gen.mel(t, v, cfm_steps=3, cfm_noise=noise, finalize=final)
+        assert row.shape == alone.shape
+        errors.append(rel_l2(row, alone))
+    print("mel rel. L2 per request:", ["%.1e" % e for e in errors])
+    assert max(errors) < MEL_TOL, errors  # measured 0 to 2.0e-8
+    assert [m.shape[1] for m in batched] == [12, 28, 3, 22]
+
+
 def test_one_request_and_numpy_ids(tts):
     ids, voices, keys = requests()
     (row,) = tts.s3gen.batch([np.asarray(ids[0])[0].astype(np.int64)], voices[:1], cfm_steps=2, keys=keys[:1])
@@ -122,6 +144,23 @@ def test_bad_batches(tts, args, message):
     voices = args.pop("voices", [random_voice(gen_tokens=10)] * len(args["tokens"]))
     with pytest.raises(ValueError, match=message):
         tts.s3gen.batch(voices=voices, **args)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(cfm_noises=[None]), "2 token sequences but 1 cfm_noises"),
+        (dict(finalize=[True]), r"finalize must be one bool per request \(2\)"),
+        (dict(finalize=[1, 0]), "finalize must be one bool per request"),
+        (dict(cfm_noises=[mx.zeros((1, 22, 80)), None], keys=[mx.random.key(0), None]), "0: pass either"),
+        (dict(cfm_noises=[None, mx.zeros((1, 23, 80))]), r"1: cfm_noise has shape \(1, 23, 80\), expected"),
+        (dict(finalize=[True, False]), "request 1: 3 speech tokens leave no frame once the last 3 are held"),
+    ],
+)
+def test_bad_rows_of_a_batched_mel(tts, args, message):
+    voices = [random_voice(gen_tokens=10)] * 2
+    with pytest.raises(ValueError, match=message):
+        tts.s3gen.batch_mel([[1], [2, 2, 2]], voices, **args)
 
 
 def test_memory_budget_changes_no_number_and_restores_the_limit(tts):

@@ -16,6 +16,7 @@ import pytest
 from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
 from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import IDLE_COLLECT_S, QueueFull, SpeechJob, Worker
 from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
 
@@ -49,7 +50,7 @@ def alone(tts: TTS, job: SpeechJob) -> list[np.ndarray]:
     """The job's chunks through ``TTS.stream``, or its whole audio from ``TTS.generate`` as one chunk."""
     kwargs = dict(cfm_steps=job.cfm_steps, seed=job.seed, watermark=job.watermark)
     if job.stream:
-        return list(tts.stream(job.text, job.voice, job.params, **kwargs))
+        return list(tts.stream(job.text, job.voice, job.params, context=job.stream_context, **kwargs))
     return [tts.generate(job.text, job.voice, job.params, **kwargs)]
 
 
@@ -374,3 +375,107 @@ def test_streamed_and_whole_jobs_at_once(tts):
         else:
             (wav,), (ref,) = chunks, expected
             assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
+
+
+def same_tokens_jobs() -> list[SpeechJob]:
+    """Streamed jobs whose T3 draws the same tokens (T3 reads a voice's speaker embedding and T3 prompt only),
+    so that their decodes fall due in the same steps, with different S3Gen rows: voice prompts of 40, 13 and 30
+    tokens with their own x-vectors, decode windows of 50, 0 and "whole" tokens, watermarked or not."""
+    t3_voice = random_voice(1)
+    jobs = []
+    for seed, gen_tokens, context, watermark in ((1, 40, 50, True), (6, 13, 0, False), (7, 30, "whole", True)):
+        other = random_voice(seed, gen_tokens=gen_tokens)
+        voice = dataclasses.replace(
+            t3_voice,
+            s3gen_prompt_tokens=other.s3gen_prompt_tokens,
+            s3gen_prompt_mel=other.s3gen_prompt_mel,
+            xvector=other.xvector,
+        )
+        jobs.append(SpeechJob("Hello there.", voice, SamplingParams(max_new_tokens=60), cfm_steps=2, seed=3,
+                              watermark=watermark, stream=True, stream_context=context))  # fmt: skip
+    return jobs
+
+
+# A streamed job's chunks against TTS.stream alone when its decodes shared S3Gen calls (fp32, tiny model, rows
+# padded to the bucket, watermark on and off): measured relative L2 per job 1.0e-7 to 2.8e-7; lengths exact.
+STREAM_SHARED_TOL = 1e-5
+
+
+@pytest.mark.parametrize("vocode_batch", [3, 2])
+def test_streamed_decodes_due_in_one_step_share_an_s3gen_call(tts, monkeypatch, vocode_batch):
+    """The chunk decodes that fall due in the same T3 step run together (``decode_together``, up to
+    vocode_batch rows a call): one S3Gen call for them, not one each; each job's chunks equal TTS.stream's
+    within STREAM_SHARED_TOL, chunk for chunk."""
+    rows, singles = [], []
+    real_batch_mel, real_mel = tts.s3gen.batch_mel, tts.s3gen.mel
+
+    def batch_spy(tokens, voices, **kwargs):
+        rows.append(len(tokens))
+        return real_batch_mel(tokens, voices, **kwargs)
+
+    def mel_spy(*args, **kwargs):
+        singles.append(threading.current_thread().name)
+        return real_mel(*args, **kwargs)
+
+    monkeypatch.setattr(tts.s3gen, "batch_mel", batch_spy)
+    monkeypatch.setattr(tts.s3gen, "mel", mel_spy)
+    specs = same_tokens_jobs()
+    with Worker(tts, vocode_batch=vocode_batch) as worker:
+        hold = worker.run(time.sleep, 0.3)  # all three start together
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        got = [list(t) for t in tickets]
+    monkeypatch.undo()
+    expected = [alone(tts, job) for job in specs]
+    # TTS.stream's chunks: one per chunk decode, the last the end's. Each step's three decodes share a call
+    # (vocode_batch=2: a call of two, one alone), and each job's end decodes alone.
+    decodes = len(expected[0]) - 1
+    assert decodes >= 2 and all(len(e) == decodes + 1 for e in expected)
+    assert rows == [min(3, vocode_batch)] * decodes
+    assert singles.count("mlx-chatterbox-worker") == 3 + (3 - vocode_batch) * decodes
+    errors = []
+    for job, chunks, expected in zip(specs, got, expected):
+        assert [len(c) for c in chunks] == [len(c) for c in expected]
+        a, b = np.concatenate(chunks), np.concatenate(expected)
+        errors.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+    print("rel. L2 per job:", ["%.1e" % e for e in errors])
+    assert 0 < max(errors) < STREAM_SHARED_TOL, errors
+
+
+def test_a_streamed_jobs_error_after_a_shared_decode_ends_that_job_alone(tts, monkeypatch):
+    """Three streams' decodes share an S3Gen call; handing one job's audio over fails (its watermark, here):
+    that job ends with the error, the other two stream on to TTS.stream's audio. A shared call that fails
+    ends the jobs in it, and the worker goes on."""
+    specs = same_tokens_jobs()
+    specs[0] = dataclasses.replace(specs[0], watermark=False)  # job 2 alone is watermarked now
+    real_mark = tts._mark_chunk
+
+    def broken(chunk):
+        raise RuntimeError("watermark broke")
+
+    monkeypatch.setattr(tts, "_mark_chunk", broken)
+    with Worker(tts) as worker:
+        hold = worker.run(time.sleep, 0.3)
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        with pytest.raises(RuntimeError, match="watermark broke"):
+            list(tickets[2])
+        got = [list(t) for t in tickets[:2]]
+        monkeypatch.setattr(tts, "_mark_chunk", real_mark)
+
+        def out_of_memory(vocoders, **kwargs):
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(worker_module, "decode_together", out_of_memory)
+        hold = worker.run(time.sleep, 0.3)
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        for ticket in tickets:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                list(ticket)
+        assert len(list(worker.submit(jobs(False)[2]))) == 1
+    for job, chunks in zip(specs, got):
+        expected = alone(tts, job)
+        assert [len(c) for c in chunks] == [len(c) for c in expected]
+        a, b = np.concatenate(chunks), np.concatenate(expected)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < STREAM_SHARED_TOL

@@ -124,6 +124,9 @@ class StreamVocoder:
     A decode reads at most ``prompt + context + new + lookahead + 8`` tokens, ``new`` being the tokens pushed
     since the decode before (at most ``max(chunk, MAX_CHUNK)`` when pushed one by one); the 8 cover the HiFT
     context and holdback frames re-decoded around the chunk (``max_decode_tokens``).
+
+    ``take``/``end`` are ``push``/``finish`` that leave the decode due (``due``) instead of running it, so that
+    ``decode_together`` can run several streams' due decodes in one batched S3Gen call.
     """
 
     def __init__(
@@ -166,6 +169,7 @@ class StreamVocoder:
         self._source_tail = mx.zeros((1, 0, 1))
         self._cycles = np.zeros(self._harmonics)  # sine phase at _final_frames, in cycles (float64, mod 1)
         self._finished = False
+        self._due: _Decode | None = None  # the decode left by take/end, prepared
 
     @property
     def pushed(self) -> int:
@@ -175,6 +179,17 @@ class StreamVocoder:
     def push(self, tokens: Sequence[int]) -> np.ndarray:
         """New speech tokens (valid ids < 6561 only; the caller drops T3's start/stop ids) -> the float32
         samples that are final now (possibly empty, shape (0,))."""
+        self.take(tokens)
+        return self._decode()
+
+    def finish(self) -> np.ndarray:
+        """All remaining samples (finalize). After it, push/finish raise."""
+        self.end()
+        return self._decode()
+
+    def take(self, tokens: Sequence[int]) -> None:
+        """``push`` without its decode: when the tokens cross a chunk boundary, the decode is left due
+        (``due``) for ``decode_together``, and no more tokens are taken until it has run."""
         self._check_open()
         ids = np.asarray(tokens)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
@@ -187,19 +202,25 @@ class StreamVocoder:
             )
         self._tokens += ids.tolist()
         if len(self._tokens) < self._next:
-            return np.zeros(0, np.float32)
+            return
         while self._next <= len(self._tokens):
             self._next += self._step
             self._step = max(self.chunk, min(2 * self._step, MAX_CHUNK))
-        return self._decode(final=False)
+        self._due = self._prepare(final=False)
 
-    def finish(self) -> np.ndarray:
-        """All remaining samples (finalize). After it, push/finish raise."""
+    def end(self) -> None:
+        """``finish`` without its decode: the last decode is left due for ``decode_together``."""
         self._check_open()
         self._finished = True
         if not self._tokens:
             raise ValueError("no speech tokens were pushed; there is nothing to vocode")
-        return self._decode(final=True)
+        self._due = self._prepare(final=True)
+
+    @property
+    def due(self) -> int:
+        """The tokens (voice prompt included) that the decode now due reads, its row in a batched S3Gen call;
+        0 when no decode is due (none left by ``take``/``end``, or one that would make no audio final)."""
+        return 0 if self._due is None else self._prompt_tokens + self._due.tokens.shape[1]
 
     def draws(self, tokens: int) -> Draws:
         """The random inputs with which a one-shot ``S3Gen.__call__`` of ``tokens`` tokens (the same voice)
@@ -232,30 +253,48 @@ class StreamVocoder:
     def _check_open(self) -> None:
         if self._finished:
             raise RuntimeError("this stream is finished; start a new StreamVocoder for the next utterance")
+        if self._due is not None:
+            raise RuntimeError("a decode is due: run it (decode_together) before taking more tokens")
 
-    def _decode(self, final: bool) -> np.ndarray:
+    def _decode(self) -> np.ndarray:
+        """The due decode, alone (``S3Gen.mel``): the samples it makes final."""
+        d, self._due = self._due, None
+        if d is None:
+            return np.zeros(0, np.float32)
+        s3gen = self.s3gen
+        mel = s3gen.mel(d.tokens, self.voice, cfm_steps=self.cfm_steps, cfm_noise=d.noise, finalize=d.final)
+        return self._complete(d, mel)
+
+    def _prepare(self, final: bool) -> _Decode | None:
+        """What a decode at the tokens so far reads and makes final; None when no audio would become final."""
         n = len(self._tokens)
         held = 0 if final else self._lookahead
         mu_frames = self._stride * (self._prompt_tokens + n - held)
         frames = mu_frames - self._prompt_frames  # generated mel frames of this decode
         end = frames if final else frames - HIFT_HOLDBACK  # the audio up to here becomes final
-        done, spf = self._final_frames, self._spf
-        if end <= done and not final:
-            return np.zeros(0, np.float32)
-        start = max(0, done - HIFT_CONTEXT)  # the first frame HiFT reads
+        if end <= self._final_frames and not final:
+            return None
+        start = max(0, self._final_frames - HIFT_CONTEXT)  # the first frame HiFT reads
         first = self._window_start(start)
         # The window's frames sit 2·first frames earlier than in the utterance: their noise rows go with them.
         prompt_noise = self._cfm_noise.take(0, self._prompt_frames)
         shift = self._stride * first
         noise = self._cfm_noise.take(self._prompt_frames + shift, mu_frames)
-        mel = self.s3gen.mel(
-            mx.array(self._tokens[first:], dtype=mx.int32)[None],
-            self.voice,
-            cfm_steps=self.cfm_steps,
-            cfm_noise=mx.concatenate([prompt_noise, noise], axis=1),
-            finalize=final,
+        return _Decode(
+            tokens=mx.array(self._tokens[first:], dtype=mx.int32)[None],
+            noise=mx.concatenate([prompt_noise, noise], axis=1),
+            final=final,
+            start=start,
+            shift=shift,
+            frames=frames,
+            end=end,
         )
-        hift = self.s3gen.hift
+
+    def _complete(self, d: _Decode, mel: mx.array) -> np.ndarray:
+        """The decode's S3Gen ``mel`` -> HiFT over its segment, the stream's state moved past it: the samples
+        it makes final, the crossfade applied."""
+        done, spf, hift = self._final_frames, self._spf, self.s3gen.hift
+        start, shift, frames, end = d.start, d.shift, d.frames, d.end
         segment = mel[:, start - shift : frames - shift]
         f0 = hift.predict_f0(segment)[:, done - start :]  # (1, frames - done)
         # The sine continues the phase it had at `done`; over the context frames, the previous decode's source
@@ -282,11 +321,54 @@ class StreamVocoder:
         fade = (1 - np.cos(np.pi * (np.arange(x) + 0.5) / max(x, 1))) / 2  # 0 -> 1
         new[:x] = self._tail * (1 - fade) + new[:x] * fade
         self._final_frames = end
-        if final:
+        if d.final:
             self._tail = np.zeros(0, np.float32)
             return new
         self._tail = new[len(new) - CROSSFADE :].copy()
         return new[: len(new) - CROSSFADE]
+
+
+@dataclass(frozen=True)
+class _Decode:
+    """A stream's decode, prepared: S3Gen's input row, and the generated frames it covers."""
+
+    tokens: mx.array  # (1, N) int32: the window and the tokens after it
+    noise: mx.array  # (1, 2·(prompt + N - held tokens), 80): the CFM noise rows of its frames
+    final: bool  # finalize (else the lookahead tokens' frames are dropped)
+    start: int  # the first generated frame HiFT reads
+    shift: int  # generated frames before the window (2 per token left out)
+    frames: int  # generated frames the mel reaches
+    end: int  # the audio up to this frame becomes final
+
+
+def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> list[np.ndarray]:
+    """The due decodes (``StreamVocoder.due``) of several streams, their mels from one ``S3Gen.batch_mel``
+    call (rows right-padded to a multiple of ``bucket`` tokens), then each one's HiFT: per vocoder, the
+    float32 samples its ``push``/``finish`` would have returned (empty where no decode is due), equal up to
+    float error; a single due decode runs as ``push`` runs it, exactly. The vocoders share one S3Gen and
+    cfm_steps, as one batched call needs."""
+    if len({id(v) for v in vocoders}) != len(vocoders):
+        raise ValueError("a vocoder is given twice; it has one decode due at most: pass each once")
+    due = [v for v in vocoders if v._due is not None]
+    if len(due) <= 1:
+        return [v._decode() for v in vocoders]
+    s3gen, steps = due[0].s3gen, due[0].cfm_steps
+    if any(v.s3gen is not s3gen or v.cfm_steps != steps for v in due):
+        raise ValueError("the vocoders differ in S3Gen or cfm_steps: decode each group of like ones together")
+    decodes = [v._due for v in due]
+    for v in due:
+        v._due = None
+    mels = s3gen.batch_mel(
+        [d.tokens for d in decodes],
+        [v.voice for v in due],
+        cfm_steps=steps,
+        cfm_noises=[d.noise for d in decodes],
+        finalize=[d.final for d in decodes],
+        bucket=bucket,
+    )
+    # HiFT stream by stream, as push runs it: its memory stays one stream's (HiFT has no masks to batch with).
+    audio = {id(v): v._complete(d, mel) for v, d, mel in zip(due, decodes, mels)}
+    return [audio.get(id(v), np.zeros(0, np.float32)) for v in vocoders]
 
 
 @dataclass(frozen=True)

@@ -217,15 +217,19 @@ class S3Gen:
         cfm_steps: int | None = None,
         keys: list[mx.array | None] | None = None,
         bucket: int = 1,
+        cfm_noises: list[mx.array | None] | None = None,
+        finalize: list[bool] | None = None,
     ) -> list[mx.array]:
         """Several requests through one flow encoder and one CFM solve: ``mel`` for each (tokens[i],
-        voices[i], keys[i]), as a list of (1, T_i, 80) log-mels equal to the one-by-one results up to float
-        error. Tokens: (N_i,) or (1, N_i) integer ids; keys default to MLX's global generator. A meanflow
-        decoder batches too (upstream runs it at batch 1 only): padded rows are masked as in English's
-        solve. ``bucket``: the rows (prompt tokens included) are right-padded to a multiple of this many
-        tokens, so that calls of similar lengths share shapes (GPU kernel plans and graphs are per shape);
-        the padding is masked and changes no row beyond float error."""
-        return _batch_mel(self, tokens, voices, cfm_steps, keys, bucket)
+        voices[i], keys[i] or cfm_noises[i], finalize[i]), as a list of (1, T_i, 80) log-mels equal to the
+        one-by-one results up to float error. Tokens: (N_i,) or (1, N_i) integer ids; keys default to MLX's
+        global generator; finalize to True (False: the row's last ``pre_lookahead_len`` tokens' frames are
+        dropped, and masked in the solve like padding). A meanflow decoder batches too (upstream runs it at
+        batch 1 only): padded rows are masked as in English's solve. ``bucket``: the rows (prompt tokens
+        included) are right-padded to a multiple of this many tokens, so that calls of similar lengths share
+        shapes (GPU kernel plans and graphs are per shape); the padding is masked and changes no row beyond
+        float error."""
+        return _batch_mel(self, tokens, voices, cfm_steps, keys, bucket, cfm_noises, finalize)
 
     @bounded_memory
     def batch(
@@ -318,6 +322,8 @@ def _batch_mel(
     cfm_steps: int | None,
     keys: list[mx.array | None] | None,
     bucket: int,
+    cfm_noises: list[mx.array | None] | None = None,
+    finalize: list[bool] | None = None,
 ) -> list[mx.array]:
     n = len(tokens)
     if n == 0:
@@ -327,6 +333,14 @@ def _batch_mel(
     keys = [None] * n if keys is None else list(keys)
     if len(keys) != n:
         raise ValueError(f"{n} token sequences but {len(keys)} keys: pass one key (or None) per request")
+    cfm_noises = [None] * n if cfm_noises is None else list(cfm_noises)
+    if len(cfm_noises) != n:
+        raise ValueError(
+            f"{n} token sequences but {len(cfm_noises)} cfm_noises: pass one (or None) per request"
+        )
+    finalize = [True] * n if finalize is None else list(finalize)
+    if len(finalize) != n or not all(isinstance(f, bool) for f in finalize):
+        raise ValueError(f"finalize must be one bool per request ({n}), got {finalize!r}")
     check_cfm_steps(cfm_steps)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ValueError(f"bucket={bucket!r} must be a number of tokens >= 1")
@@ -343,9 +357,15 @@ def _batch_mel(
     # Right padding, the lengths and the masks keep each row's valid frames to what it computes alone.
     mu, mask = s3gen.flow.encode(padded, mx.array(lengths, dtype=mx.int32), isolate_rows=True)
     frames, mel_dim = mu.shape[1], mu.shape[2]
+    held = s3gen.flow.config.pre_lookahead_len * stride  # frames a row without finalize drops
     conds, noises, spans = [], [], []
-    for i, (voice, key, length) in enumerate(zip(voices, keys, lengths)):
-        own, prompt = stride * length, voice.s3gen_prompt_mel.shape[1]
+    for i, (voice, key, noise, length, final) in enumerate(zip(voices, keys, cfm_noises, lengths, finalize)):
+        own, prompt = stride * length - (0 if final else held), voice.s3gen_prompt_mel.shape[1]
+        if not final and own <= prompt:
+            raise ValueError(
+                f"request {i}: {length - voice.s3gen_prompt_tokens.shape[1]} speech tokens leave no frame "
+                f"once the last {s3gen.flow.config.pre_lookahead_len} are held back; pass more or finalize"
+            )
         if prompt > own:
             raise ValueError(
                 f"request {i}: the voice's prompt mel has {prompt} frames, more than the {own} frames of its "
@@ -353,10 +373,16 @@ def _batch_mel(
             )
         pad = mx.zeros((1, frames - prompt, mel_dim), mu.dtype)
         conds.append(mx.concatenate([voice.s3gen_prompt_mel.astype(mu.dtype), pad], axis=1))
-        # Each row draws the noise of its own shape from its own key, as alone, then is padded with zeros.
-        noise = mx.random.normal((1, own, mel_dim), key=key)
+        if noise is None:  # each row draws the noise of its own shape from its own key, as alone
+            noise = mx.random.normal((1, own, mel_dim), key=key)
+        elif key is not None:
+            raise ValueError(f"request {i}: pass either a key or cfm_noise, not both")
+        elif noise.shape != (1, own, mel_dim):
+            raise ValueError(f"request {i}: cfm_noise has shape {noise.shape}, expected {(1, own, mel_dim)}")
         noises.append(mx.pad(noise, [(0, 0), (0, frames - own), (0, 0)]))
         spans.append((prompt, own))
+    if not all(finalize):  # a non-final row's dropped frames are masked as padding (mel: sliced off)
+        mask = mask & (mx.arange(frames)[None] < mx.array([own for _, own in spans])[:, None])
     spks = s3gen.flow.embed_speaker(mx.concatenate([voice.xvector for voice in voices], axis=0))
     cond, noise = mx.concatenate(conds, axis=0), mx.concatenate(noises, axis=0)
     mel = _solve(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps)

@@ -3,14 +3,16 @@
 Request handlers (any thread, or asyncio) ``submit`` a ``SpeechJob`` and read its audio from the ``Ticket`` they
 get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time into one ``SpeechTokenBatch``,
 steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
-jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). Whole pieces that are ready are
-vocoded together (``S3Gen.batch``, up to ``vocode_batch`` rows and ``vocode_frames`` frames a call): by
+jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive: the chunk decodes that fall due in a
+step run together after it, ``decode_together``). Whole pieces that are ready are vocoded together
+(``S3Gen.batch``; both up to ``vocode_batch`` rows and ``vocode_frames`` frames a call): by
 default on the worker thread after the step that finished them (T3 waits), or, ``vocode_thread=True``, on a
 second thread while T3 keeps stepping, which takes the pieces that finished while it was busy. A job's audio
 is what ``TTS.generate`` gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk for
 chunk): pieces, budgets, seeds per piece, crossfades, pause tags' silences and watermark as there; exactly,
-except that whole pieces vocoded together are equal up to float error. Apart from the vocoding thread's S3Gen
-calls (on its own MLX stream, with arrays of its own), all MLX work happens on the worker thread.
+except that whole pieces and streamed chunks vocoded together are equal up to float error. Apart from the
+vocoding thread's S3Gen calls (on its own MLX stream, with arrays of its own), all MLX work happens on the
+worker thread.
 
 ``serve`` runs the vocoding thread by default with MLX-CUDA only (``default_vocode_thread``): there it took 128
 concurrent whole requests from 11.4x to 20.0x real time (H200, 2026-12-02); on 2 CPU cores it lost (T3 and
@@ -39,7 +41,7 @@ from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import Plan, join_audio, token_budget
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
-from ..generation.stream import PieceJoiner, StreamVocoder, check_context, finish_stream
+from ..generation.stream import PieceJoiner, StreamVocoder, check_context, decode_together, finish_stream
 from ..generation.turbo import TurboSpeech
 from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps
@@ -403,6 +405,9 @@ class Worker:
                         batch.cancel(uid)
                     elif ok:
                         ended.append(j)
+            for j in self._decode_streams([j for j in running.values() if j.vocoder is not None]):
+                del running[j.uid]
+                batch.cancel(j.uid)
             waiting.extendleft(reversed(self._end_pieces(ended)))  # their next pieces go in first
             if not self.vocode_thread:
                 while self._pending:  # T3 waits for S3Gen here
@@ -459,11 +464,14 @@ class Worker:
             )
 
     def _took(self, j: _Job, token: int, finished: bool) -> None:
-        """A token of the job's piece (streamed: pushed to its vocoder); when the piece is finished, its checks
+        """A token of the job's piece (streamed: taken by its vocoder); when the piece is finished, its checks
         and its speech tokens (``j.raw`` keeps the ids to vocode) or, streamed, its last audio."""
         speech = self.tts.speech
         if j.vocoder is not None and 0 <= token < speech.start_token:  # only speech ids, as stream_piece
-            self._emit(j, j.vocoder.push([token]))
+            if finished:  # the piece's end decodes on its own, right after
+                self._emit(j, j.vocoder.push([token]))
+            else:  # a decode it makes due runs with the others' after the step (_decode_streams)
+                j.vocoder.take([token])
         if not finished:
             return
         if speech.stop_token not in j.raw:
@@ -583,24 +591,50 @@ class Worker:
         """Vocode the oldest pending piece together with the later ones of the same ``cfm_steps`` that fit
         (``vocode_batch`` rows, ``vocode_frames`` padded mel frames), and take them off the queue."""
         with self._ready:
-            group = [self._pending[0]]
-            steps = group[0].j.job.cfm_steps
-            width = self._bucketed(group[0].row_tokens())
-            for piece in list(self._pending)[1:]:
-                if len(group) == self.vocode_batch:
-                    break
-                wider = max(width, self._bucketed(piece.row_tokens()))
-                frames = 2 * wider * (len(group) + 1)  # 2 mel frames a token
-                if piece.j.job.cfm_steps == steps and frames <= self.vocode_frames:
-                    group.append(piece)
-                    width = wider
+            pending = list(self._pending)
+            steps = [p.j.job.cfm_steps for p in pending]
+            group = self._group(pending, [p.row_tokens() for p in pending], steps)
             for piece in group:
                 self._pending.remove(piece)
         try:
-            return _Vocoded(group, self._vocode(group, steps))
+            return _Vocoded(group, self._vocode(group, group[0].j.job.cfm_steps))
         except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
             logger.exception("vocoding failed")
             return _Vocoded(group, None, error)
+
+    def _group(self, items: list[T], rows: list[int], steps: list[int | None]) -> list[T]:
+        """The first item and the later ones of its cfm_steps (``steps[i]``) that fit with it in one S3Gen
+        call: ``vocode_batch`` rows of ``rows[i]`` tokens, ``vocode_frames`` padded mel frames."""
+        group, width = [items[0]], self._bucketed(rows[0])
+        for item, tokens, step in zip(items[1:], rows[1:], steps[1:]):
+            if len(group) == self.vocode_batch:
+                break
+            wider = max(width, self._bucketed(tokens))
+            frames = 2 * wider * (len(group) + 1)  # 2 mel frames a token
+            if step == steps[0] and frames <= self.vocode_frames:
+                group.append(item)
+                width = wider
+        return group
+
+    def _decode_streams(self, jobs: list[_Job]) -> list[_Job]:
+        """The streamed jobs' decodes that fell due in a step, run together (``decode_together``, grouped as
+        whole pieces are), each job's audio emitted. Returns the jobs that failed (ended with their error): a
+        shared call's error (e.g. out of memory) ends every job in it, an emit's only its own."""
+        due = [j for j in jobs if j.vocoder.due]
+        failed = []
+        while due:
+            group = self._group(due, [j.vocoder.due for j in due], [j.job.cfm_steps for j in due])
+            due = [j for j in due if all(j is not g for g in group)]
+            try:
+                outs = decode_together([j.vocoder for j in group], bucket=self.vocode_bucket)
+            except Exception as error:
+                logger.exception("streamed decodes failed")
+                for j in group:
+                    self._done(j, error)
+                failed += group
+                continue
+            failed += [j for j, out in zip(group, outs) if not self._guard(j, self._emit, j, out)]
+        return failed
 
     def _bucketed(self, tokens: int) -> int:
         return -(-tokens // self.vocode_bucket) * self.vocode_bucket
