@@ -649,6 +649,8 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         "--shutdown-timeout",
         "2.5",
         "--no-ui",
+        "--cfm-dtype",
+        "bfloat16",
     ]
     limit, cache = mx.set_memory_limit(0), mx.set_cache_limit(0)  # the process's limits, restored below
     mx.set_memory_limit(limit)
@@ -664,7 +666,7 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
     health = seen["health"]
     assert health["model"] == "mlx" and health["max_queue"] == 3 and health["max_batch"] == 2
     assert health["vocode_batch"] == 3 and health["cfm_steps"] == 2 and health["stream_context"] == "whole"
-    assert health["vocode_thread"] is True
+    assert health["vocode_thread"] is True and health["cfm_dtype"] == "bfloat16"
     assert [v["id"] for v in seen["voices"]] == ["default"]
     assert seen["speech"].status_code == 200 and 0 < len(seen["speech"].content) <= 3 * 960 * 2
     assert "serving mlx on http://0.0.0.0:8123" in capsys.readouterr().err
@@ -691,4 +693,4 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     monkeypatch.setattr(worker_module, "default_vocode_thread", lambda: cuda)
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main(args) == 0
-    assert seen["health"]["vocode_thread"] is threaded
+    assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"

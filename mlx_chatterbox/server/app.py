@@ -81,6 +81,10 @@ def create_app(
     defaults = dataclasses.asdict(speech_kind.params_type())
     # The steps in effect for a request that gives none: --cfm-steps, else the decoder's (10; meanflow 2).
     cfm_steps_used = cfm_steps if cfm_steps is not None else worker.tts.s3gen.estimator.config.n_timesteps
+    # The CFM estimator's dtype (--cfm-dtype), None in hybrid mode, where upstream's S3Gen runs.
+    cfm_dtype = (
+        None if worker.tts.torch_s3gen is not None else str(worker.tts.s3gen.estimator.dtype).split(".")[-1]
+    )
     gate = app.state.gate = Gate(api_keys)
     _install_error_handlers(app)
     app.add_middleware(_Gated, gate=gate)
@@ -111,6 +115,7 @@ def create_app(
             "vocode_batch": worker.vocode_batch,
             "vocode_thread": worker.vocode_thread,
             "cfm_steps": cfm_steps_used,
+            "cfm_dtype": cfm_dtype,
             "stream_context": stream_context,
             "sample_rate": worker.sample_rate,
             "variant": speech_kind.variant,
