@@ -27,7 +27,7 @@ from openai import OpenAI
 from mlx_chatterbox import TTS, SamplingParams
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
-from mlx_chatterbox.generation.stream import CONTEXT
+from mlx_chatterbox.generation.stream import CONTEXT, StreamVocoder
 from mlx_chatterbox.server import run as run_module
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.app import create_app
@@ -694,3 +694,52 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main(args) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    "flag,gpu,first_chunk",
+    [
+        ([], False, 10),
+        ([], True, 25),
+        (["--first-chunk", "20"], True, 20),
+        (["--first-chunk", "auto"], True, 25),
+    ],
+)
+def test_serve_first_chunk_flag(tts, tmp_path, monkeypatch, flag, gpu, first_chunk):
+    """``--first-chunk auto`` (the default) times a stream's two first chunks at start on a GPU and sizes
+    streamed requests' first chunks to outlast the gap (0.58 s -> 25 tokens); on a CPU it keeps 10; a number is
+    taken as it is. Streamed responses are decoded with it."""
+    from mlx_chatterbox.cli import serve as serve_cli
+
+    seen, firsts = {}, []
+
+    def serve(app, host, port, shutdown_timeout, log_level):
+        with TestClient(app) as http:
+            seen["health"] = http.get("/health").json()
+            body = {"model": "mlx", "input": "Hi.", "response_format": "pcm", "max_new_tokens": 3, "seed": 3}
+            seen["speech"] = http.post("/v1/audio/speech", json={**body, "stream": True})
+
+    def vocoder(*args, **kwargs):
+        firsts.append(kwargs["first_chunk"])
+        return StreamVocoder(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "serve", serve)
+    monkeypatch.setattr(serve_cli, "_times_first_chunk", lambda: gpu)
+    monkeypatch.setattr(Worker, "first_chunk_gap", lambda self, voice, language=None: 0.58)
+    voice = tmp_path / "v.safetensors"
+    random_voice(seed=7).save(voice)
+    args = ["serve", "--model", str(tts.path), "--voice", str(voice), "--voices", str(tmp_path / "voices")]
+    monkeypatch.setattr(worker_module, "StreamVocoder", vocoder)
+    assert main([*args, "--no-ui", *flag]) == 0
+    assert seen["health"]["first_chunk"] == first_chunk and seen["speech"].status_code == 200
+    assert firsts[-1] == first_chunk  # the request's (the warm-up's streams come first, at 10)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [("3", "3 is too small"), ("soon", "'soon' is neither a number of speech tokens nor auto")],
+)
+def test_serve_first_chunk_refused(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--first-chunk", value])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -16,12 +16,16 @@ from mlx_chatterbox.generation import stream as stream_module
 from mlx_chatterbox.generation.stream import (
     CONTEXT,
     CROSSFADE,
+    FIRST_CHUNK,
     HIFT_HOLDBACK,
     MAX_CHUNK,
+    MAX_FIRST_CHUNK,
     StreamVocoder,
     decode_together,
+    first_chunk_seconds,
     join_pieces,
     min_first_chunk,
+    playback_first_chunk,
 )
 from mlx_chatterbox.generation.vocode import S3Gen, crossfade_join
 from mlx_chatterbox.models.cfm import Estimator
@@ -579,3 +583,21 @@ def test_take_end_and_decode_together_refuse_misuse(tts):
     twin = StreamVocoder(tts.s3gen, voice, cfm_steps=1, key=mx.random.key(0))
     np.testing.assert_array_equal(outs[0], np.concatenate([twin.push(tokens[:5]), twin.push(tokens[5:12])]))
     assert decode_together([]) == []
+
+
+@pytest.mark.parametrize("first_chunk", [10, 17])
+def test_first_chunk_seconds_is_the_first_chunks_length(tts, first_chunk):
+    """``first_chunk_seconds`` (what ``serve --first-chunk auto`` sizes by) is the first push's audio, exactly."""
+    vocoder = StreamVocoder(
+        tts.s3gen, random_voice(gen_tokens=PROMPT), cfm_steps=1, key=mx.random.key(0), first_chunk=first_chunk
+    )
+    first = vocoder.push(ids(first_chunk))
+    assert len(first) == round(first_chunk_seconds(first_chunk) * 24000) > 0
+
+
+def test_playback_first_chunk_lasts_past_the_gap():
+    """The fewest tokens whose first chunk plays 1.25x the gap to the second chunk, within its bounds."""
+    assert playback_first_chunk(0.0) == playback_first_chunk(0.1) == FIRST_CHUNK  # 0.14 s covers 0.125
+    n = playback_first_chunk(0.58)  # the gap of one English stream on an H200 (2026-12-02)
+    assert first_chunk_seconds(n) >= 1.25 * 0.58 > first_chunk_seconds(n - 1) and n == 25
+    assert playback_first_chunk(100.0) == MAX_FIRST_CHUNK

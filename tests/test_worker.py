@@ -38,7 +38,7 @@ def jobs(stream: bool) -> list[SpeechJob]:
     """Different texts, voices, knobs, seeds; random weights never stop, so max_new_tokens sets the lengths."""
     return [
         SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=14), cfm_steps=2, seed=1,
-                  watermark=False, stream=stream),
+                  watermark=False, stream=stream, first_chunk=12),
         SpeechJob(LONG, random_voice(2, prompt_len=60), SamplingParams(max_new_tokens=12, cfg_weight=0), cfm_steps=2,
                   seed=2, stream=stream),
         SpeechJob("Short.", random_voice(3), SamplingParams(max_new_tokens=9, temperature=0), cfm_steps=3, seed=3,
@@ -50,7 +50,16 @@ def alone(tts: TTS, job: SpeechJob) -> list[np.ndarray]:
     """The job's chunks through ``TTS.stream``, or its whole audio from ``TTS.generate`` as one chunk."""
     kwargs = dict(cfm_steps=job.cfm_steps, seed=job.seed, watermark=job.watermark)
     if job.stream:
-        return list(tts.stream(job.text, job.voice, job.params, context=job.stream_context, **kwargs))
+        return list(
+            tts.stream(
+                job.text,
+                job.voice,
+                job.params,
+                context=job.stream_context,
+                first_chunk=job.first_chunk,
+                **kwargs,
+            )
+        )
     return [tts.generate(job.text, job.voice, job.params, **kwargs)]
 
 
@@ -108,7 +117,9 @@ def test_a_streamed_jobs_context(tts, context):
     expected = list(tts.stream(job.text, job.voice, job.params, context=context, **kwargs))
     assert [len(c) for c in chunks] == [len(c) for c in expected]
     assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
-    other = list(tts.stream(job.text, job.voice, job.params, context="whole" if context == 0 else 0, **kwargs))
+    other = list(
+        tts.stream(job.text, job.voice, job.params, context="whole" if context == 0 else 0, **kwargs)
+    )
     assert not np.array_equal(np.concatenate(chunks), np.concatenate(other))
 
 
@@ -256,6 +267,17 @@ def test_pieces_finished_together_are_vocoded_together(tts, monkeypatch, vocode_
             assert np.linalg.norm(wav - expected) / np.linalg.norm(expected) < 1e-5
 
 
+def test_first_chunk_gap_times_two_chunks_and_checks_first_chunk(tts):
+    """``first_chunk_gap``: seconds between a stream's first two chunks (``serve --first-chunk auto``); a job's
+    first_chunk is checked at submit."""
+    with Worker(tts) as worker:
+        gap = worker.first_chunk_gap(random_voice(1))
+        assert 0 < gap < 60
+        with pytest.raises(ValueError, match="first_chunk=3 is too small"):
+            worker.submit(SpeechJob("Hi.", random_voice(1), stream=True, first_chunk=3))
+        assert worker.jobs == 0
+
+
 def test_warm_up_traces_the_decode_step_and_leaves_the_worker_idle(tts):
     t3 = tts.speech.t3
     t3.compiled_steps.clear()
@@ -383,7 +405,11 @@ def same_tokens_jobs() -> list[SpeechJob]:
     tokens with their own x-vectors, decode windows of 50, 0 and "whole" tokens, watermarked or not."""
     t3_voice = random_voice(1)
     jobs = []
-    for seed, gen_tokens, context, watermark in ((1, 40, 50, True), (6, 13, 0, False), (7, 30, "whole", True)):
+    for seed, gen_tokens, context, watermark in (
+        (1, 40, 50, True),
+        (6, 13, 0, False),
+        (7, 30, "whole", True),
+    ):
         other = random_voice(seed, gen_tokens=gen_tokens)
         voice = dataclasses.replace(
             t3_voice,

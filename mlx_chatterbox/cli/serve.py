@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..api import STREAM_CONTEXT, TTS
+from ..generation.stream import CHUNK, FIRST_CHUNK, MAX_FIRST_CHUNK, check_chunks, playback_first_chunk
 from . import common
 
 
@@ -65,6 +66,16 @@ def add_parser(sub) -> None:
         help="Euler steps of the flow-matching decoder for requests that give none (default: the model's, 10; Turbo/Nano 2)",
     )
     common.stream_context_argument(p, "streamed requests that give no stream_context")
+    p.add_argument(
+        "--first-chunk",
+        type=_first_chunk,
+        default="auto",
+        metavar="N|auto",
+        help="speech tokens a streamed request waits for before its first audio; auto (the default): at start, "
+        f"time how long the second chunk takes to follow the first, and wait for the fewest tokens from "
+        f"{FIRST_CHUNK} to {MAX_FIRST_CHUNK} whose first chunk lasts that long (a listener then hears no gap "
+        f"between them); {FIRST_CHUNK} on CPUs, where no first chunk lasts long enough",
+    )
     common.cfm_dtype_argument(p)
     p.add_argument(
         "--memory-limit",
@@ -95,6 +106,28 @@ def add_parser(sub) -> None:
         "https://app.example.com, or * (default: none, same origin only)",
     )
     p.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
+
+
+def _times_first_chunk() -> bool:
+    """``--first-chunk auto`` times the chunks on GPUs; on a CPU a chunk's decode outlasts any first chunk."""
+    import mlx.core as mx
+
+    return mx.default_device() != mx.cpu
+
+
+def _first_chunk(text: str) -> int | str:
+    """An argparse type: ``--first-chunk``'s number of speech tokens, or auto."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of speech tokens nor auto") from None
+    try:
+        check_chunks(value, CHUNK)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace(f"first_chunk={value} ", f"{value} ")) from None
+    return value
 
 
 def _port(text: str) -> int:
@@ -149,14 +182,21 @@ def run(args: argparse.Namespace) -> None:
         vocode_batch=args.vocode_batch,
         vocode_thread=default_vocode_thread() if args.vocode_thread == "auto" else args.vocode_thread == "on",
     ) as worker:
+        first_chunk = FIRST_CHUNK if args.first_chunk == "auto" else args.first_chunk
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
             worker.warm_up(default, common.english(tts))
+            if args.first_chunk == "auto" and _times_first_chunk():
+                lookahead = tts.s3gen.flow.config.pre_lookahead_len
+                first_chunk = playback_first_chunk(
+                    worker.first_chunk_gap(default, common.english(tts)), lookahead
+                )
         app = create_app(
             worker,
             voices,
             model_name=model_name,
             cfm_steps=args.cfm_steps,
             stream_context=STREAM_CONTEXT if args.stream_context is None else args.stream_context,
+            first_chunk=first_chunk,
             api_keys=keys,
             allowed_origins=origins,
             ui=not args.no_ui,

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..sampling import SamplingParams
 from .speech_tokens import EnglishSpeech
-from .vocode import Draws, S3Gen, check_cfm_steps, crossfade_join, fade_in
+from .vocode import SAMPLE_RATE, SAMPLES_PER_TOKEN, Draws, S3Gen, check_cfm_steps, crossfade_join, fade_in
 from .voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ CROSSFADE = 480  # samples (20 ms) where a chunk's re-vocoded head meets the pre
 CFM_NOISE_BLOCK = 250  # mel frames per drawn block of the CFM noise table (5 s)
 SOURCE_NOISE_BLOCK = 24000  # samples per drawn block of the sine source's noise table (1 s)
 MAX_CHUNK = 200  # speech tokens (8 s): the chunks stop doubling here
+FIRST_CHUNK = 10  # speech tokens before the first decode (0.14 s of audio)
+CHUNK = 25  # speech tokens after it before the second (1 s)
+# The most tokens ``playback_first_chunk`` waits for before the first decode (2 s of T3's time at real time).
+MAX_FIRST_CHUNK = 50
 # Speech tokens (2 s) already final that a decode re-reads in front of the frames it vocodes, after the voice
 # prompt; the tokens before them are left out. A tiny S3Gen at MLX's default init, 10 s prompt, 400 tokens
 # (tests/test_stream.py): the streamed mel's relative L2 from the one-shot mel is 8.7e-3 at 50, 1.0e-2 at 10,
@@ -72,6 +76,23 @@ def min_first_chunk(lookahead: int) -> int:
     mel) for the tokens before the lookahead must cover HiFT's holdback, then the crossfade tail (a frame),
     then at least one frame."""
     return lookahead + math.ceil((1 + HIFT_HOLDBACK + 2) / 2)
+
+
+def first_chunk_seconds(first_chunk: int, lookahead: int = 3) -> float:
+    """The audio of a stream's first chunk, in seconds: the first 2·(n - lookahead) - ``HIFT_HOLDBACK`` generated
+    frames of 20 ms of a decode at n tokens (``StreamVocoder``), less the held-back crossfade tail."""
+    samples = (SAMPLES_PER_TOKEN // 2) * (2 * (first_chunk - lookahead) - HIFT_HOLDBACK) - CROSSFADE
+    return samples / SAMPLE_RATE
+
+
+def playback_first_chunk(gap: float, lookahead: int = 3) -> int:
+    """The fewest speech tokens, from ``FIRST_CHUNK`` up to ``MAX_FIRST_CHUNK``, whose first chunk plays for 1.25
+    times ``gap``, the seconds from the first chunk to the second (``CHUNK`` tokens of T3, then a decode), so
+    that a listener does not wait between them; the later chunks are longer (``StreamVocoder``'s doubling)."""
+    n = FIRST_CHUNK
+    while n < MAX_FIRST_CHUNK and first_chunk_seconds(n, lookahead) < 1.25 * gap:
+        n += 1
+    return n
 
 
 class _NoiseTable:
@@ -136,8 +157,8 @@ class StreamVocoder:
         *,
         cfm_steps: int | None = None,
         key: mx.array | None = None,
-        first_chunk: int = 10,
-        chunk: int = 25,
+        first_chunk: int = FIRST_CHUNK,
+        chunk: int = CHUNK,
         context: int | Literal["whole"] = CONTEXT,
     ):
         flow = s3gen.flow.config

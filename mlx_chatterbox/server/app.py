@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..audio.stretch import time_stretch
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
-from ..generation.stream import check_context
+from ..generation.stream import CHUNK, FIRST_CHUNK, check_chunks, check_context
 from .encode import StreamEncoder, check_format, content_type, encode
 from .gate import Gate
 from .schema import KNOBS, OPENAI_MODELS, SpeechRequest, error_body
@@ -58,6 +58,7 @@ def create_app(
     model_name: str,
     cfm_steps: int | None = None,
     stream_context: int | Literal["whole"] = STREAM_CONTEXT,
+    first_chunk: int = FIRST_CHUNK,
     max_upload: int = MAX_UPLOAD,
     api_keys: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
@@ -69,12 +70,14 @@ def create_app(
         OpenAI's tts-1, tts-1-hd, gpt-4o-mini-tts (so that clients written for OpenAI work unchanged).
     cfm_steps: the flow-matching steps of requests that give none (None: the model's, upstream's 10 or Turbo's 2).
     stream_context: the decode window of streamed requests that give none (``TTS.stream``'s ``context``).
+    first_chunk: the speech tokens of a streamed request before its first decode (``TTS.stream``'s).
     max_upload: the largest voice recording accepted, in bytes.
     api_keys: when given, every path but ``/health`` and ``/`` needs ``Authorization: Bearer <one of them>``.
     allowed_origins: the web origins whose pages may call the server (CORS; ``*``: any); none: same origin only.
     ui: serve the playground page at ``/``.
     """
     check_context(stream_context)
+    check_chunks(first_chunk, CHUNK, worker.tts.s3gen.flow.config.pre_lookahead_len)
     app = FastAPI(title="mlx-chatterbox", version=__version__)
     models = list(dict.fromkeys([model_name, "chatterbox", *OPENAI_MODELS]))
     speech_kind = worker.tts.speech
@@ -117,6 +120,7 @@ def create_app(
             "cfm_steps": cfm_steps_used,
             "cfm_dtype": cfm_dtype,
             "stream_context": stream_context,
+            "first_chunk": first_chunk,
             "sample_rate": worker.sample_rate,
             "variant": speech_kind.variant,
             "defaults": defaults,
@@ -136,7 +140,7 @@ def create_app(
     @app.post("/v1/audio/speech")
     @app.post("/audio/speech", include_in_schema=False)
     async def speech(body: SpeechRequest, request: Request) -> Response:
-        job, stream = await _job(body, worker, voices, models, cfm_steps, stream_context)
+        job, stream = await _job(body, worker, voices, models, cfm_steps, stream_context, first_chunk)
         try:
             ticket = gate.track(worker.submit(job))
         except QueueFull as e:
@@ -225,6 +229,7 @@ async def _job(
     models: list[str],
     cfm_steps: int | None,
     stream_context: int | Literal["whole"],
+    first_chunk: int,
 ) -> tuple[SpeechJob, bool]:
     """The worker job of a speech request, and whether its audio streams; ApiError for what cannot be done."""
     if body.model not in models:
@@ -284,6 +289,7 @@ async def _job(
         seed=body.seed,
         stream=stream,
         stream_context=context,
+        first_chunk=first_chunk,
         language=body.language,
     )
     return job, stream

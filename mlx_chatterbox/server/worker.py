@@ -30,6 +30,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal, TypeVar
@@ -40,6 +41,7 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import Plan, join_audio, token_budget
+from ..generation.stream import CHUNK, FIRST_CHUNK, check_chunks
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
 from ..generation.stream import PieceJoiner, StreamVocoder, check_context, decode_together, finish_stream
 from ..generation.turbo import TurboSpeech
@@ -57,6 +59,8 @@ WARM_UP_TOKENS = 12
 # Whole pieces vocoded in one S3Gen call: at most this many mel frames (rows x the longest row, padded), 8 rows
 # of a 10 s voice prompt and 20 s of speech; rows padded to a multiple of 25 tokens (1 s) so that calls repeat
 # shapes (GPU kernel plans and graphs are per shape).
+# The text of ``first_chunk_gap``'s request: long enough that T3 does not stop before its two chunks.
+MEASURE_TEXT = "This sentence is long enough to keep the model talking for a few seconds while it is timed."
 VOCODE_FRAMES = 8 * 1500
 VOCODE_BUCKET = 25
 
@@ -81,6 +85,7 @@ class SpeechJob:
     stream: bool = False  # chunks as T3's tokens arrive; else one chunk, the whole audio
     # A streamed job's decode window in speech tokens, or "whole" (TTS.stream's context).
     stream_context: int | Literal["whole"] = STREAM_CONTEXT
+    first_chunk: int = FIRST_CHUNK  # a streamed job's speech tokens before its first decode (TTS.stream's)
     language: str | None = None  # the multilingual models' (required there)
     # Called with (piece, pieces, budget), 1-based, for a piece that stops at its budget without the stop token,
     # instead of the worker's warning (bulk synthesis names the item in its own).
@@ -292,6 +297,7 @@ class Worker:
         tts.speech.check(job.params)
         check_cfm_steps(job.cfm_steps)
         check_context(job.stream_context)
+        check_chunks(job.first_chunk, CHUNK, tts.s3gen.flow.config.pre_lookahead_len)
         if job.stream and tts.torch_s3gen is not None:
             raise ValueError("streaming needs our S3Gen; this server runs upstream's (hybrid mode)")
         plan = tts._plan(job.text, job.language)  # an empty text or a bad pause tag is refused here
@@ -316,6 +322,19 @@ class Worker:
             job = SpeechJob("Warming up.", voice, params, seed=0, stream=stream, language=language)
             for _ in self.submit(job):
                 pass
+
+    def first_chunk_gap(self, voice: Voice, language: str | None = None) -> float:
+        """Seconds from a streamed request's first chunk to its second (``CHUNK`` tokens of T3, then a decode
+        and its watermark), alone on a warm worker: what ``serve --first-chunk auto`` sizes first chunks by
+        (``playback_first_chunk``). Runs a request of ``FIRST_CHUNK + CHUNK`` tokens; the audio is dropped."""
+        params = self.tts.speech.params_type(max_new_tokens=FIRST_CHUNK + CHUNK)
+        job = SpeechJob(MEASURE_TEXT, voice, params, seed=0, stream=True, language=language)
+        times = [time.perf_counter() for chunk in self.submit(job) if chunk.size]
+        if len(times) < 2:
+            raise RuntimeError(
+                f"the measuring request gave {len(times)} chunk(s), not 2: T3 stopped early; pass --first-chunk N"
+            )
+        return times[1] - times[0]
 
     def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Run ``fn(*args)`` on the worker thread, between two steps (model work such as cloning a voice)."""
@@ -460,7 +479,12 @@ class Worker:
                 self._emit_silence(j, j.plan.pauses[0])
             s3gen_key = None if seed is None else seed_keys(seed)[1]
             j.vocoder = StreamVocoder(
-                self.tts.s3gen, job.voice, cfm_steps=job.cfm_steps, key=s3gen_key, context=job.stream_context
+                self.tts.s3gen,
+                job.voice,
+                cfm_steps=job.cfm_steps,
+                key=s3gen_key,
+                first_chunk=job.first_chunk,
+                context=job.stream_context,
             )
 
     def _took(self, j: _Job, token: int, finished: bool) -> None:
