@@ -124,18 +124,54 @@ def test_decoder_batch_matches_single_and_needs_two_frames():
 # --- generic DSP added for the watermark ---
 
 
+@pytest.mark.parametrize("precision", [np.float64, np.float32])
 @pytest.mark.parametrize("n", [100, 257, 1000])
-def test_istft_inverts_stft(n):
+def test_istft_inverts_stft(n, precision):
     x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     spec = stft(x, 64, 16, dtype=np.complex128)
-    y = istft(spec, 64, 16)
+    y = istft(spec, 64, 16, precision=precision)
     assert y.dtype == np.float32 and y.shape == (16 * (n // 16),)
     np.testing.assert_allclose(y, x[: y.shape[0]], atol=1e-5)
-    np.testing.assert_allclose(istft(spec, 64, 16, length=n), x, atol=1e-5)
+    np.testing.assert_allclose(istft(spec, 64, 16, length=n, precision=precision), x, atol=1e-5)
     available = 64 // 2 + 16 * (spec.shape[0] - 1)  # samples the frames reach past the centre padding
     assert (
-        istft(spec, 64, 16, length=available + 20)[available:].tolist() == [0.0] * 20
+        istft(spec, 64, 16, length=available + 20, precision=precision)[available:].tolist() == [0.0] * 20
     )  # zero-padded, as torch
+
+
+def overlap_add_istft(spec: np.ndarray, n_fft: int, hop: int, win: int, length: int | None) -> np.ndarray:
+    """A frame-by-frame centered iSTFT in float64: the definition ``istft`` computes block-wise."""
+    window = np.zeros(n_fft)
+    window[(n_fft - win) // 2 :][:win] = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(win) / win)
+    frames = np.fft.irfft(spec, n=n_fft, axis=-1) * window
+    y, envelope = np.zeros(n_fft + hop * (len(frames) - 1)), np.zeros(n_fft + hop * (len(frames) - 1))
+    for t, f in enumerate(frames):
+        y[t * hop : t * hop + n_fft] += f
+        envelope[t * hop : t * hop + n_fft] += window**2
+    end = y.shape[0] - n_fft // 2 if length is None else n_fft // 2 + length
+    y = y[n_fft // 2 : end] / envelope[n_fft // 2 : end]
+    return np.concatenate([y, np.zeros(max(0, end - n_fft // 2 - y.shape[0]))])
+
+
+@pytest.mark.parametrize("win", [20, 30])
+@pytest.mark.parametrize("frames", [1, 2, 3, 4, 5, 6, 9])
+def test_istft_is_overlap_add(frames, win):
+    """``istft`` builds the envelope from cached edge rows once there are n_fft / hop frames (5 here, the hop
+    not dividing n_fft) and by its loop below that: both are the plain overlap-add."""
+    rng = np.random.default_rng(frames)
+    spec = rng.standard_normal((frames, 16)) + 1j * rng.standard_normal((frames, 16))
+    spec[:, [0, -1]] = spec[:, [0, -1]].real  # a real signal's DC and Nyquist bins
+    lengths = [None, 7 * frames - 3]
+    if win == 30:  # a shorter window leaves zeros at the frames' ends, where a longer output is refused
+        lengths.append(15 + 7 * (frames - 1) + 9)
+    for length in lengths:
+        want = overlap_add_istft(spec, 30, 7, win, length)
+        got = istft(spec, 30, 7, win, length=length, dtype=np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        fast = istft(spec.astype(np.complex64), 30, 7, win, length=length, precision=np.float32)
+        np.testing.assert_allclose(fast, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="precision"):
+        istft(spec, 30, 7, win, precision=np.float16)
 
 
 def test_resample_polyphase_lengths_and_gain():

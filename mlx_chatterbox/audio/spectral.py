@@ -104,6 +104,25 @@ def stft(
     return np.fft.rfft(frames * window, axis=-1).astype(dtype, copy=False)
 
 
+@functools.lru_cache(maxsize=16)
+def _synthesis_tables(n_fft: int, hop: int, win_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``istft``'s window zero-padded to ``n_fft``, its square cut into J = ceil(n_fft / hop) blocks
+    (J, hop), and the overlap-add envelope of J frames (2J - 1, hop); float64, read-only. The envelope of
+    T >= J frames is this one with row J - 1 (all blocks summed) repeated T - J + 1 times; each row is summed
+    in the same order whatever T is, so this is exact."""
+    left = (n_fft - win_length) // 2
+    window = np.zeros(n_fft)
+    window[left : left + win_length] = hann_window(win_length)
+    n_blocks = -(-n_fft // hop)
+    squared = np.concatenate([window**2, np.zeros(n_blocks * hop - n_fft)]).reshape(n_blocks, hop)
+    envelope = np.zeros((2 * n_blocks - 1, hop))
+    for j in range(n_blocks):
+        envelope[j : j + n_blocks] += squared[j]
+    for table in (window, squared, envelope):
+        table.flags.writeable = False
+    return window, squared, envelope
+
+
 def istft(
     spec: np.ndarray,
     n_fft: int,
@@ -112,6 +131,7 @@ def istft(
     center: bool = True,
     length: int | None = None,
     dtype: type = np.float32,
+    precision: type = np.float64,
 ) -> np.ndarray:
     """Inverse of ``stft``, as ``torch.istft(spec, n_fft, hop, win_length, window=torch.hann_window(win_length),
     center, normalized=False, onesided=True, length)``, but frames before bins: a one-sided inverse FFT per frame,
@@ -122,7 +142,10 @@ def istft(
         n_fft, hop, win_length: as for ``stft`` (``0 < hop <= win_length <= n_fft``).
         center: drop ``n_fft // 2`` samples from the start (and from the end when ``length`` is None).
         length: samples to return; past the last frame it is zero-padded, as torch does.
-        dtype: the output dtype; computed in float64 either way.
+        dtype: the output dtype.
+        precision: np.float64 or np.float32, the dtype of the inverse FFT and the overlap-add (the envelope
+            and the division by it are float64 either way). float32, as torch computes, takes about half the
+            time and adds float32 rounding (~1e-7 relative).
     Returns:
         (..., samples) of ``dtype``; samples = hop·(frames - 1) centered (n_fft + hop·(frames - 1) if not) unless
         ``length`` is given.
@@ -140,22 +163,28 @@ def istft(
         raise ValueError(f"expected (..., frames >= 1, {n_fft // 2 + 1}) bins, got shape {spec.shape}")
     if length is not None and length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
+    precision = np.dtype(precision)
+    if precision not in (np.float64, np.float32):
+        raise ValueError(f"precision must be np.float64 or np.float32, got {precision}")
     n_frames = spec.shape[-2]
-    left = (n_fft - win_length) // 2
-    window = np.zeros(n_fft)
-    window[left : left + win_length] = hann_window(win_length)
-    frames = np.fft.irfft(spec.astype(np.complex128), n=n_fft, axis=-1) * window  # (..., T, n_fft)
+    window, squared, edges = _synthesis_tables(n_fft, hop, win_length)
+    complex_dtype = np.complex128 if precision == np.float64 else np.complex64
+    frames = np.fft.irfft(spec.astype(complex_dtype, copy=False), n=n_fft, axis=-1)  # (..., T, n_fft), fresh
+    frames *= window.astype(precision, copy=False)
 
-    # Overlap-add in hop-sized blocks: frame t's block j lands on output block t + j.
+    # Overlap-add in hop-sized blocks: frame t's block j lands on output block t + j (the last may be short).
     n_blocks = -(-n_fft // hop)
-    frames = np.concatenate([frames, np.zeros(frames.shape[:-1] + (n_blocks * hop - n_fft,))], axis=-1)
-    frames = frames.reshape(frames.shape[:-1] + (n_blocks, hop))  # (..., T, J, hop)
-    squared = np.concatenate([window**2, np.zeros(n_blocks * hop - n_fft)]).reshape(n_blocks, hop)
-    y = np.zeros(spec.shape[:-2] + (n_frames + n_blocks - 1, hop))
-    envelope = np.zeros((n_frames + n_blocks - 1, hop))
+    y = np.zeros(spec.shape[:-2] + (n_frames + n_blocks - 1, hop), precision)
     for j in range(n_blocks):
-        y[..., j : j + n_frames, :] += frames[..., j, :]
-        envelope[j : j + n_frames] += squared[j]
+        block = frames[..., j * hop : (j + 1) * hop]
+        y[..., j : j + n_frames, : block.shape[-1]] += block
+    if n_frames >= n_blocks:
+        middle = np.broadcast_to(edges[n_blocks - 1], (n_frames - n_blocks + 1, hop))
+        envelope = np.concatenate([edges[: n_blocks - 1], middle, edges[n_blocks:]])
+    else:  # fewer frames than blocks: no row sums them all
+        envelope = np.zeros((n_frames + n_blocks - 1, hop))
+        for j in range(n_blocks):
+            envelope[j : j + n_frames] += squared[j]
     expected = n_fft + hop * (n_frames - 1)
     y = y.reshape(spec.shape[:-2] + (-1,))[..., :expected]
     envelope = envelope.reshape(-1)[:expected]

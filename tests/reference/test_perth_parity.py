@@ -280,7 +280,8 @@ def test_resample_polyphase_vs_librosa(sr_in, sr_out, n):
 @pytest.mark.filterwarnings("ignore:The length of signal is shorter:UserWarning")  # torch, on "longer"
 @pytest.mark.parametrize("n_fft,hop,win", [(2048, 320, 2048), (64, 16, 48), (400, 100, 400)])
 @pytest.mark.parametrize("length", [None, "same", "longer"])
-def test_istft_vs_torch(n_fft, hop, win, length):
+@pytest.mark.parametrize("precision", [np.float64, np.float32])
+def test_istft_vs_torch(n_fft, hop, win, length, precision):
     n = 5003
     x = np.random.default_rng(n_fft).standard_normal(n).astype(np.float32)
     window = torch.hann_window(win)
@@ -292,9 +293,9 @@ def test_istft_vs_torch(n_fft, hop, win, length):
         # torch checks the envelope up to the frames' reach, which the window's tail (2048: 5.5e-12 < 1e-11, or a
         # zero-padded corner) can fail; ours must refuse the same requests.
         with pytest.raises(ValueError, match="overlap-add"):
-            istft(spec.numpy().T, n_fft, hop, win, length=size)
+            istft(spec.numpy().T, n_fft, hop, win, length=size, precision=precision)
         return
-    got = istft(spec.numpy().T, n_fft, hop, win, length=size)
+    got = istft(spec.numpy().T, n_fft, hop, win, length=size, precision=precision)
     assert got.shape == ref.shape and got.dtype == np.float32
     err = rel_l2(got, ref)
     # Past the last full overlap the envelope falls towards 0 and the division magnifies float32 rounding.
