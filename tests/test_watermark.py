@@ -212,6 +212,14 @@ def test_silence_and_short_clips():
     wm = Watermarker(tiny_net())
     silence = np.zeros(3000, np.float32)
     assert np.abs(wm.apply(silence, 8000)).max() < 1e-6
+    magspec, phasor = wm.magphase(silence)  # |spec| == 0: the floor, and exp(i·angle) of the signed zeros
+    assert not magspec.any()
+    np.testing.assert_array_equal(phasor, np.exp(1j * np.angle(stft(silence, 64, 16))))
+    subnormal = silence.copy()
+    subnormal[::7] = 1e-41  # |spec| below float32's smallest normal: 1 / |spec| overflows
+    _, phasor = wm.magphase(subnormal)
+    np.testing.assert_allclose(np.abs(phasor), 1.0, rtol=1e-6)
+    assert np.isfinite(wm.apply(subnormal, 8000)).all()
     assert math.isnan(wm.confidence(silence, 8000)) and wm.detect(silence, 8000) == 0.0
     assert not wm.is_watermarked(silence, 8000)
     short = voiced(8000, 32 / 8000)  # n_fft // 2 samples: perth's reflect padding cannot take it
@@ -230,6 +238,11 @@ def test_bad_inputs_are_refused():
         wm.detect(np.full(100, np.nan, np.float32), 8000)
     with pytest.raises(ValueError, match="sample_rate"):
         wm.apply(np.zeros(100, np.float32), 0)
+    magspec, phasor = wm.magphase(voiced(8000, 0.1))
+    with pytest.raises(TypeError, match="np.exp"):  # a phase in radians is not the phasor signal takes
+        wm.signal(magspec, np.angle(phasor))
+    with pytest.raises(ValueError, match="one shape"):
+        wm.signal(magspec, phasor[:1])
 
 
 def test_load_round_trip_and_errors(tmp_path):
