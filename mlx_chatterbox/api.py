@@ -20,6 +20,7 @@ from .convert import DEFAULT_REPO, prepare
 from .generation import vc
 from .generation.multilingual import MultilingualParams
 from .generation.pieces import TOKENS_PER_SECOND, Plan, join_audio, plan_text, token_budget
+from .generation.stream import CHUNK, FIRST_CHUNK, MAX_FIRST_CHUNK  # noqa: F401  (MAX_FIRST_CHUNK: for serve)
 from .generation.stream import CONTEXT as STREAM_CONTEXT
 from .generation.stream import Piece, check_chunks, check_context, join_pieces, stream_piece
 from .generation.vc import check_decoder as check_vc_decoder
@@ -232,7 +233,9 @@ class TTS:
             if progress is not None:
                 progress(Progress(i + 1, len(spans), "vocode", 0, 1))
             piece_seed = None if seed is None else seed + i
-            wavs.append(self.vocode(tokens[a:b], voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False))
+            wavs.append(
+                self.vocode(tokens[a:b], voice, cfm_steps=cfm_steps, seed=piece_seed, watermark=False)
+            )
             if progress is not None:
                 progress(Progress(i + 1, len(spans), "vocode", 1, 1))
         wav = vc.join(wavs, spans)
@@ -431,8 +434,8 @@ class TTS:
         cfm_steps: int | None = None,
         seed: int | None = None,
         watermark: bool = True,
-        first_chunk: int = 10,
-        chunk: int = 25,
+        first_chunk: int = FIRST_CHUNK,
+        chunk: int = CHUNK,
         context: int | Literal["whole"] = STREAM_CONTEXT,
         **knobs: float,
     ) -> Iterator[np.ndarray]:

@@ -8,8 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..api import STREAM_CONTEXT, TTS
-from ..generation.stream import CHUNK, FIRST_CHUNK, MAX_FIRST_CHUNK, check_chunks, playback_first_chunk
+from ..api import FIRST_CHUNK, MAX_FIRST_CHUNK, STREAM_CONTEXT, TTS, check_chunks
 from . import common
 
 
@@ -124,7 +123,7 @@ def _first_chunk(text: str) -> int | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of speech tokens nor auto") from None
     try:
-        check_chunks(value, CHUNK)
+        check_chunks(value, 1)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).replace(f"first_chunk={value} ", f"{value} ")) from None
     return value
@@ -186,10 +185,7 @@ def run(args: argparse.Namespace) -> None:
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
             worker.warm_up(default, common.english(tts))
             if args.first_chunk == "auto" and _times_first_chunk():
-                lookahead = tts.s3gen.flow.config.pre_lookahead_len
-                first_chunk = playback_first_chunk(
-                    worker.first_chunk_gap(default, common.english(tts)), lookahead
-                )
+                first_chunk = worker.playback_first_chunk(default, common.english(tts))
         app = create_app(
             worker,
             voices,

@@ -409,8 +409,8 @@ def stream_piece(
     piece: Piece,
     *,
     cfm_steps: int | None = None,
-    first_chunk: int = 10,
-    chunk: int = 25,
+    first_chunk: int = FIRST_CHUNK,
+    chunk: int = CHUNK,
     context: int | Literal["whole"] = CONTEXT,
 ) -> Iterator[np.ndarray]:
     """The speech tokens of one piece (``speech``: a variant's text -> speech tokens, ``EnglishSpeech`` or

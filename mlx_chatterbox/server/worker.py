@@ -41,7 +41,7 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import Plan, join_audio, token_budget
-from ..generation.stream import CHUNK, FIRST_CHUNK, check_chunks
+from ..generation.stream import CHUNK, FIRST_CHUNK, check_chunks, playback_first_chunk
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
 from ..generation.stream import PieceJoiner, StreamVocoder, check_context, decode_together, finish_stream
 from ..generation.turbo import TurboSpeech
@@ -323,17 +323,30 @@ class Worker:
             for _ in self.submit(job):
                 pass
 
+    def playback_first_chunk(self, voice: Voice, language: str | None = None) -> int:
+        """The first chunk (speech tokens) after which a lone stream plays on without a gap on this machine
+        (``serve --first-chunk auto``): ``playback_first_chunk`` of ``first_chunk_gap``."""
+        gap = self.first_chunk_gap(voice, language)
+        first_chunk = playback_first_chunk(gap, self.tts.s3gen.flow.config.pre_lookahead_len)
+        logger.info(
+            "a stream's second chunk came %.3f s after its first: first chunks of %d tokens", gap, first_chunk
+        )
+        return first_chunk
+
     def first_chunk_gap(self, voice: Voice, language: str | None = None) -> float:
         """Seconds from a streamed request's first chunk to its second (``CHUNK`` tokens of T3, then a decode
         and its watermark), alone on a warm worker: what ``serve --first-chunk auto`` sizes first chunks by
-        (``playback_first_chunk``). Runs a request of ``FIRST_CHUNK + CHUNK`` tokens; the audio is dropped."""
+        (``playback_first_chunk``). Runs a request of ``FIRST_CHUNK + CHUNK`` tokens twice and takes the second
+        (the first may still compile kernels for the second decode's length); the audio is dropped."""
         params = self.tts.speech.params_type(max_new_tokens=FIRST_CHUNK + CHUNK)
         job = SpeechJob(MEASURE_TEXT, voice, params, seed=0, stream=True, language=language)
-        times = [time.perf_counter() for chunk in self.submit(job) if chunk.size]
-        if len(times) < 2:
-            raise RuntimeError(
-                f"the measuring request gave {len(times)} chunk(s), not 2: T3 stopped early; pass --first-chunk N"
-            )
+        for _ in range(2):
+            times = [time.perf_counter() for chunk in self.submit(job) if chunk.size]
+            if len(times) < 2:
+                raise RuntimeError(
+                    f"the measuring request gave {len(times)} chunk(s), not 2: T3 stopped early; pass "
+                    "--first-chunk N"
+                )
         return times[1] - times[0]
 
     def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
