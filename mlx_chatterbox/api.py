@@ -20,9 +20,17 @@ from .convert import DEFAULT_REPO, prepare
 from .generation import vc
 from .generation.multilingual import MultilingualParams
 from .generation.pieces import TOKENS_PER_SECOND, Plan, join_audio, plan_text, token_budget
-from .generation.stream import CHUNK, FIRST_CHUNK, MAX_FIRST_CHUNK  # noqa: F401  (MAX_FIRST_CHUNK: for serve)
+from .generation.stream import CHUNK
 from .generation.stream import CONTEXT as STREAM_CONTEXT
-from .generation.stream import Piece, check_chunks, check_context, join_pieces, stream_piece
+from .generation.stream import (
+    FIRST_CHUNK,
+    MAX_FIRST_CHUNK,
+    Piece,
+    check_chunks,
+    check_context,
+    join_pieces,
+    stream_piece,
+)
 from .generation.vc import check_decoder as check_vc_decoder
 from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens
 from .generation.voice import (
@@ -44,8 +52,9 @@ from .weights import ModelFolder, load_folder
 if TYPE_CHECKING:
     from .hybrid import TorchS3Gen
 
-# The public surface; the multilingual names are re-exported for the CLI and for users (``language=``), and
-# ``split_pauses`` for the CLI's check of pause tags before the model loads.
+# The public surface; the multilingual names are re-exported for the CLI and for users (``language=``),
+# ``split_pauses`` for the CLI's check of pause tags before the model loads, and the first chunks' bounds for
+# ``serve --first-chunk`` and for users (``TTS.stream(first_chunk=)``).
 __all__ = [
     "TTS",
     "Progress",
@@ -61,6 +70,8 @@ __all__ = [
     "TOKENS_PER_SECOND",
     "VOICE_SUFFIX",
     "split_pauses",
+    "FIRST_CHUNK",
+    "MAX_FIRST_CHUNK",
 ]
 VOICE_SUFFIX = ".safetensors"
 CFM_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}  # float16 overflowed (ADR 6)

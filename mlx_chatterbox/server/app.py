@@ -29,8 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..audio.stretch import time_stretch
+from ..generation.stream import CHUNK
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
-from ..generation.stream import CHUNK, FIRST_CHUNK, check_chunks, check_context
+from ..generation.stream import FIRST_CHUNK, check_chunks, check_context
 from .encode import StreamEncoder, check_format, content_type, encode
 from .gate import Gate
 from .schema import KNOBS, OPENAI_MODELS, SpeechRequest, error_body

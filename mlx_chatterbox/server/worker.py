@@ -41,9 +41,18 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import Plan, join_audio, token_budget
-from ..generation.stream import CHUNK, FIRST_CHUNK, check_chunks, playback_first_chunk
+from ..generation.stream import CHUNK
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
-from ..generation.stream import PieceJoiner, StreamVocoder, check_context, decode_together, finish_stream
+from ..generation.stream import (
+    FIRST_CHUNK,
+    PieceJoiner,
+    StreamVocoder,
+    check_chunks,
+    check_context,
+    decode_together,
+    finish_stream,
+    playback_first_chunk,
+)
 from ..generation.turbo import TurboSpeech
 from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps
