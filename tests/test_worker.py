@@ -371,6 +371,9 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
 
 
 def test_vocoding_settings_are_checked(tts):
+    assert (
+        Worker(tts, vocode_batch=3).vocode_frames == 3 * worker_module.VOCODE_FRAMES_PER_ROW
+    )  # scaled with it
     for name in ("vocode_batch", "vocode_frames", "vocode_bucket"):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name}={bad!r} must be an integer of at least 1"):

@@ -65,12 +65,12 @@ _END = object()  # a ticket's last item
 # A warm-up request's tokens: past a stream's first chunk (10 tokens), and no more: on a CPU every warm-up token
 # delays the server's start by most of a second.
 WARM_UP_TOKENS = 12
-# Whole pieces vocoded in one S3Gen call: at most this many mel frames (rows x the longest row, padded), 8 rows
-# of a 10 s voice prompt and 20 s of speech; rows padded to a multiple of 25 tokens (1 s) so that calls repeat
-# shapes (GPU kernel plans and graphs are per shape).
 # The text of ``first_chunk_gap``'s request: long enough that T3 does not stop before its two chunks.
 MEASURE_TEXT = "This sentence is long enough to keep the model talking for a few seconds while it is timed."
-VOCODE_FRAMES = 8 * 1500
+# Pieces vocoded in one S3Gen call: by default at most this many mel frames (rows x the longest row, padded) for
+# each of ``vocode_batch`` rows, a 10 s voice prompt and 20 s of speech; rows padded to a multiple of 25 tokens
+# (1 s) so that calls repeat shapes (GPU kernel plans and graphs are per shape).
+VOCODE_FRAMES_PER_ROW = 1500
 VOCODE_BUCKET = 25
 
 
@@ -204,8 +204,8 @@ class _Vocoded:
 
 class Worker:
     """Runs speech jobs on a background thread, T3 batched over up to ``max_batch`` jobs at once, and whole
-    pieces vocoded as they become ready, up to ``vocode_batch`` of them (and ``vocode_frames`` mel frames, rows
-    padded to multiples of ``vocode_bucket`` tokens) in one S3Gen call: after the step that finished them, or,
+    pieces vocoded as they become ready, up to ``vocode_batch`` of them (and ``vocode_frames`` mel frames, by
+    default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of ``vocode_bucket`` tokens) in one S3Gen call: after the step that finished them, or,
     ``vocode_thread=True``, on a second thread while T3 keeps stepping. At most ``max_queue`` jobs wait or run
     (``submit`` raises ``QueueFull`` beyond)."""
 
@@ -216,10 +216,14 @@ class Worker:
         max_batch: int = 32,
         max_queue: int = 128,
         vocode_batch: int = 8,
-        vocode_frames: int = VOCODE_FRAMES,
+        vocode_frames: int | None = None,
         vocode_bucket: int = VOCODE_BUCKET,
         vocode_thread: bool = False,
     ):
+        if (
+            vocode_frames is None
+        ):  # as many long rows as vocode_batch allows (--vocode-batch alone scales both)
+            vocode_frames = vocode_batch * VOCODE_FRAMES_PER_ROW
         for name, value in (
             ("max_batch", max_batch),
             ("max_queue", max_queue),
