@@ -133,7 +133,18 @@ def decode_logits(model, embeds: mx.array, tokens: list[int], step_by_step: bool
 
 
 @cuda
-@pytest.mark.parametrize("in_place,step_by_step", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize(
+    "in_place,step_by_step",
+    [
+        (False, False),
+        (True, True),
+        # ADR 13: with fixed tokens, step t + 1 has no GPU-side edge from step t's in-place write in one graph
+        # (1.5e-2 relative on the H200, 2026-12-02); why KV_IN_PLACE is off.
+        pytest.param(
+            True, False, marks=pytest.mark.xfail(strict=True, reason="in-place write unordered in one graph")
+        ),
+    ],
+)
 @pytest.mark.parametrize("which", ["t3", "turbo"])
 def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by_step, monkeypatch):
     """Whole decode steps (head dim 64, so the kernel runs; CFG's 2 rows or Turbo's 1) match the same steps
