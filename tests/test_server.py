@@ -705,7 +705,7 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
         (["--first-chunk", "auto"], True, 25),
     ],
 )
-def test_serve_first_chunk_flag(tts, tmp_path, monkeypatch, flag, gpu, first_chunk):
+def test_serve_first_chunk_flag(tts, tmp_path, monkeypatch, capsys, flag, gpu, first_chunk):
     """``--first-chunk auto`` (the default) times a stream's two first chunks at start on a GPU and sizes
     streamed requests' first chunks to outlast the gap (0.58 s -> 25 tokens); on a CPU it keeps 10; a number is
     taken as it is. Streamed responses are decoded with it."""
@@ -733,6 +733,7 @@ def test_serve_first_chunk_flag(tts, tmp_path, monkeypatch, flag, gpu, first_chu
     assert main([*args, "--no-ui", *flag]) == 0
     assert seen["health"]["first_chunk"] == first_chunk and seen["speech"].status_code == 200
     assert firsts[-1] == first_chunk  # the request's (the warm-up's streams come first, at 10)
+    assert f"streams' first chunk: {first_chunk} speech tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

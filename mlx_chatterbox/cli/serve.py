@@ -75,7 +75,8 @@ def add_parser(sub) -> None:
         help="speech tokens a streamed request waits for before its first audio; auto (the default): at start, "
         f"time how long the second chunk takes to follow the first, and wait for the fewest tokens from "
         f"{FIRST_CHUNK} to {MAX_FIRST_CHUNK} whose first chunk lasts that long (a listener then hears no gap "
-        f"between them); {FIRST_CHUNK} on CPUs, where no first chunk lasts long enough",
+        f"between them); {FIRST_CHUNK} on CPUs, where no first chunk lasts long enough, and without a default "
+        "voice to time it with",
     )
     common.cfm_dtype_argument(p)
     p.add_argument(
@@ -200,7 +201,11 @@ def run(args: argparse.Namespace) -> None:
             ui=not args.no_ui,
         )
         log_level = "info" if args.verbose else "warning"
-        print(f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder})", file=sys.stderr)
+        print(
+            f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder}; streams' first chunk: "
+            f"{first_chunk} speech tokens)",
+            file=sys.stderr,
+        )
         serve(
             app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=log_level
         )
