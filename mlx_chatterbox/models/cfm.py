@@ -97,6 +97,11 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(nn.silu(self.linear_1(x)))
 
 
+def masked(x: mx.array, m: mx.array | None) -> mx.array:
+    """x (B, T, C) with its padded frames zeroed by the (B, T, 1) frame mask m; x itself when no frame is padded."""
+    return x if m is None else x * m
+
+
 class CausalConv1d(Conv1d):
     """A stride-1 convolution that sees only the current and past frames: left-pads kernel - 1 zeros."""
 
@@ -113,9 +118,9 @@ class CausalBlock1D(nn.Module):
         super().__init__()
         self.block = [CausalConv1d(dim, dim_out, 3), None, nn.LayerNorm(dim_out, eps=1e-5)]
 
-    def __call__(self, x: mx.array, m: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, m: mx.array | None) -> mx.array:
         conv, _, norm = self.block
-        return mish(norm(conv(x * m))) * m
+        return masked(mish(norm(conv(masked(x, m)))), m)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -129,10 +134,10 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = Conv1d(dim, dim_out, 1)
 
-    def __call__(self, x: mx.array, m: mx.array, t_emb: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, m: mx.array | None, t_emb: mx.array) -> mx.array:
         h = self.block1(x, m) + self.mlp[1](mish(t_emb))[:, None, :]
         h = self.block2(h, m)
-        return h + self.res_conv(x * m)
+        return h + self.res_conv(masked(x, m))
 
 
 class Attention(nn.Module):
@@ -251,9 +256,9 @@ class Estimator(nn.Module):
             )
         b, n, _ = x.shape
         if mask is None:
-            # Every frame valid (one utterance): multiplying by ones and adding zero biases changes nothing, and
-            # attention without a mask runs as a fused kernel on GPUs.
-            m, bias = mx.array(1.0, x.dtype), None
+            # Every frame valid (one utterance): multiplying by ones and adding zero biases would change nothing,
+            # so neither runs (75 kernels a call fewer), and attention without a mask is a fused kernel on GPUs.
+            m, bias = None, None
         else:
             m = mask.astype(x.dtype)[:, :, None]  # (B, T, 1)
             # Key-padding bias (decoder.py: add_optional_chunk_mask + mask_to_bias), the same for every query.
@@ -276,14 +281,14 @@ class Estimator(nn.Module):
 
         resnet, blocks, down = self.down_blocks[0]
         skip = stage(h, resnet, blocks)
-        h = down(skip * m)
+        h = down(masked(skip, m))
         for resnet, blocks in self.mid_blocks:
             h = stage(h, resnet, blocks)
         resnet, blocks, up = self.up_blocks[0]
         h = stage(mx.concatenate([h, skip], axis=-1), resnet, blocks)
-        h = up(h * m)
+        h = up(masked(h, m))
         h = self.final_block(h, m)
-        return self.final_proj(h * m) * m
+        return masked(self.final_proj(masked(h, m)), m)
 
     @staticmethod
     def checkpoint_table(cfg: CFMConfig) -> dict[str, tuple]:
