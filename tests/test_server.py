@@ -744,3 +744,33 @@ def test_serve_first_chunk_refused(value, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--first-chunk", value])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_first_chunk_auto_without_a_timing(tts, tmp_path, monkeypatch, capsys):
+    """When the timing request ends too early, ``serve`` warns, names the fix and serves with 10 tokens."""
+    from mlx_chatterbox.cli import serve as serve_cli
+
+    seen = {}
+
+    def serve(app, host, port, shutdown_timeout, log_level):
+        with TestClient(app) as http:
+            seen["health"] = http.get("/health").json()
+
+    def early(self, voice, language=None):
+        raise RuntimeError(
+            "the measuring request gave 1 chunk(s), not 2: T3 stopped early; pass --first-chunk N"
+        )
+
+    monkeypatch.setattr(run_module, "serve", serve)
+    monkeypatch.setattr(serve_cli, "_times_first_chunk", lambda: True)
+    monkeypatch.setattr(Worker, "first_chunk_gap", early)
+    voice = tmp_path / "v.safetensors"
+    random_voice(seed=7).save(voice)
+    args = ["serve", "--model", str(tts.path), "--voice", str(voice), "--voices", str(tmp_path / "voices")]
+    assert main([*args, "--no-ui"]) == 0
+    assert seen["health"]["first_chunk"] == 10
+    err = capsys.readouterr().err
+    assert (
+        "warning: --first-chunk auto: the measuring request gave 1 chunk(s)" in err
+        and "pass --first-chunk N" in err
+    )

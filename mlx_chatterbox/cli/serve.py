@@ -188,7 +188,13 @@ def run(args: argparse.Namespace) -> None:
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
             worker.warm_up(default, common.english(tts))
             if args.first_chunk == "auto" and _times_first_chunk():
-                first_chunk = worker.playback_first_chunk(default, common.english(tts))
+                try:
+                    first_chunk = worker.playback_first_chunk(default, common.english(tts))
+                except RuntimeError as e:  # the timing request ended early: the server still serves
+                    print(
+                        f"warning: --first-chunk auto: {e}; streams start after {first_chunk} tokens",
+                        file=sys.stderr,
+                    )
         app = create_app(
             worker,
             voices,
