@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_chatterbox.convert import LAYOUTS, sanitize
+from mlx_chatterbox.models import hift as hift_module
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig, istft, sine_phase, stft
 
 TINY = HiFTConfig(base_channels=32, f0_cond_channels=16)
@@ -193,3 +194,13 @@ def test_config_round_trips_through_json_and_rejects_bad_sizes():
         HiFTConfig(istft_n_fft=18)
     with pytest.raises(ValueError):
         HiFTConfig(base_channels=100)
+
+
+def test_fused_snake_equals_the_composed_snake():
+    """Snake's GPU path (one compiled kernel, ``_snake_fused``) computes the composed formula: on the CPU, where
+    both run, within float32 rounding (fused kernels may contract a·b + c)."""
+    x = 3 * mx.random.normal((2, 50, 16), key=mx.random.key(0))
+    alpha = mx.random.uniform(0.2, 2.0, (16,), key=mx.random.key(1))
+    fused, composed = hift_module._snake_fused(x, alpha), hift_module._snake(x, alpha)
+    err = mx.abs(fused - composed).max().item()
+    assert err <= 1e-6 * mx.abs(composed).max().item(), err
