@@ -205,8 +205,9 @@ class _Vocoded:
 class Worker:
     """Runs speech jobs on a background thread, T3 batched over up to ``max_batch`` jobs at once, and whole
     pieces vocoded as they become ready, up to ``vocode_batch`` of them (and ``vocode_frames`` mel frames, by
-    default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of ``vocode_bucket`` tokens) in one S3Gen call: after the step that finished them, or,
-    ``vocode_thread=True``, on a second thread while T3 keeps stepping. At most ``max_queue`` jobs wait or run
+    default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of ``vocode_bucket`` tokens) in one S3Gen
+    call: after the step that finished them, or, ``vocode_thread=True``, on a second thread while T3 keeps
+    stepping. At most ``max_queue`` jobs wait or run
     (``submit`` raises ``QueueFull`` beyond)."""
 
     def __init__(
@@ -220,9 +221,7 @@ class Worker:
         vocode_bucket: int = VOCODE_BUCKET,
         vocode_thread: bool = False,
     ):
-        if (
-            vocode_frames is None
-        ):  # as many long rows as vocode_batch allows (--vocode-batch alone scales both)
+        if vocode_frames is None:  # as many long rows as vocode_batch allows: --vocode-batch sets both
             vocode_frames = vocode_batch * VOCODE_FRAMES_PER_ROW
         for name, value in (
             ("max_batch", max_batch),
@@ -674,7 +673,8 @@ class Worker:
         failed = []
         while due:
             group = self._group(due, [j.vocoder.due for j in due], [j.job.cfm_steps for j in due])
-            due = [j for j in due if all(j is not g for g in group)]
+            taken = {id(j) for j in group}
+            due = [j for j in due if id(j) not in taken]
             try:
                 outs = decode_together([j.vocoder for j in group], bucket=self.vocode_bucket)
             except Exception as error:
