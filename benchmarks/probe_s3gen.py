@@ -26,6 +26,7 @@ import argparse
 import collections
 import io
 import json
+import os
 import re
 import statistics
 import time
@@ -148,6 +149,17 @@ def ops(dtype: mx.Dtype, rows: int, n: int, frames: int) -> list[tuple[str, floa
             # whether MLX's products beat its fp32 attention kernel at these sizes.
             "attention as products (q k^T, softmax, @ v)",
             chain(lambda y, i: mx.softmax((y * 0.125) @ q.swapaxes(-1, -2), axis=-1, precise=True) @ q, q),
+        ),
+        (
+            # fp32 attention through the half-precision kernel: its inputs cast down and its output back up
+            # (the products' precision is then TF32's, which fp32 products get on this GPU by default).
+            "sdpa in float16 (casts in and out)",
+            chain(
+                lambda y, i: mx.fast.scaled_dot_product_attention(
+                    y.astype(mx.float16), q.astype(mx.float16), q.astype(mx.float16), scale=0.125
+                ).astype(y.dtype),
+                q,
+            ),
         ),
     ]
     return [(name, chain_time(build, n)) for name, build in table]
@@ -318,6 +330,7 @@ def main() -> None:
             dict(
                 part="ops",
                 n=args.n,
+                tf32=os.environ.get("MLX_ENABLE_TF32", "default"),
                 results={f"{str(d).split('.')[-1]}-{r}": v for (d, r), v in results.items()},
             )
         )
