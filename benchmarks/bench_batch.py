@@ -151,9 +151,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="MLX's own ops on CUDA (models/layers.py CUDA_DECODE off: before ADR 12)",
     )
+    parser.add_argument(
+        "--decode-attention",
+        choices=("new", "old"),
+        default="new",
+        help="the CUDA decode attention kernel: old = one key per warp at a time, 4 warps a block (before "
+        "2026-12-02's unrolled, 16-warp form)",
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     layers.CUDA_DECODE = not args.mlx_ops
+    if args.decode_attention == "old":
+        layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     model, voice, text, params = build(TINY if args.tiny else T3Config(), args.dtype)
     params = SamplingParams(**{**params.__dict__, "max_new_tokens": args.tokens})
@@ -163,7 +172,13 @@ def main(argv: list[str] | None = None) -> None:
         # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
         rows.append(row)
         line = dict(
-            bench="batch", tokens=args.tokens, dtype=args.dtype, tiny=args.tiny, mlx_ops=args.mlx_ops, **row
+            bench="batch",
+            tokens=args.tokens,
+            dtype=args.dtype,
+            tiny=args.tiny,
+            mlx_ops=args.mlx_ops,
+            decode_attention=args.decode_attention,
+            **row,
         )
         write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
 

@@ -311,8 +311,15 @@ def main() -> None:
     parser.add_argument("--models", default="english,turbo,nano")
     parser.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
     parser.add_argument("--kv-in-place", action="store_true", help="layers.KV_IN_PLACE for ours (ADR 13)")
+    parser.add_argument(
+        "--old-attention",
+        action="store_true",
+        help="the decode attention kernel as before 2026-12-02: one key per warp at a time, 4 warps a block",
+    )
     args = parser.parse_args()
     layers.KV_IN_PLACE = args.kv_in_place
+    if args.old_attention:
+        layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     mx.set_default_device(getattr(mx, args.device))
     parts = args.part.split(",")
     dtypes = args.dtypes.split(",")
@@ -355,7 +362,12 @@ def main() -> None:
                     row = dict(
                         model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views
                     )
-                    row |= dict(**r, primitive_kinds=kinds)
+                    row |= dict(
+                        **r,
+                        primitive_kinds=kinds,
+                        kv_in_place=args.kv_in_place,
+                        decode_attention="old" if args.old_attention else "new",
+                    )
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.out:

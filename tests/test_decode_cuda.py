@@ -84,10 +84,15 @@ def test_decode_attention_composed(with_pad):
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-6), (mx.bfloat16, 1e-2)])
 @pytest.mark.parametrize("with_pad", [False, True])
 @pytest.mark.parametrize("position", [0, 5, 255, 700])
-def test_decode_attention_kernel_equals_composed(dtype, tol, with_pad, position):
-    q, keys, values = attention_inputs(position, b=3, h=16, capacity=768)
+@pytest.mark.parametrize("rows", [3, 20])  # 48 (row, head) blocks of 16 warps; 320 of 4 (a batch's)
+def test_decode_attention_kernel_equals_composed(dtype, tol, with_pad, position, rows):
+    q, keys, values = attention_inputs(position, b=rows, h=16, capacity=768)
     # A row's own token is always visible: its padding ends at or before the position.
-    pad = np.array([0, min(position, 3), min(position, 50)]) if with_pad else None
+    pad = (
+        np.array([0, min(position, 3), min(position, 50)] * (rows // 3) + [0] * (rows % 3))
+        if with_pad
+        else None
+    )
     args = [mx.array(a).astype(dtype) for a in (q, keys, values)]
     args += [mx.array(position, mx.int32), None if pad is None else mx.array(pad, mx.int32)]
     kernel = layers.decode_attention(*args, kernel=True).astype(mx.float32)
@@ -171,17 +176,18 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
 @cuda
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-6), (mx.bfloat16, 1e-2)])
 @pytest.mark.parametrize("position", [40, 63, 300])
-def test_window_attention_kernel_equals_composed(dtype, tol, position):
+@pytest.mark.parametrize("b", [3, 20])
+def test_window_attention_kernel_equals_composed(dtype, tol, position, b):
     """The batch cache's attention (models/cache.py BatchKVCache): big buffers before base, a window after."""
     rng = np.random.default_rng(position)
-    b, h, capacity, window, hd = 3, 16, 512, 32, 64
+    h, capacity, window, hd = 16, 512, 32, 64
     base = position - position % window if position % window else position - 5
     arrays = [rng.standard_normal(s).astype(np.float32) for s in [(b, h, 1, hd)] * 3]
     arrays += [rng.standard_normal((b, h, capacity, hd)).astype(np.float32) for _ in range(2)]
     arrays += [rng.standard_normal((b, h, window, hd)).astype(np.float32) for _ in range(2)]
     q, k, v, keys, values, wk, wv = (mx.array(a).astype(dtype) for a in arrays)
     at = mx.array([position, base], mx.int32)
-    pad = mx.array([0, 7, min(base - 1, 30)], mx.int32)
+    pad = mx.array([0, 7, min(base - 1, 30)] * (b // 3) + [0] * (b % 3), mx.int32)
     fused = layers.window_attention(q, k, v, at, pad, keys, values, wk, wv, kernel=True)
     composed = layers.window_attention(q, k, v, at, pad, keys, values, wk, wv, kernel=False)
     for got, want in zip(fused, composed):

@@ -740,12 +740,13 @@ def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None)
     return visible
 
 
-# One block of 4 warps per (row, head); each warp takes every 4th visible key with an online softmax (running
-# max, sum and weighted values: no scores stored, so no shared memory that depends on the capacity), then warp 0
-# merges the 4. All in fp32 whatever T. at = [position, base]: indices from base on are read from the window
-# buffers (models/cache.py BatchKVCache), those before from keys/values; without a window base is past position.
+# One block of WARPS warps per (row, head); each warp takes every WARPS-th visible key with an online softmax
+# (running max, sum and weighted values: no scores stored, so no shared memory that depends on the capacity),
+# then warp 0 merges the warps'. A warp takes UNROLL of its keys at a time: their rows are loaded before any is
+# used, so UNROLL loads are in flight per warp instead of one, and a key costs one memory latency per UNROLL.
+# All in fp32 whatever T. at = [position, base]: indices from base on are read from the window buffers
+# (models/cache.py BatchKVCache), those before from keys/values; without a window base is past position.
 _DECODE_ATTENTION = """
-    constexpr int WARPS = 4;
     constexpr int PER = D / 32;
     int bh = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -762,20 +763,51 @@ _DECODE_ATTENTION = """
         acc[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
-    for (int j = first + warp; j <= last; j += WARPS) {
-        float s = 0.f;
-        const T* kr = %(key_row)s;
-        const T* vr = %(value_row)s;
+    for (int j0 = first + warp; j0 <= last; j0 += WARPS * UNROLL) {
+        float kf[UNROLL][PER], vf[UNROLL][PER], s[UNROLL];
         #pragma unroll
-        for (int i = 0; i < PER; ++i) s += qv[i] * static_cast<float>(kr[i]);
+        for (int u = 0; u < UNROLL; ++u) {
+            int j = j0 + u * WARPS;
+            if (j <= last) {
+                const T* kr = %(key_row)s;
+                const T* vr = %(value_row)s;
+                #pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    kf[u][i] = static_cast<float>(kr[i]);
+                    vf[u][i] = static_cast<float>(vr[i]);
+                }
+            } else {  // past the last key: its score is computed but never used
+                #pragma unroll
+                for (int i = 0; i < PER; ++i) kf[u][i] = vf[u][i] = 0.f;
+            }
+        }
         #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        float m_new = fmaxf(m, s);
+        for (int u = 0; u < UNROLL; ++u) {
+            s[u] = 0.f;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) s[u] += qv[i] * kf[u][i];
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+        }
+        float m_new = m;
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) if (j0 + u * WARPS <= last) m_new = fmaxf(m_new, s[u]);
         float correction = expf(m - m_new);
-        float p = expf(s - m_new);
-        l = l * correction + p;
+        l *= correction;
         #pragma unroll
-        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vr[i]);
+        for (int i = 0; i < PER; ++i) acc[i] *= correction;
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (j0 + u * WARPS <= last) {
+                float p = expf(s[u] - m_new);
+                l += p;
+                #pragma unroll
+                for (int i = 0; i < PER; ++i) acc[i] += p * vf[u][i];
+            }
+        }
         m = m_new;
     }
     __shared__ float warp_m[WARPS], warp_l[WARPS], warp_acc[WARPS][D];
@@ -803,6 +835,13 @@ _DECODE_ATTENTION = """
     #pragma unroll
     for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
 """
+# Keys a warp loads at a time (1 is one key per memory latency).
+DECODE_UNROLL = 4
+# Up to this many (row, head) blocks, 16 warps a block (a lone stream's 32 blocks leave most of the GPU idle, so
+# its keys are split 16 ways); beyond, 4 (a batch's blocks fill the GPU on their own).
+DECODE_WIDE_BLOCKS = 256
+
+
 _WINDOW_SETUP = """
     int window = window_keys_shape[2], base = at[1];
     const T* wkb = window_keys + (size_t)bh * window * D + lane * PER;
@@ -836,11 +875,12 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
             name, names, ["out"], _DECODE_ATTENTION % rows
         )
     b, h, _, hd = q.shape
+    warps = 16 if b * h <= DECODE_WIDE_BLOCKS else 4
     return _decode_attention_kernels[has_pad, window](
         inputs=inputs,
-        template=[("T", q.dtype), ("D", hd), ("H", h)],
-        grid=(b * h * 128, 1, 1),
-        threadgroup=(128, 1, 1),
+        template=[("T", q.dtype), ("D", hd), ("H", h), ("WARPS", warps), ("UNROLL", DECODE_UNROLL)],
+        grid=(b * h * 32 * warps, 1, 1),
+        threadgroup=(32 * warps, 1, 1),
         output_shapes=[(b, 1, h * hd)],
         output_dtypes=[q.dtype],
     )[0]
