@@ -1,0 +1,106 @@
+"""Where the worker's wall time goes: cumulative seconds, calls and rows of its phases by thread (``Meter``, which
+``Worker`` keeps), and their Prometheus text (``prometheus``) for ``GET /metrics``.
+
+The seconds are the wall time a thread spends in a call as it is, with no MLX synchronisation added: a T3 step
+that waits for the step queued before it counts that wait. A worker thread's phases do not overlap, so their
+seconds over a span, subtracted from the span, leave the time spent elsewhere (routing tokens, receiving jobs,
+work run through ``Worker.run``); the vocoding thread's run beside them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+# The phases timed on each thread.
+PHASES = {
+    "worker": (
+        "idle",  # blocked on the inbox: no job to step
+        "gc",  # Python's garbage collection, checked once a turn of the loop (worker.py's _collect_garbage)
+        "admit",  # a job's next piece put into T3's batch (it is prefilled in the step after)
+        "t3_step",  # T3's batch stepped: a token for each row (and the rows added since, prefilled)
+        "stream_decode",  # streamed chunks decoded (S3Gen)
+        "emit",  # streamed chunks joined, watermarked and handed to their readers
+        "vocode",  # whole pieces vocoded (S3Gen), without a vocoding thread
+        "hand_over",  # a whole job's pieces joined, watermarked and handed to its reader
+    ),
+    "vocoder": ("idle", "vocode"),  # the vocoding thread's (``vocode_thread=True``)
+}
+ROW_PHASES = ("t3_step", "stream_decode", "vocode")  # whose calls take several rows at once
+OUTCOMES = ("finished", "failed", "cancelled")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text exposition format
+
+
+class Meter:
+    """Per (thread, phase): wall seconds, calls and rows, summed since the start; and jobs ended by outcome.
+    Added to by the worker's threads, read by any (``snapshot``, a copy under the lock)."""
+
+    def __init__(self, threads: Iterable[str]):
+        self._lock = threading.Lock()
+        self._phases = {(t, p): [0.0, 0, 0] for t in threads for p in PHASES[t]}  # [seconds, calls, rows]
+        self._outcomes = dict.fromkeys(OUTCOMES, 0)
+
+    def add(self, thread: str, phase: str, seconds: float, rows: int = 0) -> None:
+        with self._lock:
+            tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
+            tally[0] += seconds
+            tally[1] += 1
+            tally[2] += rows
+
+    def ended(self, outcome: str) -> None:
+        with self._lock:
+            self._outcomes[outcome] += 1
+
+    def snapshot(self) -> dict:
+        """``{"phases": [{"thread", "phase", "seconds", "calls", "rows"}], "requests": {outcome: count}}``."""
+        with self._lock:
+            phases = [
+                {"thread": t, "phase": p, "seconds": s, "calls": c, "rows": r}
+                for (t, p), (s, c, r) in self._phases.items()
+            ]
+            return {"phases": phases, "requests": dict(self._outcomes)}
+
+
+def prometheus(metrics: dict) -> str:
+    """``Worker.metrics()`` in Prometheus' text exposition format (version 0.0.4)."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+        lines.extend(f"{name}{labels} {value!r}" for labels, value in samples)
+
+    phases = metrics["phases"]
+    label = '{{thread="{thread}",phase="{phase}"}}'.format
+    family(
+        "mlx_chatterbox_worker_seconds_total",
+        "counter",
+        "Wall seconds the worker's threads spent in each phase.",
+        [(label(**p), float(p["seconds"])) for p in phases],
+    )
+    family(
+        "mlx_chatterbox_worker_calls_total",
+        "counter",
+        "Times each phase ran (t3_step: steps; vocode: S3Gen calls; stream_decode: S3Gen calls, a streamed "
+        "piece's end one each).",
+        [(label(**p), p["calls"]) for p in phases],
+    )
+    family(
+        "mlx_chatterbox_worker_rows_total",
+        "counter",
+        "Rows summed over a phase's calls: T3 steps' requests, S3Gen calls' pieces or streams.",
+        [(label(**p), p["rows"]) for p in phases if p["phase"] in ROW_PHASES],
+    )
+    family(
+        "mlx_chatterbox_requests_total",
+        "counter",
+        "Speech jobs ended, by outcome.",
+        [(f'{{outcome="{k}"}}', n) for k, n in metrics["requests"].items()],
+    )
+    for name, key, help_ in (
+        ("mlx_chatterbox_jobs", "jobs", "Speech jobs submitted and not ended (waiting, in T3 or vocoding)."),
+        ("mlx_chatterbox_jobs_waiting", "waiting", "Jobs waiting for a row in T3's batch (max_batch)."),
+        ("mlx_chatterbox_jobs_running", "running", "Jobs in T3's batch."),
+        ("mlx_chatterbox_vocode_pending", "vocode_pending", "Whole pieces T3 finished, waiting for S3Gen."),
+    ):
+        family(name, "gauge", help_, [("", metrics[key])])
+    return "\n".join(lines) + "\n"
