@@ -80,8 +80,7 @@ def prometheus(metrics: dict) -> str:
     family(
         "mlx_chatterbox_worker_calls_total",
         "counter",
-        "Times each phase ran (t3_step: steps; vocode: S3Gen calls; stream_decode: S3Gen calls, a streamed "
-        "piece's end one each).",
+        "Times each phase ran (t3_step: steps; stream_decode and vocode: S3Gen calls).",
         [(label(**p), p["calls"]) for p in phases],
     )
     family(

@@ -537,9 +537,8 @@ class Worker:
         speech = self.tts.speech
         if j.vocoder is not None and 0 <= token < speech.start_token:  # only speech ids, as stream_piece
             if finished:  # the piece's end decodes on its own, right after
-                with self._timed("stream_decode", 1):
-                    out = j.vocoder.push([token])
-                self._emit(j, out)
+                j.vocoder.take([token])
+                self._emit(j, self._decode_alone(j.vocoder))
             else:  # a decode it makes due runs with the others' after the step (_decode_streams)
                 j.vocoder.take([token])
         if not finished:
@@ -559,10 +558,9 @@ class Worker:
             raise ValueError("T3 stopped before producing any speech token; try another seed or text")
         if j.vocoder is not None:
             if speech.tail:
-                with self._timed("stream_decode", 1):
-                    out = j.vocoder.push(list(speech.tail))
-                self._emit(j, out)
-            with self._timed("stream_decode", 1):
+                j.vocoder.take(list(speech.tail))
+                self._emit(j, self._decode_alone(j.vocoder))
+            with self._timed("stream_decode", 1):  # a stream's last decode, always due
                 out = finish_stream(j.vocoder, speech)
             self._emit(j, out, end=True)
             j.vocoder = None
@@ -714,6 +712,13 @@ class Worker:
                 continue
             failed += [j for j, out in zip(group, outs) if not self._guard(j, self._emit, j, out)]
         return failed
+
+    def _decode_alone(self, vocoder: StreamVocoder) -> np.ndarray:
+        """A stream's decode due at its piece's end, on its own: what ``push`` gives after ``take``."""
+        if not vocoder.due:
+            return np.zeros(0, np.float32)
+        with self._timed("stream_decode", 1):
+            return decode_together([vocoder])[0]
 
     def _bucketed(self, tokens: int) -> int:
         return -(-tokens // self.vocode_bucket) * self.vocode_bucket
