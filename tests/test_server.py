@@ -560,6 +560,9 @@ def test_metrics(server):
     assert moved("calls", "emit") >= 2
     for name in ("t3_step", "admit", "stream_decode", "emit", "vocode", "hand_over"):
         assert moved("seconds", name) > 0, name
+    uptime = ("mlx_chatterbox_worker_uptime_seconds", frozenset())
+    span = after[uptime] - before[uptime]
+    assert 0 < sum(moved("seconds", name) for name in PHASES["worker"]) <= span  # one phase at a time
     for outcome, n in (("finished", 2), ("failed", 0), ("cancelled", 0)):
         key = ("mlx_chatterbox_requests_total", frozenset({("outcome", f'"{outcome}"')}))
         assert after[key] - before[key] == n, outcome

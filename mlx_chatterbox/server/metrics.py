@@ -9,8 +9,10 @@ work run through ``Worker.run``); the vocoding thread's run beside them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 
 # The phases timed on each thread.
 PHASES = {
@@ -32,33 +34,50 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text ex
 
 
 class Meter:
-    """Per (thread, phase): wall seconds, calls and rows, summed since the start; and jobs ended by outcome.
-    Added to by the worker's threads, read by any (``snapshot``, a copy under the lock)."""
+    """Per (thread, phase): wall seconds, calls and rows, summed since the meter was made; and jobs ended by
+    outcome. The worker's threads add (``timed``), any thread reads (``snapshot``: a copy, under the lock)."""
 
     def __init__(self, threads: Iterable[str]):
         self._lock = threading.Lock()
+        self._since = time.perf_counter()
         self._phases = {(t, p): [0.0, 0, 0] for t in threads for p in PHASES[t]}  # [seconds, calls, rows]
+        self._open: dict[str, tuple[str, float]] = {}  # thread -> the phase it is in and since when
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
-    def add(self, thread: str, phase: str, seconds: float, rows: int = 0) -> None:
+    @contextlib.contextmanager
+    def timed(self, thread: str, phase: str, rows: int = 0) -> Iterator[None]:
+        """The block's wall time, one call and ``rows`` added to ``phase`` of ``thread`` (whose phases do not
+        nest)."""
         with self._lock:
-            tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
-            tally[0] += seconds
-            tally[1] += 1
-            tally[2] += rows
+            self._open[thread] = (phase, time.perf_counter())
+        try:
+            yield
+        finally:
+            with self._lock:
+                _, start = self._open.pop(thread)
+                tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
+                tally[0] += time.perf_counter() - start
+                tally[1] += 1
+                tally[2] += rows
 
     def ended(self, outcome: str) -> None:
         with self._lock:
             self._outcomes[outcome] += 1
 
     def snapshot(self) -> dict:
-        """``{"phases": [{"thread", "phase", "seconds", "calls", "rows"}], "requests": {outcome: count}}``."""
+        """``{"uptime": seconds since the meter was made, "phases": [{"thread", "phase", "seconds", "calls",
+        "rows"}], "requests": {outcome: count}}``. A phase a thread is in counts its seconds so far: two
+        snapshots' differences then cover exactly the time between them."""
         with self._lock:
+            now = time.perf_counter()
+            seconds = {key: tally[0] for key, tally in self._phases.items()}
+            for thread, (phase, start) in self._open.items():
+                seconds[thread, phase] += now - start
             phases = [
-                {"thread": t, "phase": p, "seconds": s, "calls": c, "rows": r}
-                for (t, p), (s, c, r) in self._phases.items()
+                {"thread": t, "phase": p, "seconds": seconds[t, p], "calls": c, "rows": r}
+                for (t, p), (_, c, r) in self._phases.items()
             ]
-            return {"phases": phases, "requests": dict(self._outcomes)}
+            return {"uptime": now - self._since, "phases": phases, "requests": dict(self._outcomes)}
 
 
 def prometheus(metrics: dict) -> str:
@@ -69,6 +88,12 @@ def prometheus(metrics: dict) -> str:
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
         lines.extend(f"{name}{labels} {value!r}" for labels, value in samples)
 
+    family(
+        "mlx_chatterbox_worker_uptime_seconds",
+        "gauge",
+        "Seconds since the worker was made: the span its phases' seconds are counted over.",
+        [("", float(metrics["uptime"]))],
+    )
     phases = metrics["phases"]
     label = '{{thread="{thread}",phase="{phase}"}}'.format
     family(

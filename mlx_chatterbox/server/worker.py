@@ -272,7 +272,7 @@ class Worker:
 
     def metrics(self) -> dict:
         """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
-        rows of each thread's phases since the start, jobs ended by outcome) with ``jobs`` (submitted, not
+        rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs`` (submitted, not
         ended), ``waiting`` (for T3), ``running`` (in T3's batch) and ``vocode_pending`` (whole pieces waiting
         for S3Gen). Read from any thread, without waiting for the worker."""
         gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running)
@@ -778,16 +778,11 @@ class Worker:
         for j in jobs:
             self._done(j, RuntimeError("the server is shutting down"))
 
-    @contextlib.contextmanager
-    def _timed(self, phase: str, rows: int = 0) -> Iterator[None]:
+    def _timed(self, phase: str, rows: int = 0) -> contextlib.AbstractContextManager:
         """The block's wall time, one call and ``rows`` added to ``phase`` of the thread that runs it
         (``metrics``)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            thread = "vocoder" if threading.current_thread() is self._vocoder else "worker"
-            self._meter.add(thread, phase, time.perf_counter() - start, rows)
+        thread = "vocoder" if threading.current_thread() is self._vocoder else "worker"
+        return self._meter.timed(thread, phase, rows)
 
 
 def _mlx_memory() -> dict[str, int]:
