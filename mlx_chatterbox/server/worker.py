@@ -272,9 +272,9 @@ class Worker:
 
     def metrics(self) -> dict:
         """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
-        rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs`` (submitted, not
-        ended), ``waiting`` (for T3), ``running`` (in T3's batch) and ``vocode_pending`` (whole pieces waiting
-        for S3Gen). Read from any thread, without waiting for the worker."""
+        rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs``
+        (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch) and ``vocode_pending`` (whole
+        pieces waiting for S3Gen). Read from any thread, without waiting for the worker."""
         gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running)
         return {**self._meter.snapshot(), **gauges, "vocode_pending": len(self._pending)}
 
