@@ -9,6 +9,11 @@ of audio), aggregate audio seconds per wall second, and audio underruns.
   (``/health?memory=true``) every ``--sample-every`` seconds and says whether either grew after
   ``--soak-warmup`` seconds.
 
+Where the server's worker spent each scenario: ``/metrics`` is read before and after it, and the deltas of its
+phase counters are reported (``worker``: seconds and share of the scenario's wall time per thread and phase,
+the worker thread's time in no phase as ``other``, mean requests per T3 step, mean rows per S3Gen call, jobs
+ended by outcome).
+
 Underruns: a listener starts playing a streamed response at its first chunk; replaying the arrival times of
 its bytes against real-time playback, a stall is a chunk that arrives after the audio before it has played
 out, and the listener waits the difference. Every request speaks the same text with a fixed
@@ -34,6 +39,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shlex
 import shutil
 import socket
@@ -223,6 +229,73 @@ def get_json(url: str, path: str, timeout: float = 30) -> dict:
         conn.close()
 
 
+# A sample line of Prometheus' text format: name, optional {labels}, value.
+SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)")
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+PHASE_METRICS = {"seconds": "seconds_total", "calls": "calls_total", "rows": "rows_total"}
+
+
+def scrape(url: str, timeout: float = 30) -> dict[tuple[str, tuple], float]:
+    """The server's ``/metrics``: {(name, ((label, value), ...)): value}."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        body = resp.read().decode()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"GET /metrics: HTTP {resp.status}: {body[:200]!r}")
+    samples = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, labels, value = SAMPLE.fullmatch(line).groups()
+            samples[name, tuple(LABEL.findall(labels or ""))] = float(value)
+    return samples
+
+
+def worker_breakdown(before: dict, after: dict) -> dict:
+    """The deltas of the worker's counters between two reads of /metrics around a scenario: the span between
+    them by the server's clock (the scenario's wall time and a read), per thread and phase its seconds, share
+    of the span, calls and rows; the worker thread's seconds in no phase (``other``: routing tokens, receiving
+    jobs); mean requests per T3 step and rows per S3Gen call; jobs ended by outcome."""
+
+    def delta(key: tuple) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    span = delta(("mlx_chatterbox_worker_uptime_seconds", ()))
+
+    phases: dict[str, dict[str, dict]] = {}
+    for name, labels in after:
+        if name == "mlx_chatterbox_worker_seconds_total":
+            thread, phase = dict(labels)["thread"], dict(labels)["phase"]
+            tally = {k: delta((f"mlx_chatterbox_worker_{m}", labels)) for k, m in PHASE_METRICS.items()}
+            tally.update(calls=int(tally["calls"]), rows=int(tally["rows"]), share=tally["seconds"] / span)
+            phases.setdefault(thread, {})[phase] = tally
+
+    def per_call(phase: str) -> float | None:
+        calls = sum(p[phase]["calls"] for p in phases.values() if phase in p)
+        return sum(p[phase]["rows"] for p in phases.values() if phase in p) / calls if calls else None
+
+    other = span - sum(p["seconds"] for p in phases["worker"].values())
+    requests = {
+        dict(labels)["outcome"]: int(delta((name, labels)))
+        for name, labels in after
+        if name == "mlx_chatterbox_requests_total"
+    }
+    return dict(
+        span_s=span,
+        phases=phases,
+        other_s=other,
+        other_share=other / span,
+        t3_rows_per_step=per_call("t3_step"),
+        vocode_rows_per_call=per_call("vocode"),
+        stream_decode_rows_per_call=per_call("stream_decode"),
+        requests=requests,
+    )
+
+
 def rss_bytes(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -374,6 +447,26 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def worker_markdown(rows: list[dict]) -> str:
+    """Where the worker's time went per scenario: seconds and share of the span per phase (the vocoding
+    thread's apart), then mean rows per T3 step and per S3Gen call."""
+    columns = list(dict.fromkeys((t, p) for r in rows for t, ps in r["worker"]["phases"].items() for p in ps))
+    names = [p if t == "worker" else f"{t} {p}" for t, p in columns]
+    names += ["other", "T3 rows/step", "vocode rows/call", "stream rows/call"]
+    lines = ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in rows:
+        w = r["worker"]
+        cells = [r["scenario"]]
+        for t, p in columns:
+            tally = w["phases"].get(t, {}).get(p)
+            cells.append("-" if tally is None else f"{tally['seconds']:.2f} s {100 * tally['share']:.0f}%")
+        cells.append(f"{w['other_s']:.2f} s {100 * w['other_share']:.0f}%")
+        cells += [fmt(w[k], ".1f") for k in ("t3_rows_per_step", "vocode_rows_per_call")]
+        cells.append(fmt(w["stream_decode_rows_per_call"], ".1f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def positive(kind: type) -> Callable[[str], float]:
     """An argparse type: a number above 0."""
 
@@ -475,6 +568,8 @@ def main(argv: list[str] | None = None) -> None:
                     proc.kill()
     print()
     print(markdown(rows))
+    print()
+    print(worker_markdown(rows))
 
 
 def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
@@ -496,28 +591,34 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
 
         return send
 
-    def emit(scenario: str, fmt_: str, results: list[Result], wall: float, **extra) -> None:
+    def emit(scenario: str, fmt_: str, results: list[Result], wall: float, before: dict, **extra) -> None:
+        """One scenario's row, ``before``: the server's /metrics as it began."""
         row = dict(bench="serve", scenario=scenario, format=fmt_, tokens=args.tokens, server=server, **extra)
         row.update(summarize(results, wall, sample_rate, fmt_ == "streamed"))
+        row.update(worker=worker_breakdown(before, scrape(url)))
         row.update(machine_info=info)
         write_line(row, args.out)
         rows.append(row)
 
     if args.soak is not None:
         fmt_ = args.formats[0]
+        before = scrape(url)
         s = soak(sender(fmt_), args, url, pid)
+        name = f"soak {args.concurrency[0]} {fmt_} {args.soak:g}s"
         extra = dict(loop="soak", concurrency=args.concurrency[0], memory=s["memory"], growth=s["growth"])
-        emit(f"soak {args.concurrency[0]} {fmt_} {args.soak:g}s", fmt_, s["results"], s["wall"], **extra)
+        emit(name, fmt_, s["results"], s["wall"], before, **extra)
         return rows
     for fmt_ in args.formats:
         for c in args.concurrency:
             n = args.requests if args.requests is not None or args.duration else 4 * c
+            before = scrape(url)
             results, wall = closed_loop(sender(fmt_), c, n, args.duration)
-            emit(f"closed {c} {fmt_}", fmt_, results, wall, loop="closed", concurrency=c)
+            emit(f"closed {c} {fmt_}", fmt_, results, wall, before, loop="closed", concurrency=c)
         for rate in args.rate:
             n = args.requests if args.requests is not None or args.duration else max(1, round(4 * rate))
+            before = scrape(url)
             results, wall = open_loop(sender(fmt_), rate, n, args.duration, args.seed)
-            emit(f"open {rate:g}/s {fmt_}", fmt_, results, wall, loop="open", rate=rate)
+            emit(f"open {rate:g}/s {fmt_}", fmt_, results, wall, before, loop="open", rate=rate)
     return rows
 
 

@@ -1,6 +1,7 @@
 """benchmarks/bench_serve.py, the load generator, against live tiny servers: one it starts itself
 (--random tiny) for closed and open loops, streamed and whole; one started here (--url, --pid) for a short
---soak that samples RSS and MLX memory through ``/health?memory=true``."""
+--soak that samples RSS and MLX memory through ``/health?memory=true``. Each scenario's row says where the
+server's worker spent it (``/metrics`` deltas)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,30 @@ def check_sane(row: dict, requests: int, streamed: bool) -> None:
     else:
         assert "underruns" not in row
     assert row["machine_info"]["commit"] and row["server"]["variant"] == "english"
+    check_worker(row, streamed)
+
+
+def check_worker(row: dict, streamed: bool) -> None:
+    """The scenario's /metrics deltas: its requests finished, T3 stepped them, whole ones were vocoded and
+    handed over (here without a vocoding thread: the tiny server runs on a CPU), streamed ones decoded and
+    emitted; the worker thread's phases and the rest add up to the span between the two reads of /metrics."""
+    w = row["worker"]
+    assert w["requests"] == {"finished": row["requests"], "failed": 0, "cancelled": 0}
+    phases = w["phases"]["worker"]
+    assert set(w["phases"]) == {"worker"}
+    assert phases["t3_step"]["seconds"] > 0 and w["t3_rows_per_step"] >= 1
+    assert phases["t3_step"]["rows"] == row["requests"] * row["tokens"]  # random weights never stop
+    busy, vocoded = ("stream_decode", "emit"), ("vocode", "hand_over")
+    for name in busy if streamed else vocoded:
+        assert phases[name]["seconds"] > 0 and phases[name]["calls"] > 0, name
+    for name in vocoded if streamed else busy:
+        assert phases[name]["calls"] == 0, name
+    assert (w["stream_decode_rows_per_call"] is None) != streamed
+    assert streamed or phases["vocode"]["rows"] == row["requests"] and w["vocode_rows_per_call"] >= 1
+    assert row["wall_s"] < w["span_s"] < row["wall_s"] + 1  # around the scenario, by the server's clock
+    total = sum(p["seconds"] for p in phases.values()) + w["other_s"]
+    assert abs(total - w["span_s"]) < 1e-6 and w["other_s"] >= 0
+    assert abs(sum(p["share"] for p in phases.values()) + w["other_share"] - 1) < 1e-6
 
 
 def test_closed_and_open_loops_streamed_and_whole(tmp_path):
@@ -52,6 +77,7 @@ def test_closed_and_open_loops_streamed_and_whole(tmp_path):
     for row in rows:
         check_sane(row, 2, row["format"] == "streamed")
     assert "| closed 2 whole | 2 / 2 | 0 |" in stdout  # the markdown table
+    assert "| scenario | idle | gc | admit | t3_step |" in stdout  # the worker's
 
 
 def test_soak_samples_rss_and_mlx_memory(model, tmp_path):  # noqa: F811

@@ -32,6 +32,7 @@ from mlx_chatterbox.server import run as run_module
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.app import create_app
 from mlx_chatterbox.server.encode import StreamEncoder, encode, wav_header
+from mlx_chatterbox.server.metrics import PHASES
 from mlx_chatterbox.server.voices import VoiceStore
 from mlx_chatterbox.server.worker import SpeechJob, Worker
 from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
@@ -502,6 +503,77 @@ def test_health_and_models(server, client):
     assert health["stream_context"] == CONTEXT
     assert health["defaults"]["exaggeration"] == 0.5 and health["defaults"]["max_new_tokens"] == 1000
     assert [m.id for m in client.models.list()][:2] == ["tiny", "chatterbox"]
+
+
+# A sample line of Prometheus' text format 0.0.4: name, optional {label="value",...}, value.
+SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_]\w*="[^"\\\n]*",?)*)\})? (\S+)')
+
+
+def scrape(url: str, **kw) -> dict[tuple[str, frozenset], float]:
+    """``GET /metrics`` parsed, checked against the format: {(name, labels): value}, each family's HELP and
+    TYPE before its samples, counters named ``*_total``."""
+    r = httpx.get(f"{url}/metrics", **kw)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4"), r.text
+    kinds, helped, samples = {}, set(), {}
+    for line in r.text.splitlines():
+        if line.startswith("# HELP "):
+            helped.add(line.split(" ")[2])
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name in helped and kind in ("counter", "gauge") and name not in kinds, line
+            assert kind == "gauge" or name.endswith("_total"), line
+            kinds[name] = kind
+        else:
+            m = SAMPLE.fullmatch(line)
+            assert m and m[1] in kinds, line
+            labels = frozenset(tuple(pair.split("=")) for pair in re.findall(r'\w+="[^"]*"', m[2] or ""))
+            samples[m[1], labels] = float(m[3])
+    return samples
+
+
+def phase(thread: str, name: str) -> frozenset:
+    return frozenset({("thread", f'"{thread}"'), ("phase", f'"{name}"')})
+
+
+def test_metrics(server):
+    """``/metrics``: Prometheus text; a whole and a streamed request move the worker's counters (T3 steps and
+    rows, a piece vocoded and handed over, streamed decodes and emits, two finished); behind the API keys."""
+    url, worker, voices = server
+    end = time.monotonic() + 30
+    while worker.jobs and time.monotonic() < end:  # earlier tests' jobs (a cancelled one) have ended
+        time.sleep(0.01)
+    before = scrape(url)
+    for name in PHASES["worker"]:
+        assert ("mlx_chatterbox_worker_seconds_total", phase("worker", name)) in before, name
+    body = {"model": "tts-1", "input": TEXT, "response_format": "pcm", "max_new_tokens": TOKENS, "seed": 3}
+    for stream in (False, True):
+        assert post(server, {**body, "stream": stream}).status_code == 200
+    after = scrape(url)
+
+    def moved(kind: str, name: str) -> float:  # a counter of a phase of the worker thread
+        key = (f"mlx_chatterbox_worker_{kind}_total", phase("worker", name))
+        return after[key] - before[key]
+
+    assert moved("rows", "t3_step") >= moved("calls", "t3_step") > 0
+    assert moved("rows", "vocode") == moved("calls", "hand_over") == 1
+    assert moved("rows", "stream_decode") >= moved("calls", "stream_decode") >= 2
+    assert moved("calls", "emit") >= 2
+    for name in ("t3_step", "admit", "stream_decode", "emit", "vocode", "hand_over"):
+        assert moved("seconds", name) > 0, name
+    uptime = ("mlx_chatterbox_worker_uptime_seconds", frozenset())
+    span = after[uptime] - before[uptime]
+    assert 0 < sum(moved("seconds", name) for name in PHASES["worker"]) <= span  # one phase at a time
+    for outcome, n in (("finished", 2), ("failed", 0), ("cancelled", 0)):
+        key = ("mlx_chatterbox_requests_total", frozenset({("outcome", f'"{outcome}"')}))
+        assert after[key] - before[key] == n, outcome
+    for name in ("jobs", "jobs_waiting", "jobs_running", "vocode_pending"):
+        assert after[f"mlx_chatterbox_{name}", frozenset()] == 0, name
+
+    with serving(create_app(worker, voices, model_name="tiny", api_keys=["key"])) as keyed:
+        r = httpx.get(f"{keyed}/metrics")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        assert ("mlx_chatterbox_jobs", frozenset()) in scrape(keyed, headers={"Authorization": "Bearer key"})
+        assert httpx.get(f"{keyed}/health").status_code == 200
 
 
 def test_json_body_with_a_form_content_type(server):

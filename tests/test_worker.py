@@ -508,3 +508,73 @@ def test_a_streamed_jobs_error_after_a_shared_decode_ends_that_job_alone(tts, mo
         assert [len(c) for c in chunks] == [len(c) for c in expected]
         a, b = np.concatenate(chunks), np.concatenate(expected)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < STREAM_SHARED_TOL
+
+
+def phases(metrics: dict, thread: str = "worker") -> dict[str, dict]:
+    return {p["phase"]: p for p in metrics["phases"] if p["thread"] == thread}
+
+
+@pytest.mark.parametrize("vocode_thread", [False, True])
+def test_metrics_count_where_the_time_goes(tts, vocode_thread):
+    """``Worker.metrics``: after N whole jobs the T3 rows are their tokens, each piece is vocoded once (on the
+    vocoding thread when there is one), N jobs finished; a streamed job moves the streamed decodes instead, a
+    bad voice counts as failed and a cancelled job as cancelled; the worker thread's phases take no more than
+    its uptime."""
+    specs = [dataclasses.replace(job, seed=50 + k) for k, job in enumerate(jobs(False)[::2])]  # a piece each
+    start = time.perf_counter()
+    with Worker(tts, vocode_thread=vocode_thread) as worker:
+        before = worker.metrics()
+        assert before["requests"] == {"finished": 0, "failed": 0, "cancelled": 0}
+        assert all(p["calls"] == 0 for p in before["phases"] if p["phase"] not in ("gc", "idle"))
+        hold = worker.run(time.sleep, 0.3)  # both start together
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        for ticket in tickets:
+            list(ticket)
+        whole = worker.metrics()
+        streamed = jobs(True)[0]
+        list(worker.submit(streamed))
+        bad = dataclasses.replace(
+            specs[0], voice=dataclasses.replace(random_voice(), speaker_emb=mx.zeros((1, 7)))
+        )
+        with pytest.raises(ValueError):
+            list(worker.submit(bad))
+        endless = SpeechJob(
+            "Hello.", random_voice(4), SamplingParams(max_new_tokens=4000), cfm_steps=2, stream=True
+        )
+        ticket = worker.submit(endless)
+        next(iter(ticket))
+        ticket.cancel()
+        wait_idle(worker)
+        after = worker.metrics()
+    wall = time.perf_counter() - start
+    on = "vocoder" if vocode_thread else "worker"
+
+    w = phases(whole)
+    assert whole["requests"] == {"finished": 2, "failed": 0, "cancelled": 0}
+    tokens = [j.params.max_new_tokens for j in specs]
+    assert w["t3_step"]["rows"] == sum(t.speech_tokens for t in tickets) == sum(tokens)
+    assert w["t3_step"]["calls"] == max(tokens)  # together from the first step
+    assert w["admit"]["calls"] == 2 and w["hand_over"]["calls"] == 2
+    v = phases(whole, on)["vocode"]
+    assert v["rows"] == 2 and 1 <= v["calls"] <= 2
+    assert w["stream_decode"]["calls"] == w["emit"]["calls"] == 0
+    for phase in ("t3_step", "admit", "hand_over"):
+        assert w[phase]["seconds"] > 0, phase
+    assert v["seconds"] > 0
+    if vocode_thread:
+        assert w["vocode"]["calls"] == 0 and phases(whole, "vocoder")["idle"]["seconds"] > 0
+    else:
+        assert {p["thread"] for p in whole["phases"]} == {"worker"}
+
+    a = phases(after)
+    assert after["requests"] == {"finished": 3, "failed": 1, "cancelled": 1}
+    # The streamed job: its chunk decodes (tokens past its first chunk) and the end's, each chunk emitted.
+    decodes = a["stream_decode"]
+    assert decodes["calls"] >= 2 and decodes["rows"] >= decodes["calls"] and decodes["seconds"] > 0
+    assert a["emit"]["calls"] >= 2 and a["emit"]["seconds"] > 0
+    assert phases(after, on)["vocode"]["rows"] == 2  # the failed job never reached S3Gen
+    assert a["idle"]["calls"] > 0 and a["idle"]["seconds"] > 0
+    assert after["jobs"] == after["waiting"] == after["running"] == after["vocode_pending"] == 0
+    busy = sum(p["seconds"] for p in a.values())
+    assert busy <= after["uptime"] < wall, (busy, after["uptime"], wall)

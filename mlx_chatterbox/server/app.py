@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP routes: ``POST /v1/audio/speech`` (whole, streamed or server-sent events), the voice
-library under ``/v1/audio/voices``, ``/v1/models``, ``/health`` and the playground page at ``/``. All model work
-goes through the ``Worker``; every request passes the ``Gate`` first (API keys, shutdown).
+library under ``/v1/audio/voices``, ``/v1/models``, ``/health``, ``/metrics`` (Prometheus: where the worker's time
+goes) and the playground page at ``/``. All model work goes through the ``Worker``; every request passes the
+``Gate`` first (API keys, shutdown).
 
 Every error is OpenAI's JSON shape (``schema.error_body``); FastAPI's 422 for a bad body becomes a 400 naming
 the field.
@@ -24,7 +25,7 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -34,6 +35,7 @@ from ..generation.stream import CONTEXT as STREAM_CONTEXT
 from ..generation.stream import FIRST_CHUNK, check_chunks, check_context
 from .encode import StreamEncoder, check_format, content_type, encode
 from .gate import Gate
+from .metrics import CONTENT_TYPE, prometheus
 from .schema import KNOBS, OPENAI_MODELS, SpeechRequest, error_body
 from .voices import BUILTIN, UnknownVoice, VoiceExists, VoiceStore, check_name
 from .worker import QueueFull, SpeechJob, Ticket, Worker
@@ -73,7 +75,8 @@ def create_app(
     stream_context: the decode window of streamed requests that give none (``TTS.stream``'s ``context``).
     first_chunk: the speech tokens of a streamed request before its first decode (``TTS.stream``'s).
     max_upload: the largest voice recording accepted, in bytes.
-    api_keys: when given, every path but ``/health`` and ``/`` needs ``Authorization: Bearer <one of them>``.
+    api_keys: when given, every path but ``/health`` and ``/`` (``/metrics`` too) needs ``Authorization: Bearer
+        <one of them>``.
     allowed_origins: the web origins whose pages may call the server (CORS; ``*``: any); none: same origin only.
     ui: serve the playground page at ``/``.
     """
@@ -128,6 +131,11 @@ def create_app(
             "auth": bool(gate.api_keys),
             **extra,
         }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        # Behind the API keys, unlike /health: it tells the server's traffic, and Prometheus can send a key.
+        return PlainTextResponse(prometheus(worker.metrics()), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -58,6 +59,7 @@ from ..generation.turbo_batch import NO_TOKEN, TurboTokenBatch
 from ..generation.vocode import check_cfm_steps
 from ..generation.voice import Voice
 from ..sampling import SEED_LIMIT, SamplingParams, TurboParams, seed_keys
+from .metrics import Meter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -252,6 +254,9 @@ class Worker:
         self._ready = threading.Condition()
         self._vocoder: threading.Thread | None = None
         self._vocoder_stop = False
+        self._meter = Meter(["worker", "vocoder"] if vocode_thread else ["worker"])
+        # Jobs waiting for T3 and in its batch, as the worker loop's last turn began (``metrics``).
+        self._waiting = self._running = 0
 
     def __enter__(self) -> Worker:
         self.start()
@@ -264,6 +269,14 @@ class Worker:
     def jobs(self) -> int:
         """Jobs waiting or running."""
         return self._jobs
+
+    def metrics(self) -> dict:
+        """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
+        rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs``
+        (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch) and ``vocode_pending`` (whole
+        pieces waiting for S3Gen). Read from any thread, without waiting for the worker."""
+        gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running)
+        return {**self._meter.snapshot(), **gauges, "vocode_pending": len(self._pending)}
 
     def start(self) -> None:
         """Start the worker thread. While it runs, Python's automatic garbage collection is off and the worker
@@ -393,12 +406,15 @@ class Worker:
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
         while True:
-            _collect_garbage()
+            self._waiting, self._running = len(waiting), len(running)
+            with self._timed("gc"):
+                _collect_garbage()
             # Block for work only when there is nothing to step (waking now and then to collect garbage); the
             # vocoding thread's answers come through the inbox too.
             idle = not running and not waiting
             try:
-                item = self._inbox.get(block=idle, timeout=IDLE_COLLECT_S if idle else None)
+                with self._timed("idle") if idle else contextlib.nullcontext():
+                    item = self._inbox.get(block=idle, timeout=IDLE_COLLECT_S if idle else None)
             except queue.Empty:
                 item = False
             while item is not False:
@@ -423,12 +439,15 @@ class Worker:
                 self._done(j, None)
             while waiting and len(running) < self.max_batch:
                 j = waiting.popleft()
-                if self._guard(j, self._admit, j, batch):
+                with self._timed("admit"):
+                    admitted = self._guard(j, self._admit, j, batch)
+                if admitted:
                     running[j.uid] = j
             if not running:
                 continue
             try:
-                steps = batch.step()
+                with self._timed("t3_step", len(running)):
+                    steps = batch.step()
             except Exception as error:  # the whole batch is lost (e.g. out of memory): fail its jobs
                 logger.exception("T3 batch step failed")
                 for j in running.values():
@@ -518,7 +537,8 @@ class Worker:
         speech = self.tts.speech
         if j.vocoder is not None and 0 <= token < speech.start_token:  # only speech ids, as stream_piece
             if finished:  # the piece's end decodes on its own, right after
-                self._emit(j, j.vocoder.push([token]))
+                j.vocoder.take([token])
+                self._emit(j, self._decode_alone(j.vocoder))
             else:  # a decode it makes due runs with the others' after the step (_decode_streams)
                 j.vocoder.take([token])
         if not finished:
@@ -538,8 +558,11 @@ class Worker:
             raise ValueError("T3 stopped before producing any speech token; try another seed or text")
         if j.vocoder is not None:
             if speech.tail:
-                self._emit(j, j.vocoder.push(list(speech.tail)))
-            self._emit(j, finish_stream(j.vocoder, speech), end=True)
+                j.vocoder.take(list(speech.tail))
+                self._emit(j, self._decode_alone(j.vocoder))
+            with self._timed("stream_decode", 1):  # a stream's last decode, always due
+                out = finish_stream(j.vocoder, speech)
+            self._emit(j, out, end=True)
             j.vocoder = None
 
     def _end_pieces(self, ended: list[_Job]) -> list[_Job]:
@@ -593,8 +616,9 @@ class Worker:
         return more
 
     def _hand_over(self, j: _Job) -> None:
-        wav = join_audio(j.wavs, j.plan, CROSSFADE)
-        j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
+        with self._timed("hand_over"):
+            wav = join_audio(j.wavs, j.plan, CROSSFADE)
+            j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
 
     # Vocoding: on the vocoding thread (vocode_thread=True), or on the worker's after each step.
 
@@ -603,7 +627,7 @@ class Worker:
         mx.set_default_stream(mx.new_stream(self._device))
         try:
             while True:
-                with self._ready:
+                with self._ready, self._timed("idle"):
                     while not self._pending and not self._vocoder_stop:
                         self._ready.wait()
                     if self._vocoder_stop:
@@ -646,7 +670,9 @@ class Worker:
             for piece in group:
                 self._pending.remove(piece)
         try:
-            return _Vocoded(group, self._vocode(group, group[0].j.job.cfm_steps))
+            with self._timed("vocode", len(group)):
+                wavs = self._vocode(group, group[0].j.job.cfm_steps)
+            return _Vocoded(group, wavs)
         except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
             logger.exception("vocoding failed")
             return _Vocoded(group, None, error)
@@ -676,7 +702,8 @@ class Worker:
             taken = {id(j) for j in group}
             due = [j for j in due if id(j) not in taken]
             try:
-                outs = decode_together([j.vocoder for j in group], bucket=self.vocode_bucket)
+                with self._timed("stream_decode", len(group)):
+                    outs = decode_together([j.vocoder for j in group], bucket=self.vocode_bucket)
             except Exception as error:
                 logger.exception("streamed decodes failed")
                 for j in group:
@@ -685,6 +712,13 @@ class Worker:
                 continue
             failed += [j for j, out in zip(group, outs) if not self._guard(j, self._emit, j, out)]
         return failed
+
+    def _decode_alone(self, vocoder: StreamVocoder) -> np.ndarray:
+        """A stream's decode due at its piece's end, on its own: what ``push`` gives after ``take``."""
+        if not vocoder.due:
+            return np.zeros(0, np.float32)
+        with self._timed("stream_decode", 1):
+            return decode_together([vocoder])[0]
 
     def _bucketed(self, tokens: int) -> int:
         return -(-tokens // self.vocode_bucket) * self.vocode_bucket
@@ -713,13 +747,14 @@ class Worker:
         """Hand a streamed job's samples to its reader, the pieces joined and each chunk watermarked exactly as
         ``TTS.stream`` does (``PieceJoiner``, ``join_pieces``: the pause after the piece comes after its end).
         """
-        more = j.plan.crossfades(j.piece)  # the next piece crossfades onto this one
-        outs = [j.joiner.push(samples, more)] + ([j.joiner.end_piece(more)] if end else [])
-        for out in outs:
-            if out.size:
-                j.ticket._put(self.tts._mark_chunk(out) if j.job.watermark else out)
-        if end and j.plan.pauses[j.piece + 1]:
-            self._emit_silence(j, j.plan.pauses[j.piece + 1])
+        with self._timed("emit"):
+            more = j.plan.crossfades(j.piece)  # the next piece crossfades onto this one
+            outs = [j.joiner.push(samples, more)] + ([j.joiner.end_piece(more)] if end else [])
+            for out in outs:
+                if out.size:
+                    j.ticket._put(self.tts._mark_chunk(out) if j.job.watermark else out)
+            if end and j.plan.pauses[j.piece + 1]:
+                self._emit_silence(j, j.plan.pauses[j.piece + 1])
 
     def _emit_silence(self, j: _Job, samples: int) -> None:
         silence = np.zeros(samples, np.float32)
@@ -734,12 +769,20 @@ class Worker:
 
     def _done(self, j: _Job, error: BaseException | None) -> None:
         j.ticket._put(_END if error is None else error)
+        outcome = "failed" if error is not None else "cancelled" if j.ticket.cancelled else "finished"
+        self._meter.ended(outcome)
         with self._lock:
             self._jobs -= 1
 
     def _stop(self, jobs: list[_Job]) -> None:
         for j in jobs:
             self._done(j, RuntimeError("the server is shutting down"))
+
+    def _timed(self, phase: str, rows: int = 0) -> contextlib.AbstractContextManager:
+        """The block's wall time, one call and ``rows`` added to ``phase`` of the thread that runs it
+        (``metrics``)."""
+        thread = "vocoder" if threading.current_thread() is self._vocoder else "worker"
+        return self._meter.timed(thread, phase, rows)
 
 
 def _mlx_memory() -> dict[str, int]:
