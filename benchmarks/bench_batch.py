@@ -23,7 +23,9 @@ import mlx_chatterbox  # noqa: F401  isort: skip  (before mlx.core: see _backend
 from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
+import functools
 import statistics
+import threading
 import time
 
 import mlx.core as mx
@@ -76,6 +78,24 @@ def run_batch(
         stamps.append(time.perf_counter())
     steps = [b - a for a, b in zip(stamps[1:-1], stamps[2:])]  # the first step holds the n prefills
     return stamps[-1] - stamps[0], statistics.median(steps), stamps[1] - stamps[0]
+
+
+def on_a_thread(fn, *args):
+    """``fn(*args)`` on a new thread whose default stream is a new MLX stream (``Worker._loop``'s set-up)."""
+    out = []
+
+    def target():
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        try:
+            out.append(fn(*args))
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    return out[0]
 
 
 def run_single(model: T3, voice: Voice, text: list[int], params: SamplingParams) -> float:
@@ -158,6 +178,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the CUDA decode attention kernel: old = one key per warp at a time, 4 warps a block (before "
         "2026-12-02's unrolled, 16-warp form)",
     )
+    parser.add_argument(
+        "--thread",
+        action="store_true",
+        help="run the batches on a thread of their own with its own MLX stream, as the server's worker does",
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     layers.CUDA_DECODE = not args.mlx_ops
@@ -178,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             tiny=args.tiny,
             mlx_ops=args.mlx_ops,
             decode_attention=args.decode_attention,
+            thread=args.thread,
             **row,
         )
         write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
@@ -191,9 +217,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     for n in (int(c) for c in args.concurrency.split(",")):
-        run_batch(model, voice, text, params, n)  # warm-up: traces the step for this batch's shapes
+        run = run_batch if not args.thread else functools.partial(on_a_thread, run_batch)
+        run(model, voice, text, params, n)  # warm-up: traces the step for this batch's shapes
         mx.reset_peak_memory()
-        runs = [run_batch(model, voice, text, params, n) for _ in range(args.repeats)]
+        runs = [run(model, voice, text, params, n) for _ in range(args.repeats)]
         total = statistics.median(r[0] for r in runs)
         record(
             dict(
