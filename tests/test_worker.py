@@ -370,6 +370,45 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
             assert error == 0, errors
 
 
+def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tts, monkeypatch):
+    """With a vocoding thread, streamed decodes run there while T3 keeps stepping: the first (A's first chunk)
+    is held until T3 has drawn all of B's tokens; the decodes that fell due meanwhile (A's last, B's first)
+    then share one call. Each stream is TTS.stream's chunk for chunk (the same cuts), within SHARED_TOL."""
+    a = SpeechJob(
+        "Hi.", random_voice(1), SamplingParams(max_new_tokens=14), cfm_steps=2, seed=20, stream=True
+    )
+    b = SpeechJob("Hello there.", random_voice(2, gen_tokens=13), SamplingParams(max_new_tokens=40), cfm_steps=2,
+                  seed=21, stream=True, first_chunk=12)  # fmt: skip
+    tickets: list = []
+    stepped: list[bool] = []
+    rows: list[int] = []
+    real = worker_module.decode_together
+
+    def spy(vocoders, **kwargs):
+        if not stepped:  # the first decode: hold it until T3 has drawn all of B's tokens
+            end = time.monotonic() + 30
+            while time.monotonic() < end and tickets[1].speech_tokens < b.params.max_new_tokens:
+                time.sleep(0.01)
+            stepped.append(tickets[1].speech_tokens == b.params.max_new_tokens)
+        rows.append(len(vocoders))
+        return real(vocoders, **kwargs)
+
+    monkeypatch.setattr(worker_module, "decode_together", spy)
+    with Worker(tts, vocode_thread=True) as worker:
+        hold = worker.run(time.sleep, 0.3)  # both start together
+        tickets += [worker.submit(job) for job in (a, b)]
+        hold.result()
+        got = [list(t) for t in tickets]
+    monkeypatch.undo()
+    assert stepped == [True]
+    assert rows[0] == 1 and rows[1] == 2, rows
+    for job, chunks in zip((a, b), got):
+        expected = alone(tts, job)
+        assert [len(c) for c in chunks] == [len(c) for c in expected]
+        wav, ref = np.concatenate(chunks), np.concatenate(expected)
+        assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
+
+
 def test_vocoding_settings_are_checked(tts):
     assert (
         Worker(tts, vocode_batch=3).vocode_frames == 3 * worker_module.VOCODE_FRAMES_PER_ROW
@@ -381,8 +420,9 @@ def test_vocoding_settings_are_checked(tts):
 
 
 def test_streamed_and_whole_jobs_at_once(tts):
-    """Streamed jobs run S3Gen on the worker thread while whole ones are vocoded on the vocoding thread, both at
-    once: the streamed chunks are TTS.stream's exactly, the whole audio TTS.generate's within SHARED_TOL."""
+    """Streamed and whole jobs at once, their S3Gen on the vocoding thread while T3 steps: the streamed chunks
+    are TTS.stream's, cut at the same samples, within SHARED_TOL (decodes that fall due while another call runs
+    share the next one), the whole audio TTS.generate's within SHARED_TOL."""
     specs = [
         dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
         for k, job in enumerate(jobs(False) + jobs(True))
@@ -395,11 +435,8 @@ def test_streamed_and_whole_jobs_at_once(tts):
     for job, chunks in zip(specs, got):
         expected = alone(tts, job)
         assert [len(c) for c in chunks] == [len(c) for c in expected]
-        if job.stream:
-            assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
-        else:
-            (wav,), (ref,) = chunks, expected
-            assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
+        wav, ref = np.concatenate(chunks), np.concatenate(expected)
+        assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
 
 
 def same_tokens_jobs() -> list[SpeechJob]:
@@ -517,7 +554,8 @@ def phases(metrics: dict, thread: str = "worker") -> dict[str, dict]:
 @pytest.mark.parametrize("vocode_thread", [False, True])
 def test_metrics_count_where_the_time_goes(tts, vocode_thread):
     """``Worker.metrics``: after N whole jobs the T3 rows are their tokens, each piece is vocoded once (on the
-    vocoding thread when there is one), N jobs finished; a streamed job moves the streamed decodes instead, a
+    vocoding thread when there is one), N jobs finished; a streamed job moves the streamed decodes instead (on
+    the same thread as the pieces), a
     bad voice counts as failed and a cancelled job as cancelled; the worker thread's phases take no more than
     its uptime."""
     specs = [dataclasses.replace(job, seed=50 + k) for k, job in enumerate(jobs(False)[::2])]  # a piece each
@@ -570,7 +608,7 @@ def test_metrics_count_where_the_time_goes(tts, vocode_thread):
     a = phases(after)
     assert after["requests"] == {"finished": 3, "failed": 1, "cancelled": 1}
     # The streamed job: its chunk decodes (tokens past its first chunk) and the end's, each chunk emitted.
-    decodes = a["stream_decode"]
+    decodes = phases(after, on)["stream_decode"]
     assert decodes["calls"] >= 2 and decodes["rows"] >= decodes["calls"] and decodes["seconds"] > 0
     assert a["emit"]["calls"] >= 2 and a["emit"]["seconds"] > 0
     assert phases(after, on)["vocode"]["rows"] == 2  # the failed job never reached S3Gen

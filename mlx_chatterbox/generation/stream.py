@@ -459,7 +459,11 @@ def stream_piece(
 def finish_stream(vocoder: StreamVocoder, speech: EnglishSpeech) -> np.ndarray:
     """The vocoder's last samples, less what the variant cuts from a piece's end (``speech.cut_samples``:
     Multilingual v3's last token). The vocoder holds back its lookahead tokens until now, so they are here."""
-    out = vocoder.finish()
+    return cut_end(vocoder.finish(), vocoder, speech)
+
+
+def cut_end(out: np.ndarray, vocoder: StreamVocoder, speech: EnglishSpeech) -> np.ndarray:
+    """A stream's last samples ``out`` (its final decode's) less what the variant cuts from a piece's end."""
     cut = speech.cut_samples(vocoder.pushed)
     if cut > out.size:
         raise RuntimeError(f"the stream's last {out.size} samples cannot lose {cut}")

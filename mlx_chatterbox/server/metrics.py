@@ -26,7 +26,8 @@ PHASES = {
         "vocode",  # whole pieces vocoded (S3Gen), without a vocoding thread
         "hand_over",  # a whole job's pieces joined, watermarked and handed to its reader
     ),
-    "vocoder": ("idle", "vocode"),  # the vocoding thread's (``vocode_thread=True``)
+    # The vocoding thread's (``vocode_thread=True``): streamed chunks and whole pieces decoded there.
+    "vocoder": ("idle", "stream_decode", "vocode"),
 }
 ROW_PHASES = ("t3_step", "stream_decode", "vocode")  # whose calls take several rows at once
 OUTCOMES = ("finished", "failed", "cancelled")

@@ -3,21 +3,24 @@
 Request handlers (any thread, or asyncio) ``submit`` a ``SpeechJob`` and read its audio from the ``Ticket`` they
 get back, as chunks. The worker thread admits jobs up to ``max_batch`` at a time into one ``SpeechTokenBatch``,
 steps it, routes each token to its job, and vocodes a job's text piece when T3 finishes it (or, for streamed
-jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive: the chunk decodes that fall due in a
-step run together after it, ``decode_together``). Whole pieces that are ready are vocoded together
-(``S3Gen.batch``; both up to ``vocode_batch`` rows and ``vocode_frames`` frames a call): by
-default on the worker thread after the step that finished them (T3 waits), or, ``vocode_thread=True``, on a
-second thread while T3 keeps stepping, which takes the pieces that finished while it was busy. A job's audio
-is what ``TTS.generate`` gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk for
-chunk): pieces, budgets, seeds per piece, crossfades, pause tags' silences and watermark as there; exactly,
-except that whole pieces and streamed chunks vocoded together are equal up to float error. Apart from the
-vocoding thread's S3Gen calls (on its own MLX stream, with arrays of its own), all MLX work happens on the
-worker thread.
+jobs, chunk by chunk through a ``StreamVocoder`` as the tokens arrive). Whole pieces that are ready are vocoded
+together (``S3Gen.batch``), and so are the streams' chunk decodes that are due (``decode_together``; both up to
+``vocode_batch`` rows and ``vocode_frames`` frames a call). By default this runs on the worker thread after the
+step that made it ready (T3 waits); with ``vocode_thread=True`` it runs on a second thread while T3 keeps
+stepping, which takes, call after call, what became ready while it was busy (streams' decodes first). A job's
+audio is what ``TTS.generate`` gives for the same arguments and seed (``TTS.stream`` for streamed jobs, chunk
+for chunk, cut at the same samples: a stream takes its tokens one push at a time, as ``TTS.stream`` does, up to
+its next due decode): pieces, budgets, seeds per piece, crossfades, pause tags' silences and watermark as
+there; exactly, except that pieces and chunks decoded together are equal up to float error, and that an
+unseeded job's S3Gen seed is drawn. Apart from the vocoding thread's work (on its own MLX stream, with arrays of
+its own: it makes the streams' vocoders), all MLX work happens on the worker thread.
 
 ``serve`` runs the vocoding thread by default with MLX-CUDA only (``default_vocode_thread``): there it took 128
 concurrent whole requests from 11.4x to 20.0x real time (H200, 2026-12-02); on 2 CPU cores it lost (T3 and
 S3Gen share the cores, and S3Gen's process-wide memory bound holds T3's evaluations back too: 8 whole requests
-13.2 s threaded against 6.7 s), and on Metal it has not been measured.
+13.2 s threaded against 6.7 s), and on Metal it has not been measured. Streams' decodes moved to it on
+2026-12-02 after an H200 run (64 streams, bf16 CFM) spent 83% of the worker thread in them, 2.4 decodes a call,
+T3 waiting: on 2 CPU cores 16 streams then shared 7.1 decodes a call instead of 1.4 (GPU not yet measured).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ..generation.stream import (
     StreamVocoder,
     check_chunks,
     check_context,
+    cut_end,
     decode_together,
     finish_stream,
     playback_first_chunk,
@@ -173,8 +177,10 @@ class _Job:
     uid: int | None = None  # its request in the batch
     raw: list[int] = dataclasses.field(default_factory=list)
     wavs: list[np.ndarray] = dataclasses.field(default_factory=list)  # finished pieces (not streamed)
-    vocoder: StreamVocoder | None = None  # the piece being streamed
+    vocoder: StreamVocoder | None = None  # the piece being streamed, on the worker thread
+    piped: bool = False  # the piece being streamed has its StreamVocoder on the vocoding thread (_Stream)
     joiner: PieceJoiner = dataclasses.field(default_factory=lambda: PieceJoiner(CROSSFADE))  # streamed pieces
+    ended: bool = False  # its reader has had the end or an error (_done)
 
     def seed(self) -> int | None:
         """Piece i is spoken with seed + i, as ``TTS.generate`` does."""
@@ -204,13 +210,34 @@ class _Vocoded:
     error: BaseException | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    """A streamed piece on the vocoding thread: its vocoder, and what the worker sent it that it has not taken
+    (token lists, each taken at once as ``TTS.stream`` pushes it, then None: the piece's end)."""
+
+    j: _Job
+    vocoder: StreamVocoder
+    held: deque = dataclasses.field(default_factory=deque)
+    final: bool = False  # the decode due is the piece's last
+    started: bool = False  # its first decode has run
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Streamed:
+    """The vocoding thread's answer for some streams' decodes: per job its samples and whether they end its
+    piece, or (error set) the error that lost them."""
+
+    chunks: list[tuple[_Job, np.ndarray | None, bool]]
+    error: BaseException | None = None
+
+
 class Worker:
     """Runs speech jobs on a background thread, T3 batched over up to ``max_batch`` jobs at once, and whole
-    pieces vocoded as they become ready, up to ``vocode_batch`` of them (and ``vocode_frames`` mel frames, by
-    default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of ``vocode_bucket`` tokens) in one S3Gen
-    call: after the step that finished them, or, ``vocode_thread=True``, on a second thread while T3 keeps
-    stepping. At most ``max_queue`` jobs wait or run
-    (``submit`` raises ``QueueFull`` beyond)."""
+    pieces and streamed chunks vocoded as they become ready, up to ``vocode_batch`` of them (and
+    ``vocode_frames`` mel frames, by default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of
+    ``vocode_bucket`` tokens) in one S3Gen call: after the step that made them ready, or, ``vocode_thread=True``,
+    on a second thread while T3 keeps stepping. At most ``max_queue`` jobs wait or run (``submit`` raises
+    ``QueueFull`` beyond)."""
 
     def __init__(
         self,
@@ -254,6 +281,10 @@ class Worker:
         self._ready = threading.Condition()
         self._vocoder: threading.Thread | None = None
         self._vocoder_stop = False
+        # What the worker tells the vocoding thread of streamed pieces, oldest first, under _ready: ("open", job,
+        # seed), ("take", job, tokens), ("end", job, tail tokens), ("drop", job). Its streams, by id(job).
+        self._messages: list[tuple] = []
+        self._streams: dict[int, _Stream] = {}
         self._meter = Meter(["worker", "vocoder"] if vocode_thread else ["worker"])
         # Jobs waiting for T3 and in its batch, as the worker loop's last turn began (``metrics``).
         self._waiting = self._running = 0
@@ -425,6 +456,8 @@ class Worker:
                     self._receive(item, waiting)
                 elif isinstance(item, _Vocoded):
                     waiting.extendleft(reversed(self._vocoded(item)))  # their next pieces go in first
+                elif isinstance(item, _Streamed):
+                    waiting.extendleft(reversed(self._streamed(item, running, batch)))
                 else:
                     self._call(*item)
                 try:
@@ -521,20 +554,29 @@ class Worker:
         if job.stream:
             if j.piece == 0 and j.plan.pauses[0]:
                 self._emit_silence(j, j.plan.pauses[0])
-            s3gen_key = None if seed is None else seed_keys(seed)[1]
-            j.vocoder = StreamVocoder(
-                self.tts.s3gen,
-                job.voice,
-                cfm_steps=job.cfm_steps,
-                key=s3gen_key,
-                first_chunk=job.first_chunk,
-                context=job.stream_context,
-            )
+            if self.vocode_thread:  # the vocoding thread makes its vocoder (its arrays are that thread's)
+                j.piped = True
+                self._post("open", j, secrets.randbelow(SEED_LIMIT) if seed is None else seed)
+            else:
+                j.vocoder = self._stream_vocoder(j, None if seed is None else seed_keys(seed)[1])
+
+    def _stream_vocoder(self, j: _Job, key: mx.array | None) -> StreamVocoder:
+        job = j.job
+        return StreamVocoder(
+            self.tts.s3gen,
+            job.voice,
+            cfm_steps=job.cfm_steps,
+            key=key,
+            first_chunk=job.first_chunk,
+            context=job.stream_context,
+        )
 
     def _took(self, j: _Job, token: int, finished: bool) -> None:
         """A token of the job's piece (streamed: taken by its vocoder); when the piece is finished, its checks
         and its speech tokens (``j.raw`` keeps the ids to vocode) or, streamed, its last audio."""
         speech = self.tts.speech
+        if j.piped and 0 <= token < speech.start_token:
+            self._post("take", j, [token])
         if j.vocoder is not None and 0 <= token < speech.start_token:  # only speech ids, as stream_piece
             if finished:  # the piece's end decodes on its own, right after
                 j.vocoder.take([token])
@@ -556,6 +598,8 @@ class Worker:
         j.raw = speech.finish(j.raw)  # the variant's tail (Turbo's silence) included
         if len(j.raw) == len(speech.tail):
             raise ValueError("T3 stopped before producing any speech token; try another seed or text")
+        if j.piped:  # its last audio comes back from the vocoding thread (_streamed)
+            self._post("end", j, list(speech.tail))
         if j.vocoder is not None:
             if speech.tail:
                 j.vocoder.take(list(speech.tail))
@@ -567,14 +611,15 @@ class Worker:
 
     def _end_pieces(self, ended: list[_Job]) -> list[_Job]:
         """After a step: the whole (not streamed) pieces T3 finished in it go to the vocoder; streamed jobs
-        move on to their next piece or end. Returns the jobs that have a next piece now."""
+        move on to their next piece or end (those streamed through the vocoding thread once their last audio is
+        back: ``_streamed``). Returns the jobs that have a next piece now."""
         whole = [j for j in ended if not j.job.stream]
         if whole:
             pieces = [self._piece(j) for j in whole]
             with self._ready:
                 self._pending.extend(pieces)
                 self._ready.notify()
-        return self._next_pieces([j for j in ended if j.job.stream])
+        return self._next_pieces([j for j in ended if j.job.stream and not j.piped])
 
     def _piece(self, j: _Job) -> _Piece:
         seed = j.seed()
@@ -595,6 +640,27 @@ class Worker:
         for piece, wav in zip(answer.pieces, answer.wavs):
             piece.j.wavs.append(wav[: len(wav) - piece.cut])
         return self._next_pieces([piece.j for piece in answer.pieces])
+
+    def _streamed(
+        self, answer: _Streamed, running: dict[int, _Job], batch: SpeechTokenBatch | TurboTokenBatch
+    ) -> list[_Job]:
+        """The vocoding thread's audio for some streams: emitted; a piece's last moves its job on. An error ends
+        the jobs it lost (and their T3 rows). Returns the jobs that have a next piece."""
+        more = []
+        for j, samples, end in answer.chunks:
+            if j.ended:  # cancelled or failed while its decode ran
+                continue
+            if answer.error is not None:
+                self._done(j, answer.error)
+            elif self._guard(j, self._emit, j, samples, end):
+                if end:
+                    j.piped = False
+                    more += self._next_pieces([j])
+                continue
+            if running.get(j.uid) is j:
+                del running[j.uid]
+                batch.cancel(j.uid)
+        return more
 
     def _next_pieces(self, jobs: list[_Job]) -> list[_Job]:
         """Jobs whose piece is finished (vocoded, or streamed to its end): on to the next piece, or, after the
@@ -628,11 +694,23 @@ class Worker:
         try:
             while True:
                 with self._ready, self._timed("idle"):
-                    while not self._pending and not self._vocoder_stop:
+                    while not (self._pending or self._messages or self._due()) and not self._vocoder_stop:
                         self._ready.wait()
                     if self._vocoder_stop:
                         return
-                self._inbox.put(self._vocode_ready())
+                    messages, self._messages = self._messages, []
+                self._apply(messages)
+                # Before and after each call the streams take what they hold up to their next due decode, so
+                # that what a stream holds waits only for new messages or a call. Streams go first: a listener
+                # may be waiting for their audio.
+                answers = self._feed()
+                due = self._due()
+                if due:
+                    answers.append(self._decode_due(due))
+                elif self._pending:
+                    answers.append(self._vocode_ready())
+                for answer in answers + self._feed():
+                    self._inbox.put(answer)
         finally:
             mx.synchronize()
             mx.clear_streams()
@@ -646,8 +724,11 @@ class Worker:
                 self._ready.notify()
             self._vocoder.join()
             self._vocoder = None
-        jobs = [piece.j for piece in self._pending]
+        jobs = [piece.j for piece in self._pending] + [s.j for s in self._streams.values()]
+        jobs += [message[1] for message in self._messages]
         self._pending.clear()
+        self._streams.clear()
+        self._messages.clear()
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -655,10 +736,80 @@ class Worker:
                 return jobs
             if isinstance(item, _Vocoded):
                 jobs.extend(piece.j for piece in item.pieces)
+            elif isinstance(item, _Streamed):
+                jobs.extend(j for j, _, _ in item.chunks)
             elif isinstance(item, _Job):  # submitted while the worker stopped
                 jobs.append(item)
             elif isinstance(item, tuple):
                 item[2].cancel()
+
+    # Streamed pieces on the vocoding thread (vocode_thread=True): T3 keeps stepping while their decodes run, and
+    # the decodes that fall due meanwhile run together in the next call. The worker sends each piece's tokens
+    # (``_post``); this thread takes them into the piece's vocoder one push at a time, as ``TTS.stream``
+    # pushes them, stopping at a due decode, so that every stream decodes at TTS.stream's boundaries.
+
+    def _post(self, kind: str, j: _Job, value: Any = None) -> None:
+        """From the worker thread: a message about a streamed piece for the vocoding thread."""
+        with self._ready:
+            self._messages.append((kind, j, value))
+            self._ready.notify()
+
+    def _apply(self, messages: list[tuple]) -> None:
+        """The worker's messages: streams opened and dropped, tokens and ends held for them."""
+        for kind, j, value in messages:
+            if kind == "open":
+                self._streams[id(j)] = _Stream(j, self._stream_vocoder(j, seed_keys(value)[1]))
+            elif kind == "drop":
+                self._streams.pop(id(j), None)
+            elif id(j) in self._streams:  # else dropped: the job has ended
+                held = self._streams[id(j)].held
+                if value:
+                    held.append(value)
+                if kind == "end":
+                    held.append(None)
+
+    def _feed(self) -> list[_Streamed]:
+        """Each stream takes what it holds up to its next due decode. Returns the answers for streams that
+        failed."""
+        failed = []
+        for stream in list(self._streams.values()):
+            try:
+                while stream.held and not stream.vocoder.due and not stream.final:
+                    tokens = stream.held.popleft()
+                    if tokens is None:
+                        stream.vocoder.end()
+                        stream.final = True
+                    else:
+                        stream.vocoder.take(tokens)
+            except Exception as error:
+                del self._streams[id(stream.j)]
+                failed.append(_Streamed([(stream.j, None, False)], error))
+        return failed
+
+    def _due(self) -> list[_Stream]:
+        """The streams with a decode due, those yet to give their first audio first (time to first audio)."""
+        return sorted((s for s in self._streams.values() if s.vocoder.due), key=lambda s: s.started)
+
+    def _decode_due(self, due: list[_Stream]) -> _Streamed:
+        """The oldest due decodes that fit in one S3Gen call (``_group``), run together; their streams' samples
+        (a piece's last less what the variant cuts from its end, ``finish_stream``)."""
+        group = self._group(due, [s.vocoder.due for s in due], [s.j.job.cfm_steps for s in due])
+        try:
+            with self._timed("stream_decode", len(group)):
+                outs = decode_together([s.vocoder for s in group], bucket=self.vocode_bucket)
+                chunks = []
+                for stream, out in zip(group, outs):
+                    stream.started = True
+                    if stream.final:
+                        out = cut_end(out, stream.vocoder, self.tts.speech)
+                        del self._streams[id(stream.j)]
+                    chunks.append((stream.j, out, stream.final))
+            return _Streamed(chunks)
+        except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
+            logger.exception("streamed decodes failed")
+            for stream in group:
+                self._streams.pop(id(stream.j), None)
+            return _Streamed([(stream.j, None, False) for stream in group], error)
 
     def _vocode_ready(self) -> _Vocoded:
         """Vocode the oldest pending piece together with the later ones of the same ``cfm_steps`` that fit
@@ -768,6 +919,11 @@ class Worker:
             j.ticket._put(np.zeros(j.plan.pauses[0], np.float32))  # unmarked, as TTS.generate
 
     def _done(self, j: _Job, error: BaseException | None) -> None:
+        if j.ended:  # e.g. a failed stream's job again, among the running ones at shutdown
+            return
+        j.ended = True
+        if j.piped:  # the vocoding thread forgets its stream
+            self._post("drop", j)
         j.ticket._put(_END if error is None else error)
         outcome = "failed" if error is not None else "cancelled" if j.ticket.cancelled else "finished"
         self._meter.ended(outcome)
