@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,8 +105,8 @@ def kept(
     is replaced (``load_weights``, ``update`` and ``set_dtype`` put new arrays in place; the sources are held,
     so a new array cannot reuse an old one's identity). Left lazy: the first call's graph evaluates it, and
     later calls find an evaluated array, a leaf of their graphs, instead of the ops that made it."""
-    cache = module.__dict__.get(name)
-    if cache is None or any(a is not b for a, b in zip(cache.sources, sources, strict=True)):
+    cache = module.__dict__.get(name)  # a plain lookup: this runs for every linear of every call
+    if cache is None or not all(map(operator.is_, cache.sources, sources)):
         cache = _Kept(sources, build(*sources))
         object.__setattr__(module, name, cache)
     return cache.value
@@ -117,8 +118,8 @@ class Linear(nn.Linear):
     x (..., in); for 2-D rows MLX's product adds no reshapes around it."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        w_t = kept(self, "_w_t", (self.weight,), lambda w: w.T)
-        return mx.addmm(self.bias, x, w_t) if "bias" in self else x @ w_t
+        w_t = kept(self, "_w_t", (self["weight"],), lambda w: w.T)
+        return mx.addmm(self["bias"], x, w_t) if "bias" in self else x @ w_t
 
 
 class TimestepEmbedding(nn.Module):
@@ -198,7 +199,7 @@ class Attention(nn.Module):
 
     def qkv_weight(self) -> mx.array:
         """(dim, 3 x inner): [W_q | W_k | W_v] transposed, kept until one of them is replaced."""
-        sources = (self.to_q.weight, self.to_k.weight, self.to_v.weight)
+        sources = (self.to_q["weight"], self.to_k["weight"], self.to_v["weight"])
         return kept(self, "_qkv_t", sources, lambda *ws: mx.concatenate(ws, axis=0).T)
 
     def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
