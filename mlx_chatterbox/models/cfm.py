@@ -4,8 +4,10 @@ its two solvers: English's Euler steps with classifier-free guidance, and Turbo/
 Mirrors upstream ``chatterbox/models/s3gen`` (0.1.7): ``decoder.py: ConditionalDecoder`` (causal), the matcha
 blocks it builds on, diffusers' ``BasicTransformerBlock``, and ``flow_matching.py: CausalConditionalCFM``
 (``solve_euler``; ``basic_euler`` for ``meanflow``); architecture notes §4.4 and §4.5, variants.md §3.
-Channels-last (B, T, C) throughout. Attribute paths follow the checkpoint keys under
-``flow.decoder.estimator.``; ``None`` holds the place of parameter-free Sequential members.
+Channels-last (B, T, C) throughout; the transformer blocks take the frames as (B·T, C) rows. Attribute paths
+follow the checkpoint keys under ``flow.decoder.estimator.``; ``None`` holds the place of parameter-free
+Sequential members. The estimator is host-bound at one request on a GPU (thousands of small primitives a
+call), so weights that a call would rearrange (transposes, the fused q/k/v) are kept, built once.
 """
 
 from __future__ import annotations
