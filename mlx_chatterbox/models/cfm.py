@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Conv1d, attention, gelu, mish
+from .layers import Conv1d, attention, gelu_linear, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
@@ -119,8 +119,12 @@ class Linear(nn.Linear):
     on every call, a view primitive each time (the estimator is host-bound: 184 of them a call). Takes
     x (..., in); for 2-D rows MLX's product adds no reshapes around it."""
 
+    def weight_t(self) -> mx.array:
+        """(in, out): the weight transposed, kept until it is replaced."""
+        return kept(self, "_w_t", (self["weight"],), lambda w: w.T)
+
     def __call__(self, x: mx.array) -> mx.array:
-        w_t = kept(self, "_w_t", (self["weight"],), lambda w: w.T)
+        w_t = self.weight_t()
         return mx.addmm(self["bias"], x, w_t) if "bias" in self else x @ w_t
 
 
@@ -221,7 +225,7 @@ class GELUProjection(nn.Module):
         self.proj = Linear(dim, inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return gelu(self.proj(x))
+        return gelu_linear(x, self.proj.weight_t(), self.proj["bias"])
 
 
 class FeedForward(nn.Module):
