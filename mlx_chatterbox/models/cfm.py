@@ -172,7 +172,8 @@ class CausalResnetBlock1D(nn.Module):
 
     def __init__(self, dim: int, dim_out: int, time_embed_dim: int):
         super().__init__()
-        self.mlp = [None, Linear(time_embed_dim, dim_out)]  # Sequential(Mish, Linear)
+        # Sequential(Mish, Linear), applied by Estimator.time_projections for all resnets at once.
+        self.mlp = [None, nn.Linear(time_embed_dim, dim_out)]
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = Conv1d(dim, dim_out, 1)
