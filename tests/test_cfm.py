@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_chatterbox.convert import sanitize
-from mlx_chatterbox.models import cfm
+from mlx_chatterbox.models import cfm, layers
 from mlx_chatterbox.models.cfm import CFMConfig, Estimator, cosine_schedule, solve
 
 # An 8-bin "mel" keeps it fast; the inner attention width (2 x 8) differs from the 24 channels.
@@ -269,3 +269,17 @@ def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):
     model.load_weights(tree_flatten(other.parameters()), strict=True)
     assert np.array_equal(run(model), run(other))
     assert not close(mx.array(run(model)), mx.array(first), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gelu_linear_off_the_cpu_fast_path_equals_addmm_then_gelu(monkeypatch, dtype):
+    """The GPU's path (MLX's own math): in fp32 the bias goes inside the compiled GELU, the same sums bit for
+    bit; bf16 keeps addmm's single rounding."""
+    monkeypatch.setattr(layers, "FAST_CPU_MATH", False)
+    rng = np.random.default_rng(4)
+    x, w_t, bias = (
+        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        for shape in ((37, 24), (24, 96), (96,))
+    )
+    ours = layers.gelu_linear(x, w_t, bias).astype(mx.float32)
+    assert np.array_equal(np.asarray(ours), np.asarray(nn.gelu(mx.addmm(bias, x, w_t)).astype(mx.float32)))
