@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 from mlx_chatterbox.convert import sanitize
+from mlx_chatterbox.models import cfm, layers
 from mlx_chatterbox.models.cfm import CFMConfig, Estimator, cosine_schedule, solve
 
 # An 8-bin "mel" keeps it fast; the inner attention width (2 x 8) differs from the 24 channels.
@@ -203,3 +205,81 @@ def test_a_bf16_estimator_runs_in_bf16_and_the_sample_stays_float32(estimator):
     assert out.dtype == mx.float32
     # bf16 rounding shows, but the result stays near (the budget on the full-size model: test_cfm_parity).
     assert close(out, exact, 0.1) and not close(out, exact, 1e-5)
+
+
+def build(seed: int) -> Estimator:
+    model = Estimator(TINY)
+    table = Estimator.checkpoint_table(TINY)
+    weights = sanitize(random_upstream_weights(TINY, seed), table, "test")
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_fused_qkv_equals_the_three_projections(estimator):
+    """Attention takes q, k, v as one product against the weights side by side; the three separate linears
+    (upstream's computation) give the same output within 1e-6 of its largest value in fp32."""
+    attn = estimator.mid_blocks[0][1][0].attn1
+    b, n, bias = 2, 7, mx.array([[0.0] * 7, [0.0] * 5 + [-1e10] * 2])[:, None, None, :]
+    x = mx.array(np.random.default_rng(3).standard_normal((b * n, TINY.channels)).astype(np.float32))
+
+    def heads(linear):  # nn.Linear's own call: x @ W.T
+        return nn.Linear.__call__(linear, x).reshape(b, n, attn.num_heads, -1).transpose(0, 2, 1, 3)
+
+    out = mx.fast.scaled_dot_product_attention(
+        heads(attn.to_q), heads(attn.to_k), heads(attn.to_v), scale=attn.head_dim**-0.5, mask=bias
+    )
+    ref = nn.Linear.__call__(attn.to_out[0], out.transpose(0, 2, 1, 3).reshape(b * n, -1))
+    assert close(attn(x, b, bias), ref, 1e-6)
+
+
+def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):
+    """The fused q/k/v weight and the transposed weights are kept outside the parameter tree (keys, strict
+    loading and saved files stay the checkpoint's), and are rebuilt when the weights are replaced: set_dtype
+    and load_weights give what a module built with those weights gives, bit for bit."""
+    model, x, mask, mu, spks, cond = build(0), *batch([6, 4])
+    t = mx.array([0.3, 0.3])
+
+    def run(m: Estimator, dtype=mx.float32) -> np.ndarray:
+        xd, mud, spksd, condd = (a.astype(dtype) for a in (x, mu, spks, cond))
+        return np.asarray(m(xd, mask, mud, t, spksd, condd).astype(mx.float32))
+
+    first = run(model)
+    attn = model.mid_blocks[0][1][0].attn1
+    assert isinstance(attn.__dict__.get("_qkv_t"), cfm._Kept)  # the call kept it ...
+    keys = set(Estimator.checkpoint_table(TINY))
+    assert {k for k, _ in tree_flatten(model.parameters())} == keys  # ... outside the parameters
+    path = str(tmp_path / "w.safetensors")
+    model.save_weights(path)
+    assert set(mx.load(path)) == keys
+    model.load_weights(path, strict=True)
+    assert np.array_equal(run(model), first)
+
+    fresh = build(0)
+    model.set_dtype(mx.bfloat16)
+    fresh.set_dtype(mx.bfloat16)
+    assert np.array_equal(run(model, mx.bfloat16), run(fresh, mx.bfloat16))
+    assert attn.qkv_weight().dtype == mx.bfloat16
+    # Back to fp32 the weights are the bf16-rounded ones: compare with a fresh module rounded the same way.
+    model.set_dtype(mx.float32)
+    fresh.set_dtype(mx.float32)
+    assert np.array_equal(run(model), run(fresh))
+
+    other = build(1)
+    model.load_weights(tree_flatten(other.parameters()), strict=True)
+    assert np.array_equal(run(model), run(other))
+    assert not close(mx.array(run(model)), mx.array(first), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gelu_linear_off_the_cpu_fast_path_equals_addmm_then_gelu(monkeypatch, dtype):
+    """The GPU's path (MLX's own math): in fp32 the bias goes inside the compiled GELU, the same sums bit for
+    bit; bf16 keeps addmm's single rounding."""
+    monkeypatch.setattr(layers, "FAST_CPU_MATH", False)
+    rng = np.random.default_rng(4)
+    x, w_t, bias = (
+        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        for shape in ((37, 24), (24, 96), (96,))
+    )
+    ours = layers.gelu_linear(x, w_t, bias).astype(mx.float32)
+    assert np.array_equal(np.asarray(ours), np.asarray(nn.gelu(mx.addmm(bias, x, w_t)).astype(mx.float32)))

@@ -4,20 +4,24 @@ its two solvers: English's Euler steps with classifier-free guidance, and Turbo/
 Mirrors upstream ``chatterbox/models/s3gen`` (0.1.7): ``decoder.py: ConditionalDecoder`` (causal), the matcha
 blocks it builds on, diffusers' ``BasicTransformerBlock``, and ``flow_matching.py: CausalConditionalCFM``
 (``solve_euler``; ``basic_euler`` for ``meanflow``); architecture notes §4.4 and §4.5, variants.md §3.
-Channels-last (B, T, C) throughout. Attribute paths follow the checkpoint keys under
-``flow.decoder.estimator.``; ``None`` holds the place of parameter-free Sequential members.
+Channels-last (B, T, C) throughout; the transformer blocks take the frames as (B·T, C) rows. Attribute paths
+follow the checkpoint keys under ``flow.decoder.estimator.``; ``None`` holds the place of parameter-free
+Sequential members. The estimator is host-bound at one request on a GPU (thousands of small primitives a
+call), so weights that a call would rearrange (transposes, the fused q/k/v) are kept, built once.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Conv1d, attention, gelu, mish
+from .layers import Conv1d, attention, gelu_linear, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
@@ -85,13 +89,52 @@ def timestep_embedding(t: mx.array, dim: int) -> mx.array:
     return mx.concatenate([mx.sin(arg), mx.cos(arg)], axis=-1)
 
 
+class _Kept:
+    """A value computed from parameters (``kept``), with the arrays it was computed from. A plain object: MLX
+    takes a module's array, list, tuple and dict attributes for parameters or children, and this one must stay
+    out of ``parameters()``, ``load_weights(strict=True)`` and saved weights."""
+
+    __slots__ = ("sources", "value")
+
+    def __init__(self, sources: tuple[mx.array, ...], value: mx.array):
+        self.sources, self.value = sources, value
+
+
+def kept(
+    module: nn.Module, name: str, sources: tuple[mx.array, ...], build: Callable[..., mx.array]
+) -> mx.array:
+    """``build(*sources)``, computed once and kept on ``module`` under ``name`` until one of the source arrays
+    is replaced (``load_weights``, ``update`` and ``set_dtype`` put new arrays in place; the sources are held,
+    so a new array cannot reuse an old one's identity). Left lazy: the first call's graph evaluates it, and
+    later calls find an evaluated array, a leaf of their graphs, instead of the ops that made it."""
+    cache = module.__dict__.get(name)  # a plain lookup: this runs for every linear of every call
+    if cache is None or not all(map(operator.is_, cache.sources, sources)):
+        cache = _Kept(sources, build(*sources))
+        object.__setattr__(module, name, cache)
+    return cache.value
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and keys) that keeps its weight transposed: ``nn.Linear`` takes ``W.T``
+    on every call, a view primitive each time (the estimator is host-bound: 184 of them a call). Takes
+    x (..., in); for 2-D rows MLX's product adds no reshapes around it."""
+
+    def weight_t(self) -> mx.array:
+        """(in, out): the weight transposed, kept until it is replaced."""
+        return kept(self, "_w_t", (self["weight"],), lambda w: w.T)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w_t = self.weight_t()
+        return mx.addmm(self["bias"], x, w_t) if "bias" in self else x @ w_t
+
+
 class TimestepEmbedding(nn.Module):
     """matcha ``TimestepEmbedding``: Linear -> SiLU -> Linear."""
 
     def __init__(self, in_channels: int, time_embed_dim: int):
         super().__init__()
-        self.linear_1 = nn.Linear(in_channels, time_embed_dim)
-        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim)
+        self.linear_1 = Linear(in_channels, time_embed_dim)
+        self.linear_2 = Linear(time_embed_dim, time_embed_dim)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.linear_2(nn.silu(self.linear_1(x)))
@@ -129,22 +172,28 @@ class CausalResnetBlock1D(nn.Module):
 
     def __init__(self, dim: int, dim_out: int, time_embed_dim: int):
         super().__init__()
-        self.mlp = [None, nn.Linear(time_embed_dim, dim_out)]  # Sequential(Mish, Linear)
+        # Sequential(Mish, Linear), applied by Estimator.time_projections for all resnets at once.
+        self.mlp = [None, nn.Linear(time_embed_dim, dim_out)]
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = Conv1d(dim, dim_out, 1)
 
-    def __call__(self, x: mx.array, m: mx.array | None, t_act: mx.array) -> mx.array:
-        """t_act: Mish of the time embedding (``mlp``'s first member), the same for every block of a call, so the
-        estimator takes it once."""
-        h = self.block1(x, m) + self.mlp[1](t_act)[:, None, :]
+    def __call__(self, x: mx.array, m: mx.array | None, t_proj: mx.array) -> mx.array:
+        """t_proj: (B, 1, dim_out) ``mlp`` of the time embedding, which the estimator computes for all its
+        resnets in one product (``Estimator.time_projections``)."""
+        h = self.block1(x, m) + t_proj
         h = self.block2(h, m)
         return h + self.res_conv(masked(x, m))
 
 
 class Attention(nn.Module):
     """diffusers ``Attention`` as BasicTransformerBlock builds it: self-attention, q/k/v without bias, inner
-    width heads x head_dim (512 at full size, not the block's 256), output projection with bias."""
+    width heads x head_dim (512 at full size, not the block's 256), output projection with bias.
+
+    q, k and v are one product against the three weights side by side (kept, built from ``to_q``/``to_k``/
+    ``to_v``, which stay the parameters and checkpoint keys): one matmul and one head split instead of three
+    (on an H200 a 256 -> 1536 product costs about what one 256 -> 512 does). The fused weight is a copy:
+    22M values at full size (44 MB in bf16) besides the parameters."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -153,15 +202,20 @@ class Attention(nn.Module):
         self.to_q = nn.Linear(dim, inner, bias=False)
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
-        self.to_out = [nn.Linear(inner, dim)]  # to_out.1 is dropout
+        self.to_out = [Linear(inner, dim)]  # to_out.1 is dropout
 
-    def __call__(self, x: mx.array, bias: mx.array | None) -> mx.array:
-        b, n, _ = x.shape
-        q = self.to_q(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)  # (B, H, T, hd)
-        k = self.to_k(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
-        v = self.to_v(x).reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
+    def qkv_weight(self) -> mx.array:
+        """(dim, 3 x inner): [W_q | W_k | W_v] transposed, kept until one of them is replaced."""
+        sources = (self.to_q["weight"], self.to_k["weight"], self.to_v["weight"])
+        return kept(self, "_qkv_t", sources, lambda *ws: mx.concatenate(ws, axis=0).T)
+
+    def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
+        """x: (B·T, dim) rows of b sequences -> (B·T, dim)."""
+        n = x.shape[0] // b
+        qkv = (x @ self.qkv_weight()).reshape(b, n, 3 * self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = mx.split(qkv, 3, axis=1)  # each (B, H, T, hd)
         out = attention(q, k, v, self.head_dim**-0.5, bias)
-        return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b * n, -1))
 
 
 class GELUProjection(nn.Module):
@@ -169,23 +223,25 @@ class GELUProjection(nn.Module):
 
     def __init__(self, dim: int, inner: int):
         super().__init__()
-        self.proj = nn.Linear(dim, inner)
+        self.proj = Linear(dim, inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return gelu(self.proj(x))
+        return gelu_linear(x, self.proj.weight_t(), self.proj["bias"])
 
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.net = [GELUProjection(dim, FF_MULT * dim), None, nn.Linear(FF_MULT * dim, dim)]  # net.1: dropout
+        self.net = [GELUProjection(dim, FF_MULT * dim), None, Linear(FF_MULT * dim, dim)]  # net.1: dropout
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.net[2](self.net[0](x))
 
 
 class BasicTransformerBlock(nn.Module):
-    """Pre-norm self-attention and GELU feed-forward, no cross-attention (diffusers, as matcha configures it)."""
+    """Pre-norm self-attention and GELU feed-forward, no cross-attention (diffusers, as matcha configures it).
+    Takes and returns (B·T, dim) rows of b sequences: every op but attention is per frame, and in 2-D the
+    products need no reshapes around them."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -194,8 +250,8 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=1e-5)
         self.ff = FeedForward(dim)
 
-    def __call__(self, x: mx.array, bias: mx.array | None) -> mx.array:
-        x = self.attn1(self.norm1(x), bias) + x
+    def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
+        x = self.attn1(self.norm1(x), b, bias) + x
         return self.ff(self.norm3(x)) + x
 
 
@@ -224,7 +280,7 @@ class Estimator(nn.Module):
         self.final_proj = Conv1d(c, cfg.out_channels, 1)
         if cfg.meanflow:
             # Mixes [t_emb | r_emb] back to one time embedding (decoder.py; utils/intmeanflow.py, no bias).
-            self.time_embed_mixer = nn.Linear(2 * temb, temb, bias=False)
+            self.time_embed_mixer = Linear(2 * temb, temb, bias=False)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -273,14 +329,15 @@ class Estimator(nn.Module):
             both = mx.concatenate([mx.broadcast_to(t, (b,)), mx.broadcast_to(r, (b,))])
             emb = self.time_mlp(timestep_embedding(both, self.config.in_channels).astype(x.dtype))
             t_emb = self.time_embed_mixer(mx.concatenate([emb[:b], emb[b:]], axis=-1))
-        t_act = mish(t_emb)
+        t_projs = iter(self.time_projections(t_emb))  # one per stage, in order
         h = mx.concatenate([x, mu, mx.broadcast_to(spks[:, None, :], (b, n, spks.shape[-1])), cond], axis=-1)
 
         def stage(h: mx.array, resnet: CausalResnetBlock1D, blocks: list[BasicTransformerBlock]) -> mx.array:
-            h = resnet(h, m, t_act)
+            h = resnet(h, m, next(t_projs))
+            rows = h.reshape(b * n, -1)  # the blocks work on frames as rows (BasicTransformerBlock)
             for block in blocks:
-                h = block(h, bias)
-            return h
+                rows = block(rows, b, bias)
+            return rows.reshape(b, n, -1)
 
         resnet, blocks, down = self.down_blocks[0]
         skip = stage(h, resnet, blocks)
@@ -292,6 +349,16 @@ class Estimator(nn.Module):
         h = up(masked(h, m))
         h = self.final_block(h, m)
         return masked(self.final_proj(masked(h, m)), m)
+
+    def time_projections(self, t_emb: mx.array) -> list[mx.array]:
+        """Each resnet's ``mlp`` (Mish, Linear) of the (B, temb) time embedding, in call order, as (B, 1, c):
+        Mish once and one product against the resnets' weights side by side (kept), instead of 14 products
+        and their broadcasts."""
+        lins = [r.mlp[1] for r, *_ in self.down_blocks + self.mid_blocks + self.up_blocks]
+        w_t = kept(self, "_time_w_t", tuple(lin["weight"] for lin in lins), lambda *ws: mx.concatenate(ws).T)
+        bias = kept(self, "_time_bias", tuple(lin["bias"] for lin in lins), lambda *bs: mx.concatenate(bs))
+        proj = mx.addmm(bias, mish(t_emb), w_t)[:, None, :]  # (B, 1, 14·c)
+        return mx.split(proj, len(lins), axis=-1)
 
     @staticmethod
     def checkpoint_table(cfg: CFMConfig) -> dict[str, tuple]:

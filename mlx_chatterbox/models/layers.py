@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -222,6 +223,23 @@ def cos(x: mx.array) -> mx.array:
 def gelu(x: mx.array) -> mx.array:
     """Exact (erf) GELU, x·Φ(x), as ``nn.gelu`` and torch's default."""
     return _gelu_cpu(x) if _fast_path(x) else nn.gelu(x)
+
+
+# Shapeless: one trace for every number of rows (the estimator's frame counts vary), as nn.gelu's.
+@partial(mx.compile, shapeless=True)
+def _gelu_biased(y: mx.array, bias: mx.array) -> mx.array:
+    return nn.gelu(y + bias)
+
+
+def gelu_linear(x: mx.array, w_t: mx.array, bias: mx.array) -> mx.array:
+    """``gelu(x @ w_t + bias)``: a linear layer (its weight transposed, (in, out)) and the exact GELU. In
+    float32 off the fast CPU path the bias is added inside the compiled GELU: one primitive fewer than the
+    product taking it (``addmm`` broadcasts its bias as a primitive of its own), for host-bound callers, and
+    the same sum. Elsewhere ``addmm``: in bfloat16 the product and the bias apart would round twice (the bf16
+    estimator's 10-step mel drifted from 1.13e-2 to 1.20e-2 relative L2 from upstream's fp32)."""
+    if _fast_path(x) or x.dtype != mx.float32:
+        return gelu(mx.addmm(bias, x, w_t))
+    return _gelu_biased(x @ w_t, bias)
 
 
 def mish(x: mx.array) -> mx.array:
