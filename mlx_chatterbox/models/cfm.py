@@ -105,11 +105,14 @@ def kept(
 ) -> mx.array:
     """``build(*sources)``, computed once and kept on ``module`` under ``name`` until one of the source arrays
     is replaced (``load_weights``, ``update`` and ``set_dtype`` put new arrays in place; the sources are held,
-    so a new array cannot reuse an old one's identity). Left lazy: the first call's graph evaluates it, and
-    later calls find an evaluated array, a leaf of their graphs, instead of the ops that made it."""
+    so a new array cannot reuse an old one's identity). Evaluated when built: later calls find a leaf of their
+    graphs, and a server's other thread never reads an array queued on the stream of the thread that built it
+    (ADR 10)."""
     cache = module.__dict__.get(name)  # a plain lookup: this runs for every linear of every call
     if cache is None or not all(map(operator.is_, cache.sources, sources)):
-        cache = _Kept(sources, build(*sources))
+        value = build(*sources)
+        mx.eval(value)
+        cache = _Kept(sources, value)
         object.__setattr__(module, name, cache)
     return cache.value
 
