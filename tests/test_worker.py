@@ -409,6 +409,44 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
         assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
 
 
+def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, monkeypatch):
+    """With a vocoding thread, a stream whose decode fails gets the error and leaves T3's batch; a stream whose
+    reader leaves while its decode runs is dropped; the other streams and the worker go on."""
+    doomed = SpeechJob("Doomed.", random_voice(5), SamplingParams(max_new_tokens=400), cfm_steps=2, seed=30,
+                       stream=True)  # fmt: skip
+    left = dataclasses.replace(doomed, text="Left.", voice=random_voice(6), seed=31)
+    fine = SpeechJob(
+        "Fine.", random_voice(1), SamplingParams(max_new_tokens=20), cfm_steps=2, seed=32, stream=True
+    )
+    real = worker_module.decode_together
+    running = threading.Event()
+
+    def spy(vocoders, **kwargs):
+        if any(v.voice is doomed.voice and v.pushed > 20 for v in vocoders):
+            raise RuntimeError("no memory left")
+        if any(v.voice is left.voice for v in vocoders):
+            running.set()
+            time.sleep(0.2)  # its reader leaves meanwhile
+        return real(vocoders, **kwargs)
+
+    monkeypatch.setattr(worker_module, "decode_together", spy)
+    with Worker(tts, vocode_thread=True) as worker:
+        bad = worker.submit(doomed)
+        with pytest.raises(RuntimeError, match="no memory left"):
+            list(bad)
+        gone = worker.submit(left)
+        assert running.wait(30)
+        gone.cancel()
+        got = list(worker.submit(fine))
+        wait_idle(worker)
+        time.sleep(IDLE_COLLECT_S + 0.2)  # a turn of the idle loop sets the gauges
+        metrics = worker.metrics()
+        assert metrics["requests"] == {"finished": 1, "failed": 1, "cancelled": 1}
+        assert metrics["running"] == metrics["waiting"] == 0  # the failed stream's T3 row is gone too
+    monkeypatch.undo()
+    assert np.array_equal(np.concatenate(got), np.concatenate(alone(tts, fine)))
+
+
 def test_vocoding_settings_are_checked(tts):
     assert (
         Worker(tts, vocode_batch=3).vocode_frames == 3 * worker_module.VOCODE_FRAMES_PER_ROW

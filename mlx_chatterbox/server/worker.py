@@ -699,11 +699,10 @@ class Worker:
                     if self._vocoder_stop:
                         return
                     messages, self._messages = self._messages, []
-                self._apply(messages)
                 # Before and after each call the streams take what they hold up to their next due decode, so
                 # that what a stream holds waits only for new messages or a call. Streams go first: a listener
                 # may be waiting for their audio.
-                answers = self._feed()
+                answers = self._apply(messages) + self._feed()
                 due = self._due()
                 if due:
                     answers.append(self._decode_due(due))
@@ -754,11 +753,16 @@ class Worker:
             self._messages.append((kind, j, value))
             self._ready.notify()
 
-    def _apply(self, messages: list[tuple]) -> None:
-        """The worker's messages: streams opened and dropped, tokens and ends held for them."""
+    def _apply(self, messages: list[tuple]) -> list[_Streamed]:
+        """The worker's messages: streams opened and dropped, tokens and ends held for them. Returns the answers
+        for streams that could not open."""
+        failed = []
         for kind, j, value in messages:
             if kind == "open":
-                self._streams[id(j)] = _Stream(j, self._stream_vocoder(j, seed_keys(value)[1]))
+                try:
+                    self._streams[id(j)] = _Stream(j, self._stream_vocoder(j, seed_keys(value)[1]))
+                except Exception as error:
+                    failed.append(_Streamed([(j, None, False)], error))
             elif kind == "drop":
                 self._streams.pop(id(j), None)
             elif id(j) in self._streams:  # else dropped: the job has ended
@@ -767,6 +771,7 @@ class Worker:
                     held.append(value)
                 if kind == "end":
                     held.append(None)
+        return failed
 
     def _feed(self) -> list[_Streamed]:
         """Each stream takes what it holds up to its next due decode. Returns the answers for streams that
