@@ -796,7 +796,7 @@ class Worker:
         return sorted((s for s in self._streams.values() if s.vocoder.due), key=lambda s: s.started)
 
     def _decode_due(self, due: list[_Stream]) -> _Streamed:
-        """The oldest due decodes that fit in one S3Gen call (``_group``), run together; their streams' samples
+        """The due decodes (``_due``'s order) that fit in one S3Gen call (``_group``), run together; their samples
         (a piece's last less what the variant cuts from its end, ``finish_stream``)."""
         group = self._group(due, [s.vocoder.due for s in due], [s.j.job.cfm_steps for s in due])
         try:
