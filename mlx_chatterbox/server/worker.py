@@ -284,6 +284,7 @@ class Worker:
         # What the worker tells the vocoding thread of streamed pieces, oldest first, under _ready: ("open", job,
         # seed), ("take", job, tokens), ("end", job, tail tokens), ("drop", job). Its streams, by id(job).
         self._messages: list[tuple] = []
+        self._outbox: list[tuple] = []  # the worker thread's messages not yet sent (``_send``)
         self._streams: dict[int, _Stream] = {}
         self._meter = Meter(["worker", "vocoder"] if vocode_thread else ["worker"])
         # Jobs waiting for T3 and in its batch, as the worker loop's last turn began (``metrics``).
@@ -437,6 +438,7 @@ class Worker:
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
         while True:
+            self._send()  # what the last turn said of streams, at once
             self._waiting, self._running = len(waiting), len(running)
             with self._timed("gc"):
                 _collect_garbage()
@@ -724,10 +726,11 @@ class Worker:
             self._vocoder.join()
             self._vocoder = None
         jobs = [piece.j for piece in self._pending] + [s.j for s in self._streams.values()]
-        jobs += [message[1] for message in self._messages]
+        jobs += [message[1] for message in self._messages + self._outbox]
         self._pending.clear()
         self._streams.clear()
         self._messages.clear()
+        self._outbox.clear()
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -748,10 +751,16 @@ class Worker:
     # pushes them, stopping at a due decode, so that every stream decodes at TTS.stream's boundaries.
 
     def _post(self, kind: str, j: _Job, value: Any = None) -> None:
-        """From the worker thread: a message about a streamed piece for the vocoding thread."""
-        with self._ready:
-            self._messages.append((kind, j, value))
-            self._ready.notify()
+        """From the worker thread: a message about a streamed piece for the vocoding thread, sent with the turn's
+        others (``_send``: one lock and one wake-up a step, not one a token)."""
+        self._outbox.append((kind, j, value))
+
+    def _send(self) -> None:
+        if self._outbox:
+            with self._ready:
+                self._messages += self._outbox
+                self._ready.notify()
+            self._outbox = []
 
     def _apply(self, messages: list[tuple]) -> list[_Streamed]:
         """The worker's messages: streams opened and dropped, tokens and ends held for them. Returns the answers
