@@ -938,11 +938,11 @@ class Worker:
         j.ended = True
         if j.piped:  # the vocoding thread forgets its stream
             self._post("drop", j)
-        j.ticket._put(_END if error is None else error)
-        outcome = "failed" if error is not None else "cancelled" if j.ticket.cancelled else "finished"
-        self._meter.ended(outcome)
+        # Counted before the reader is told, so a client that saw its request end finds it in /metrics.
+        self._meter.ended("failed" if error is not None else "cancelled" if j.ticket.cancelled else "finished")
         with self._lock:
             self._jobs -= 1
+        j.ticket._put(_END if error is None else error)
 
     def _stop(self, jobs: list[_Job]) -> None:
         for j in jobs:
