@@ -24,6 +24,7 @@ from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
 import functools
+import random
 import statistics
 import threading
 import time
@@ -78,6 +79,66 @@ def run_batch(
         stamps.append(time.perf_counter())
     steps = [b - a for a, b in zip(stamps[1:-1], stamps[2:])]  # the first step holds the n prefills
     return stamps[-1] - stamps[0], statistics.median(steps), stamps[1] - stamps[0]
+
+
+def run_closed_loop(
+    model: T3,
+    voice: Voice,
+    text: list[int],
+    params: SamplingParams,
+    n: int,
+    total: int,
+    traces: list,
+    seed: int,
+) -> dict:
+    """``n`` requests at a time until ``total`` have run, each finished one replaced before the next step, as
+    in a server's full batch: budgets uniform in tokens/2 .. 3·tokens/2 and texts of 10 .. 40 tokens (drawn
+    from ``seed``), EOS disabled. ``traces`` grows by one for each trace of the step (``counting_traces``)."""
+    rng = random.Random(seed)
+    batch = SpeechTokenBatch(model, stop_on_eos=False)
+    sent, tokens, joins, steady = 0, 0, [], []
+    traced = len(traces)
+
+    def add() -> None:
+        nonlocal sent
+        budget = rng.randint(params.max_new_tokens // 2, 3 * params.max_new_tokens // 2)
+        request_params = SamplingParams(**{**params.__dict__, "max_new_tokens": budget})
+        batch.add(BatchRequest(text[: rng.randint(10, 40)], voice, request_params, key=mx.random.key(sent)))
+        sent += 1
+
+    for _ in range(n):
+        add()
+    start = time.perf_counter()
+    while len(batch):
+        joining = bool(batch._pending)
+        t = time.perf_counter()
+        out = batch.step()
+        (joins if joining else steady).append(time.perf_counter() - t)
+        tokens += len(out)
+        for _ in range(sum(finished for _, _, finished in out)):
+            if sent < total:
+                add()
+    wall = time.perf_counter() - start
+    return dict(
+        tok_s=tokens / wall,
+        steps=len(joins) + len(steady),
+        traces=len(traces) - traced,
+        step_ms=1000 * statistics.median(steady),
+        join_step_ms=1000 * statistics.median(joins[1:]) if len(joins) > 1 else None,  # the first prefills n
+        join_steps=len(joins),
+    )
+
+
+def counting_traces(model: T3) -> list:
+    """A list that grows by one each time ``model``'s batched decode is traced (the wrapper runs only then)."""
+    traces, decode_window = [], model.decode_window
+
+    def counted(*args):
+        traces.append(args[4][0].shape)
+        return decode_window(*args)
+
+    model.decode_window = counted
+    return traces
 
 
 def on_a_thread(fn, *args):
@@ -183,6 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="run the batches on a thread of their own with its own MLX stream, as the server's worker does",
     )
+    parser.add_argument(
+        "--closed-loop",
+        type=int,
+        metavar="TOTAL",
+        help="instead of requests that join at once: each concurrency as a closed loop of TOTAL requests of "
+        "budgets tokens/2 .. 3*tokens/2 and texts of 10 .. 40 tokens, as a server's batch runs; run twice, "
+        "cold and then warm (other draws: the shapes met before are traced already)",
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
     layers.CUDA_DECODE = not args.mlx_ops
@@ -216,6 +285,22 @@ def main(argv: list[str] | None = None) -> None:
             system="single loop", requests=1, tok_s=args.tokens / single, step_ms=1000 * single / args.tokens
         )
     )
+    if args.closed_loop:
+        traces = counting_traces(model)
+        for n in (int(c) for c in args.concurrency.split(",")):
+            loop = functools.partial(run_closed_loop, model, voice, text, params, n, args.closed_loop, traces)
+            for seed, run in enumerate(("cold", "warm")):
+                row = on_a_thread(loop, seed) if args.thread else loop(seed)
+                record(dict(system=f"closed loop, {run}", requests=n, total=args.closed_loop, **row))
+        print(
+            "\n| closed loop | requests | tok/s | steps | traces | ms per step | with a join | join steps |"
+        )
+        print("|---" * 8 + "|")
+        for row in rows[1:]:
+            cells = [f"{row['tok_s']:.1f}", row["steps"], row["traces"], f"{row['step_ms']:.2f}"]
+            cells += [f"{row['join_step_ms']:.2f}" if row["join_step_ms"] else "", row["join_steps"]]
+            print(f"| {row['system']} | {row['requests']} | {' | '.join(map(str, cells))} |")
+        return
     for n in (int(c) for c in args.concurrency.split(",")):
         run = run_batch if not args.thread else functools.partial(on_a_thread, run_batch)
         run(model, voice, text, params, n)  # warm-up: traces the step for this batch's shapes

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
+from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch, batch_size
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens, prefill_embeds
 from mlx_chatterbox.models.cache import BatchKVCache
 from mlx_chatterbox.models.t3 import T3, T3Cond
@@ -70,6 +70,50 @@ def run_batch(
     return {i: tokens[uid][0] for i, uid in enumerate(order)}
 
 
+def closed_loop(
+    batch: ContinuousBatch, queue: list[BatchRequest], at_once: int, sizes: list | None = None
+) -> list[list[int]]:
+    """``at_once`` requests in the batch, each one that finishes replaced by the next of ``queue`` before the
+    next step, as a server's full batch runs. Returns each request's tokens in queue order; ``sizes`` gets the
+    cache's (rows, capacity) at each step."""
+    uids = [batch.add(r) for r in queue[:at_once]]
+    tokens: dict[int, list[int]] = {}
+    while len(batch):
+        out = batch.step()
+        if sizes is not None and batch._cache is not None:
+            sizes.append(batch._cache.kv[0].shape[::2])
+        for uid, token, finished in out:
+            tokens.setdefault(uid, []).append(token)
+            if finished and len(uids) < len(queue):
+                uids.append(batch.add(queue[len(uids)]))
+    return [tokens[u] for u in uids]
+
+
+def count_calls(monkeypatch, cls: type, names: list[str]) -> dict[str, int]:
+    """Calls of ``cls``'s methods ``names``, counted from now on."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+
+        def counted(*args, name=name, method=getattr(cls, name)):
+            calls[name] += 1
+            return method(*args)
+
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+def traced_shapes(model):
+    """``model`` with its ``decode_window`` counted: the list of the cache shapes it is traced for."""
+    shapes, decode_window = [], model.decode_window
+
+    def counted(*args):
+        shapes.append(args[4][0].shape)  # runs only while mx.compile traces
+        return decode_window(*args)
+
+    model.decode_window = counted
+    return shapes
+
+
 def test_requests_decoded_together_get_the_tokens_they_get_alone(tiny_t3):
     reqs = requests()
     got = run_batch(tiny_t3, {0: reqs})
@@ -88,6 +132,66 @@ def test_requests_join_and_leave_between_steps(tiny_t3):
     got = run_batch(tiny_t3, {0: [b, c], 2: [f], 3: [a], 5: [d], 9: [e], 30: [b]})
     for i, request in enumerate([b, c, f, a, d, e, b]):
         assert got[i] == alone(tiny_t3, request), f"request {i}"
+
+
+def test_a_request_replacing_a_finished_one_takes_its_slot(tiny_t3, monkeypatch):
+    """A closed loop of 3 CFG requests at a time, each newcomer's prefill no longer than the batch's: it takes a
+    dead slot, so the cache keeps its shape and the step is not traced again until the batch drains to one
+    request; every request gets the tokens it gets alone."""
+    model = T3(tiny_t3.config)
+    model.update(tiny_t3.parameters())
+    shapes = traced_shapes(model)
+    a, _, c, d, _ = requests()  # prefills of 158, 81 and 47 positions
+    queue = [
+        dataclasses.replace(
+            r, params=dataclasses.replace(c.params, max_new_tokens=n), key=mx.random.key(i), uniforms=None
+        )
+        for i, (r, n) in enumerate(zip([a, c, d, c, d, c, d, c], [9, 12, 15, 7, 10, 13, 8, 11]))
+    ]  # fmt: skip  (one sampling set-up: one compiled step)
+    calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend", "keep"])
+    got = closed_loop(SpeechTokenBatch(model), queue, 3)
+    for i, request in enumerate(queue):
+        assert got[i] == alone(tiny_t3, request), f"request {i}"
+    assert [s[0] for s in shapes] == [6, 2]  # 3 slots of a CFG pair; one, draining
+    assert calls["put"] >= 3 and calls["extend"] == 0 and calls["keep"] == 1  # the one: draining
+
+
+def test_requests_of_other_row_counts_and_longer_prefills_come_and_go(tiny_t3, monkeypatch):
+    """A closed loop over requests with and without CFG (slots of 2 and 1 rows) and prefills longer than the
+    batch's: newcomers take dead slots where they fit and join beside the others where not."""
+    queue = requests() * 2
+    queue = [dataclasses.replace(r, key=mx.random.key(20 + i), uniforms=None) if i >= 5 and r.key is None
+             and not r.params.greedy else r for i, r in enumerate(queue)]  # fmt: skip
+    calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend"])
+    got = closed_loop(SpeechTokenBatch(tiny_t3), queue, 3)
+    for i, request in enumerate(queue):
+        assert got[i] == alone(tiny_t3, request), f"request {i}"
+    assert calls["put"] and calls["extend"]  # both ways in
+
+
+def test_a_batch_that_never_empties_keeps_its_cache_short(tiny_t3):
+    """Newcomers take dead slots right-aligned at the cache's end, so the cache's positions grow with every
+    step while the batch runs; the positions before every live row go, 256 at a time. 60 requests of 12 to 21
+    tokens, 2 at a time: about 500 steps in one batch, the cache at most 512 positions long throughout."""
+    _, b, c, d, _ = requests()
+    queue = [
+        dataclasses.replace(r, params=dataclasses.replace(c.params, max_new_tokens=12 + i % 10),
+                            key=mx.random.key(i), uniforms=None)
+        for i, r in enumerate([b, c, d] * 20)
+    ]  # fmt: skip
+    sizes = []
+    got = closed_loop(SpeechTokenBatch(tiny_t3), queue, 2, sizes)
+    for i, request in enumerate(queue):
+        assert got[i] == alone(tiny_t3, request), f"request {i}"
+    assert len(sizes) > 450 and max(capacity for _, capacity in sizes) == 512
+
+
+def test_batch_sizes():
+    """Slots for n requests: n up to 8, then 4 sizes a doubling, never more than a quarter of them idle."""
+    sizes = [batch_size(n) for n in range(1, 300)]
+    assert sizes[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12]
+    assert sorted(set(sizes))[8:20] == [10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert all(n <= s and (s - n) * 4 < s for n, s in zip(range(1, 300), sizes))
 
 
 def test_a_request_leaves_at_its_stop_token(tiny_t3):

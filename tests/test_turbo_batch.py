@@ -26,6 +26,7 @@ from mlx_chatterbox.sampling import (
     turbo_row_knobs,
 )
 from tests.conftest import random_voice
+from tests.test_batch import closed_loop, count_calls, traced_shapes
 
 TINY = T3TurboConfig(hidden_size=64, num_layers=2, num_heads=4, n_positions=512, text_vocab_size=300)
 
@@ -268,6 +269,37 @@ def test_requests_get_their_tokens_alone_across_flushes_joins_and_leaves(model, 
     got = run_batch(model, joins, window_size=window_size)
     for i, request in enumerate([b, c, a, f, e, d, b]):
         assert got[i] == alone(model, request), f"request {i}"
+
+
+def test_a_request_replacing_a_finished_one_takes_its_slot(model, monkeypatch):
+    """As tests/test_batch.py's: a closed loop of 3 requests at a time, newcomers' prefills no longer than the
+    batch's: each takes a dead slot, the step is traced for 3 slots and then 1 (draining), and every request
+    gets its tokens alone."""
+    counted = like(model)
+    shapes = traced_shapes(counted)
+    a, b, c, d, *_ = requests()  # prefills of 157, 51, 80 and 16 positions
+    queue = [
+        dataclasses.replace(r, params=dataclasses.replace(c.params, max_new_tokens=n), key=mx.random.key(i),
+                            uniforms=None)
+        for i, (r, n) in enumerate(zip([a, b, c, d, b, c, d, b], [9, 12, 15, 7, 10, 13, 8, 11]))
+    ]  # fmt: skip
+    calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend", "keep"])
+    got = closed_loop(TurboTokenBatch(counted), queue, 3)
+    for i, request in enumerate(queue):
+        assert got[i] == alone(model, request), f"request {i}"
+    assert [s[0] for s in shapes] == [3, 1]
+    assert calls["put"] >= 3 and calls["extend"] == 0 and calls["keep"] == 1
+
+
+def test_requests_with_longer_prefills_than_the_batch_come_and_go(model, monkeypatch):
+    queue = requests()[:5] * 2
+    queue = [dataclasses.replace(r, key=mx.random.key(20 + i)) if r.key is not None else r
+             for i, r in enumerate(queue)]  # fmt: skip
+    calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend"])
+    got = closed_loop(TurboTokenBatch(model), queue, 2)
+    for i, request in enumerate(queue):
+        assert got[i] == alone(model, request), f"request {i}"
+    assert calls["put"] and calls["extend"]  # both ways in
 
 
 def test_a_stop_token_ends_a_row_but_never_as_the_first_token(model):

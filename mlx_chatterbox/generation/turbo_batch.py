@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import mlx.core as mx
 
 from ..models.cache import BatchKVCache
 from ..models.gpt2 import T3Turbo
 from ..sampling import TurboParams, draw_turbo_rows, process_turbo_rows, turbo_row_knobs
-from .batch import BatchRequest, ContinuousBatch, _fill
+from .batch import BatchRequest, ContinuousBatch, _Active
 from .speech_tokens import compiled, speech_ids
 from .turbo import _NO_TOKEN, check_request, make_draws
 
@@ -33,16 +31,6 @@ logger = logging.getLogger(__name__)
 # What ``step`` reports, finished, for a request whose processed logits were all -inf: it ends there without a
 # token (``generate_turbo_tokens`` returns there, or raises when it is the first token). Never a speech id.
 NO_TOKEN = _NO_TOKEN
-
-
-@dataclass
-class _Active:
-    """A request in the batch: its id, its draws, and how many of its tokens were drawn so far."""
-
-    uid: int
-    request: BatchRequest
-    draws: mx.array  # (1 + max_new_tokens, 2) keys or (1 + max_new_tokens,) uniforms, one per token
-    drawn: int = 1  # the prefill draws token 0
 
 
 class TurboTokenBatch(ContinuousBatch):
@@ -81,9 +69,11 @@ class TurboTokenBatch(ContinuousBatch):
         )
         return stop or a.drawn == 1 + a.request.params.max_new_tokens
 
-    def _join(self, pending: list[tuple[int, BatchRequest]]) -> None:
-        """Prefill the waiting requests together, left-padded to the longest (one prefill call for them all),
-        draw their first tokens, and append them to the batch."""
+    def _prefill(
+        self, pending: list[tuple[int, BatchRequest]]
+    ) -> tuple[list[_Active], mx.array, mx.array, BatchKVCache]:
+        """Prefill the waiting requests together, left-padded to the longest (one prefill call for them all):
+        their slots, first tokens, seen-masks and cache rows."""
         model, cfg = self.model, self.model.config
         embeds = []
         for _, r in pending:
@@ -113,35 +103,22 @@ class TurboTokenBatch(ContinuousBatch):
             mx.array([not k for k in by_key]),
             _uses(params, by_key, cfg.speech_vocab_size),
         )
-        self._active += joining
         seen = mx.zeros((len(pending), cfg.speech_vocab_size), dtype=mx.bool_)
-        tokens = tokens if self._tokens is None else mx.concatenate([self._tokens, tokens])
-        mx.async_eval(tokens)
-        self._tokens = tokens
-        self._seen = seen if self._seen is None else mx.concatenate([self._seen, seen])
         rows = BatchKVCache(cache.kv, cache.offset, pad, cache.step, self.window_size)
-        if self._cache is None:
-            self._cache = rows
-        else:
-            self._cache.extend(rows)
+        return joining, tokens, seen, rows
 
     def _lay_out(self) -> None:
         """What changes only when requests join or leave, kept on the device so that a step costs the host a
         few calls whatever the number of requests: knobs, draw kind and draws (padded to a table), each
         request's last draw index, how many tokens it has drawn, and the rows' left padding."""
-        n = max(a.draws.shape[0] for a in self._active)
         by_key = [a.draws.ndim == 2 for a in self._active]
         params = [a.request.params for a in self._active]
+        keys, uniforms = self._draw_tables()
         self._layout = {
             "knobs": turbo_row_knobs(params),
             "by_uniform": mx.array([not k for k in by_key]),
-            # A request's draws[i] draws its token i; the entries past its own 1 + max_new_tokens are never read.
-            "keys": mx.stack(
-                [_fill(a.draws if k else None, n, (2,), mx.uint32) for a, k in zip(self._active, by_key)]
-            ),
-            "uniforms": mx.stack(
-                [_fill(None if k else a.draws, n, (), mx.float32) for a, k in zip(self._active, by_key)]
-            ),
+            "keys": keys,
+            "uniforms": uniforms,
             "last": mx.array([p.max_new_tokens for p in params], dtype=mx.int32),
             "pad": mx.array(self._cache.pad, dtype=mx.int32),
         }

@@ -109,7 +109,7 @@ class BatchKVCache(KVCache):
         other.flush()
         end = max(self.offset, other.offset)
         mine, theirs = self._shifted(end - self.offset), other._shifted(end - other.offset)
-        capacity = max(self._capacity_for(end + 1), mine[0].shape[2], theirs[0].shape[2])
+        capacity = self._capacity_for(max(end + 1, mine[0].shape[2], theirs[0].shape[2]))
         self.kv = [
             mx.concatenate([self._padded(a, capacity), self._padded(b, capacity)], axis=0)
             for a, b in zip(mine, theirs)
@@ -118,11 +118,34 @@ class BatchKVCache(KVCache):
         self.offset = self.base = end
         self.window = self._empty_window()
 
+    def put(self, rows: list[int], other: BatchKVCache) -> None:
+        """Write ``other``'s rows over ``rows`` (rows whose sequences are over), right-aligned at this cache's
+        ``offset``, which must be at least ``other``'s: one copy of the buffers (the flush's, when there is
+        one), and no change of shape, where ``extend`` and ``keep`` take two."""
+        if other.offset > self.offset:
+            raise ValueError(f"rows of {other.offset} positions do not fit before position {self.offset}")
+        self.flush()
+        other.flush()
+        index = mx.array(rows, dtype=mx.int32)
+        shift = self.offset - other.offset
+        kv = []
+        for a, b in zip(self.kv, other.kv):
+            a = mx.array(a)  # a new handle, as in ``flush``
+            a[index] = mx.pad(
+                b[:, :, : other.offset], [(0, 0), (0, 0), (shift, self.capacity - self.offset), (0, 0)]
+            )
+            kv.append(a)
+        self.kv = kv
+        for r, p in zip(rows, other.pad):
+            self.pad[r] = p + shift
+
     def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order), then drop the left padding that all of them share."""
+        """Keep only ``rows`` (in that order, a row more than once if asked), then drop the left padding that
+        all of them share, whole steps of it: the capacity stays a multiple of ``step``, so that a compiled
+        decode step sees few capacities (generation/batch.py)."""
         self.flush()
         index = mx.array(rows, dtype=mx.int32)
-        trim = min(self.pad[r] for r in rows)
+        trim = min(self.pad[r] for r in rows) // self.step * self.step
         self.kv = [a[index, :, trim:] for a in self.kv]
         self.pad = [self.pad[r] - trim for r in rows]
         self.offset -= trim

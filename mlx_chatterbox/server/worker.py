@@ -939,7 +939,9 @@ class Worker:
         if j.piped:  # the vocoding thread forgets its stream
             self._post("drop", j)
         # Counted before the reader is told, so a client that saw its request end finds it in /metrics.
-        self._meter.ended("failed" if error is not None else "cancelled" if j.ticket.cancelled else "finished")
+        self._meter.ended(
+            "failed" if error is not None else "cancelled" if j.ticket.cancelled else "finished"
+        )
         with self._lock:
             self._jobs -= 1
         j.ticket._put(_END if error is None else error)
