@@ -640,6 +640,8 @@ def test_metrics_count_where_the_time_goes(tts, vocode_thread):
     assert v["seconds"] > 0
     if vocode_thread:
         assert w["vocode"]["calls"] == 0 and phases(whole, "vocoder")["idle"]["seconds"] > 0
+        marker = phases(whole, "marker")  # what readers get goes through it; one of the two jobs is watermarked
+        assert marker["idle"]["calls"] > 0 and marker["mark"]["calls"] == 1 and marker["mark"]["seconds"] > 0
     else:
         assert {p["thread"] for p in whole["phases"]} == {"worker"}
 

@@ -44,8 +44,8 @@ def add_parser(sub) -> None:
         nargs="?",
         const="on",
         default="auto",
-        help="vocode whole requests and streamed chunks on a thread of their own while T3 keeps stepping (on), or on the model "
-        "thread after each step (off); auto (the default): on with MLX-CUDA, where it took 128 concurrent "
+        help="vocode whole requests and streamed chunks on a thread of their own while T3 keeps stepping, and "
+        "watermark the audio on a third (on), or both on the model thread after each step (off); auto (the default): on with MLX-CUDA, where it took 128 concurrent "
         "requests from 11x to 20x real time on an H200, off elsewhere (no gain on CPUs; not measured on Macs)",
     )
     p.add_argument(

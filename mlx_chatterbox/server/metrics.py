@@ -22,12 +22,14 @@ PHASES = {
         "admit",  # a job's next piece put into T3's batch (it is prefilled in the step after)
         "t3_step",  # T3's batch stepped: a token for each row (and the rows added since, prefilled)
         "stream_decode",  # streamed chunks decoded (S3Gen)
-        "emit",  # streamed chunks joined, watermarked and handed to their readers
+        "emit",  # streamed chunks joined, watermarked (without a marking thread) and handed to their readers
         "vocode",  # whole pieces vocoded (S3Gen), without a vocoding thread
-        "hand_over",  # a whole job's pieces joined, watermarked and handed to its reader
+        "hand_over",  # a whole job's pieces joined, watermarked (without a marking thread) and handed over
     ),
     # The vocoding thread's (``vocode_thread=True``): streamed chunks and whole pieces decoded there.
     "vocoder": ("idle", "stream_decode", "vocode"),
+    # The marking thread's (``vocode_thread=True`` too): the watermark of what readers get.
+    "marker": ("idle", "mark"),
 }
 ROW_PHASES = ("t3_step", "stream_decode", "vocode")  # whose calls take several rows at once
 OUTCOMES = ("finished", "failed", "cancelled")

@@ -12,8 +12,11 @@ audio is what ``TTS.generate`` gives for the same arguments and seed (``TTS.stre
 for chunk, cut at the same samples: a stream takes its tokens one push at a time, as ``TTS.stream`` does, up to
 its next due decode): pieces, budgets, seeds per piece, crossfades, pause tags' silences and watermark as
 there; exactly, except that pieces and chunks decoded together are equal up to float error, and that an
-unseeded job's S3Gen seed is drawn. Apart from the vocoding thread's work (on its own MLX stream, with arrays of
-its own: it makes the streams' vocoders), all MLX work happens on the worker thread.
+unseeded job's S3Gen seed is drawn. With ``vocode_thread=True`` a third thread, the marking thread, watermarks
+what readers get and hands it over, in order, so that Perth's work (on one H200 host 47 ms a whole request, on
+the T3 thread) keeps neither T3 nor S3Gen waiting. Apart from those threads' work (each on its own MLX stream,
+with arrays of its own: the vocoding thread makes the streams' vocoders), all MLX work happens on the worker
+thread.
 
 ``serve`` runs the vocoding thread by default with MLX-CUDA only (``default_vocode_thread``): there it took 128
 concurrent whole requests from 11.4x to 20.0x real time (H200, 2026-12-02); on 2 CPU cores it lost (T3 and
@@ -236,7 +239,7 @@ class Worker:
     pieces and streamed chunks vocoded as they become ready, up to ``vocode_batch`` of them (and
     ``vocode_frames`` mel frames, by default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of
     ``vocode_bucket`` tokens) in one S3Gen call: after the step that made them ready, or, ``vocode_thread=True``,
-    on a second thread while T3 keeps stepping. At most ``max_queue`` jobs wait or run (``submit`` raises
+    on a second thread while T3 keeps stepping (and the watermark on a third). At most ``max_queue`` jobs wait or run (``submit`` raises
     ``QueueFull`` beyond)."""
 
     def __init__(
@@ -286,7 +289,11 @@ class Worker:
         self._messages: list[tuple] = []
         self._outbox: list[tuple] = []  # the worker thread's messages not yet sent (``_send``)
         self._streams: dict[int, _Stream] = {}
-        self._meter = Meter(["worker", "vocoder"] if vocode_thread else ["worker"])
+        # What readers get, oldest first, when the marking thread runs (vocode_thread=True): (ticket, item, how to
+        # watermark it or None), watermarked there and handed over in order (``_deliver``); None stops it.
+        self._deliveries: queue.SimpleQueue = queue.SimpleQueue()
+        self._marker: threading.Thread | None = None
+        self._meter = Meter(["worker", "vocoder", "marker"] if vocode_thread else ["worker"])
         # Jobs waiting for T3 and in its batch, as the worker loop's last turn began (``metrics``).
         self._waiting = self._running = 0
 
@@ -335,6 +342,8 @@ class Worker:
                 target=self._vocode_loop, name="mlx-chatterbox-vocoder", daemon=True
             )
             self._vocoder.start()
+            self._marker = threading.Thread(target=self._mark_loop, name="mlx-chatterbox-marker", daemon=True)
+            self._marker.start()
 
     def close(self) -> None:
         """Stop after the running step and S3Gen call; jobs not finished get an error."""
@@ -342,6 +351,10 @@ class Worker:
             self._inbox.put(None)
             self._thread.join()
             self._thread = None
+            if self._marker is not None:  # after what the worker handed it last
+                self._deliveries.put(None)
+                self._marker.join()
+                self._marker = None
             _resume_automatic_gc()
 
     def submit(self, job: SpeechJob) -> Ticket:
@@ -685,8 +698,41 @@ class Worker:
 
     def _hand_over(self, j: _Job) -> None:
         with self._timed("hand_over"):
-            wav = join_audio(j.wavs, j.plan, CROSSFADE)
-            j.ticket._put(self.tts._mark(wav) if j.job.watermark else wav)
+            self._deliver(
+                j, join_audio(j.wavs, j.plan, CROSSFADE), self.tts._mark if j.job.watermark else None
+            )
+
+    def _deliver(self, j: _Job, item: Any, mark: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Hand the job's reader ``item`` (samples, the end or an error), watermarked by ``mark`` if given: now,
+        or through the marking thread when it runs, in order with what the job handed it before. There the
+        watermark (Perth: resampling, STFTs and a network, half a second of work for a minute of audio on one
+        CPU core) keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
+        if self._marker is None:
+            j.ticket._put(item if mark is None else mark(item))
+        else:
+            self._deliveries.put((j.ticket, item, mark))
+
+    def _mark_loop(self) -> None:
+        mx.set_default_device(self._device)
+        mx.set_default_stream(mx.new_stream(self._device))
+        try:
+            while True:
+                with self._timed("idle"):
+                    delivery = self._deliveries.get()
+                if delivery is None:
+                    return
+                ticket, item, mark = delivery
+                if mark is not None:
+                    try:
+                        with self._timed("mark"):
+                            item = mark(item)
+                    except Exception as error:  # the reader gets the error, and reads no further
+                        logger.exception("watermarking failed")
+                        item = error
+                ticket._put(item)
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
 
     # Vocoding: on the vocoding thread (vocode_thread=True), or on the worker's after each step.
 
@@ -917,20 +963,20 @@ class Worker:
             outs = [j.joiner.push(samples, more)] + ([j.joiner.end_piece(more)] if end else [])
             for out in outs:
                 if out.size:
-                    j.ticket._put(self.tts._mark_chunk(out) if j.job.watermark else out)
+                    self._deliver(j, out, self.tts._mark_chunk if j.job.watermark else None)
             if end and j.plan.pauses[j.piece + 1]:
                 self._emit_silence(j, j.plan.pauses[j.piece + 1])
 
     def _emit_silence(self, j: _Job, samples: int) -> None:
         silence = np.zeros(samples, np.float32)
-        j.ticket._put(self.tts._mark_chunk(silence) if j.job.watermark else silence)
+        self._deliver(j, silence, self.tts._mark_chunk if j.job.watermark else None)
 
     def _silence(self, j: _Job) -> None:
         """A job whose text is pause tags alone: its silence, as ``TTS.generate`` / ``TTS.stream`` give it."""
         if j.job.stream:
             self._emit_silence(j, j.plan.pauses[0])
         else:
-            j.ticket._put(np.zeros(j.plan.pauses[0], np.float32))  # unmarked, as TTS.generate
+            self._deliver(j, np.zeros(j.plan.pauses[0], np.float32))  # unmarked, as TTS.generate
 
     def _done(self, j: _Job, error: BaseException | None) -> None:
         if j.ended:  # e.g. a failed stream's job again, among the running ones at shutdown
@@ -944,7 +990,7 @@ class Worker:
         )
         with self._lock:
             self._jobs -= 1
-        j.ticket._put(_END if error is None else error)
+        self._deliver(j, _END if error is None else error)
 
     def _stop(self, jobs: list[_Job]) -> None:
         for j in jobs:
@@ -953,7 +999,8 @@ class Worker:
     def _timed(self, phase: str, rows: int = 0) -> contextlib.AbstractContextManager:
         """The block's wall time, one call and ``rows`` added to ``phase`` of the thread that runs it
         (``metrics``)."""
-        thread = "vocoder" if threading.current_thread() is self._vocoder else "worker"
+        current = threading.current_thread()
+        thread = "vocoder" if current is self._vocoder else "marker" if current is self._marker else "worker"
         return self._meter.timed(thread, phase, rows)
 
 
