@@ -23,6 +23,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip  (before mlx.core: see _backend
 from mlx_chatterbox import _backend  # isort: skip
 
 import argparse
+import dataclasses
 import functools
 import random
 import statistics
@@ -228,6 +229,12 @@ def main(argv: list[str] | None = None) -> None:
         "--tiny", action="store_true", help="a tiny T3 instead of the full size (a smoke run)"
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        help="T3's layers (default: 30, or 2 with --tiny): e.g. --tiny --layers 30 traces a step as long as the "
+        "real one's on a CPU",
+    )
+    parser.add_argument(
         "--mlx-ops",
         action="store_true",
         help="MLX's own ops on CUDA (models/layers.py CUDA_DECODE off: before ADR 12)",
@@ -258,7 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode_attention == "old":
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    model, voice, text, params = build(TINY if args.tiny else T3Config(), args.dtype)
+    cfg = TINY if args.tiny else T3Config()
+    if args.layers is not None:
+        if args.layers < 1:
+            parser.error(f"--layers {args.layers}: at least 1")
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    model, voice, text, params = build(cfg, args.dtype)
     params = SamplingParams(**{**params.__dict__, "max_new_tokens": args.tokens})
     info = machine_info()
 
@@ -270,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             tokens=args.tokens,
             dtype=args.dtype,
             tiny=args.tiny,
+            layers=cfg.num_layers,
             mlx_ops=args.mlx_ops,
             decode_attention=args.decode_attention,
             thread=args.thread,
