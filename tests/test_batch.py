@@ -159,9 +159,9 @@ def test_a_request_replacing_a_finished_one_takes_its_slot(tiny_t3, monkeypatch)
 def test_requests_of_other_row_counts_and_longer_prefills_come_and_go(tiny_t3, monkeypatch):
     """A closed loop over requests with and without CFG (slots of 2 and 1 rows) and prefills longer than the
     batch's: newcomers take dead slots where they fit and join beside the others where not."""
-    queue = requests() * 2
-    queue = [dataclasses.replace(r, key=mx.random.key(20 + i), uniforms=None) if i >= 5 and r.key is None
-             and not r.params.greedy else r for i, r in enumerate(queue)]  # fmt: skip
+    again = [r if r.params.greedy else dataclasses.replace(r, key=mx.random.key(20 + i), uniforms=None)
+             for i, r in enumerate(requests())]  # fmt: skip
+    queue = requests() + again
     calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend"])
     got = closed_loop(SpeechTokenBatch(tiny_t3), queue, 3)
     for i, request in enumerate(queue):

@@ -292,9 +292,12 @@ def test_a_request_replacing_a_finished_one_takes_its_slot(model, monkeypatch):
 
 
 def test_requests_with_longer_prefills_than_the_batch_come_and_go(model, monkeypatch):
-    queue = requests()[:5] * 2
-    queue = [dataclasses.replace(r, key=mx.random.key(20 + i)) if r.key is not None else r
-             for i, r in enumerate(queue)]  # fmt: skip
+    """A closed loop of 2 at a time over prefills of 16 to 397 positions: newcomers take dead slots where
+    their prefill fits and join beside the others where not."""
+    again = [
+        dataclasses.replace(r, key=mx.random.key(20 + i), uniforms=None) for i, r in enumerate(requests()[:5])
+    ]
+    queue = requests()[:5] + again
     calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend"])
     got = closed_loop(TurboTokenBatch(model), queue, 2)
     for i, request in enumerate(queue):
