@@ -447,6 +447,36 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
     assert np.array_equal(np.concatenate(got), np.concatenate(alone(tts, fine)))
 
 
+def test_a_gone_readers_audio_is_not_watermarked(tts, monkeypatch):
+    """With the marking thread (``vocode_thread=True``), chunks that wait for it when their reader leaves are
+    dropped unmarked: only the chunk being marked then is."""
+    job = SpeechJob("Gone soon.", random_voice(7), SamplingParams(max_new_tokens=400), cfm_steps=2, seed=40,
+                    stream=True, first_chunk=12)  # fmt: skip
+    marking, reader_left, marked = threading.Event(), threading.Event(), []
+    real = tts._mark_chunk
+
+    def spy(chunk):
+        marked.append(len(chunk))
+        marking.set()
+        assert reader_left.wait(30)
+        return real(chunk)
+
+    monkeypatch.setattr(tts, "_mark_chunk", spy)
+    with Worker(tts, vocode_thread=True) as worker:
+        ticket = worker.submit(job)
+        assert marking.wait(30)
+        deadline = time.perf_counter() + 30
+        while worker._deliveries.qsize() < 2 and time.perf_counter() < deadline:  # chunks wait behind it
+            time.sleep(0.01)
+        assert worker._deliveries.qsize() >= 2
+        ticket.cancel()
+        reader_left.set()
+        wait_idle(worker)
+        while worker._deliveries.qsize():
+            time.sleep(0.01)
+    assert len(marked) == 1
+
+
 def test_vocoding_settings_are_checked(tts):
     assert (
         Worker(tts, vocode_batch=3).vocode_frames == 3 * worker_module.VOCODE_FRAMES_PER_ROW
@@ -640,7 +670,9 @@ def test_metrics_count_where_the_time_goes(tts, vocode_thread):
     assert v["seconds"] > 0
     if vocode_thread:
         assert w["vocode"]["calls"] == 0 and phases(whole, "vocoder")["idle"]["seconds"] > 0
-        marker = phases(whole, "marker")  # what readers get goes through it; one of the two jobs is watermarked
+        marker = phases(
+            whole, "marker"
+        )  # what readers get goes through it; one of the two jobs is watermarked
         assert marker["idle"]["calls"] > 0 and marker["mark"]["calls"] == 1 and marker["mark"]["seconds"] > 0
     else:
         assert {p["thread"] for p in whole["phases"]} == {"worker"}

@@ -722,6 +722,8 @@ class Worker:
                 if delivery is None:
                     return
                 ticket, item, mark = delivery
+                if ticket.cancelled and isinstance(item, np.ndarray):  # its reader has gone: nothing to mark
+                    continue
                 if mark is not None:
                     try:
                         with self._timed("mark"):
