@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+
 import mlx.core as mx
 
 from ..models.cache import BatchKVCache

@@ -120,8 +120,9 @@ class BatchKVCache(KVCache):
 
     def put(self, rows: list[int], other: BatchKVCache) -> None:
         """Write ``other``'s rows over ``rows`` (rows whose sequences are over), right-aligned at this cache's
-        ``offset``, which must be at least ``other``'s: one copy of the buffers (the flush's, when there is
-        one), and no change of shape, where ``extend`` and ``keep`` take two."""
+        ``offset``, which must be at least ``other``'s. No shape changes, and the buffers are copied once (MLX
+        copies a buffer that the step queued ahead still reads; the flush's copy, when there is one, is then
+        written in place), where dropping rows (``keep``) and appending others (``extend``) copy twice."""
         if other.offset > self.offset:
             raise ValueError(f"rows of {other.offset} positions do not fit before position {self.offset}")
         self.flush()

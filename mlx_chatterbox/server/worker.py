@@ -239,8 +239,8 @@ class Worker:
     pieces and streamed chunks vocoded as they become ready, up to ``vocode_batch`` of them (and
     ``vocode_frames`` mel frames, by default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of
     ``vocode_bucket`` tokens) in one S3Gen call: after the step that made them ready, or, ``vocode_thread=True``,
-    on a second thread while T3 keeps stepping (and the watermark on a third). At most ``max_queue`` jobs wait or run (``submit`` raises
-    ``QueueFull`` beyond)."""
+    on a second thread while T3 keeps stepping (and the watermark on a third). At most ``max_queue`` jobs wait
+    or run (``submit`` raises ``QueueFull`` beyond)."""
 
     def __init__(
         self,
@@ -705,8 +705,8 @@ class Worker:
     def _deliver(self, j: _Job, item: Any, mark: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Hand the job's reader ``item`` (samples, the end or an error), watermarked by ``mark`` if given: now,
         or through the marking thread when it runs, in order with what the job handed it before. There the
-        watermark (Perth: resampling, STFTs and a network, half a second of work for a minute of audio on one
-        CPU core) keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
+        watermark (Perth: resampling, STFTs and a network, 55 ms for 10 s of audio on one core of our CPU)
+        keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
         if self._marker is None:
             j.ticket._put(item if mark is None else mark(item))
         else:
