@@ -170,9 +170,8 @@ class ContinuousBatch:
         if slots is not None:
             self._cache.put(self._rows(slots), rows)
             index = mx.array(slots, dtype=mx.int32)
-            self._tokens, self._seen = mx.array(self._tokens), mx.array(
-                self._seen
-            )  # new handles, as the cache's
+            # New handles, as the cache's (BatchKVCache.flush): what the queued step holds stays as it is.
+            self._tokens, self._seen = mx.array(self._tokens), mx.array(self._seen)
             self._tokens[index], self._seen[index] = tokens, seen
             mx.async_eval(self._tokens)
             for k, a in zip(slots, joining):
