@@ -141,13 +141,14 @@ def test_a_request_replacing_a_finished_one_takes_its_slot(tiny_t3, monkeypatch)
     model = T3(tiny_t3.config)
     model.update(tiny_t3.parameters())
     shapes = traced_shapes(model)
-    a, _, c, d, _ = requests()  # prefills of 158, 81 and 47 positions
+    a, _, c, d, _ = requests()  # prefills of 43, 41 and 42 positions
+    # One sampling set-up (one compiled step), other budgets.
     queue = [
         dataclasses.replace(
             r, params=dataclasses.replace(c.params, max_new_tokens=n), key=mx.random.key(i), uniforms=None
         )
         for i, (r, n) in enumerate(zip([a, c, d, c, d, c, d, c], [9, 12, 15, 7, 10, 13, 8, 11]))
-    ]  # fmt: skip  (one sampling set-up: one compiled step)
+    ]
     calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend", "keep"])
     got = closed_loop(SpeechTokenBatch(model), queue, 3)
     for i, request in enumerate(queue):
