@@ -94,6 +94,7 @@ class ContinuousBatch:
         self._tokens = self._seen = self._drawn = None
         self._cache: BatchKVCache | None = None
         self._layout: dict[str, mx.array] = {}
+        self._ended = False  # a request ended since the last ``_trim`` (only then can the cache be trimmed)
 
     def add(self, request: BatchRequest) -> int:
         """Queue a request (checked now, prefilled at the next step); returns its id."""
@@ -110,7 +111,7 @@ class ContinuousBatch:
                 return
         for a in self._active:
             if a.uid == uid and not a.dead:
-                a.dead = True
+                a.dead = self._ended = True
                 return
         raise KeyError(f"request {uid} is not in the batch (finished, cancelled or never added)")
 
@@ -130,9 +131,10 @@ class ContinuousBatch:
                 self._lay_out()
         if not self._active:
             return []
-        self._trim(self._live())
+        if self._ended:
+            self._trim(self._live())
         queued = self._queue_next()
-        out = []
+        out, alive = [], False
         for a, token in zip(self._active, self._tokens.tolist()):
             if a.dead:
                 continue
@@ -140,8 +142,10 @@ class ContinuousBatch:
             out.append((a.uid, token, finished))
             a.dead = finished
             a.drawn += not finished
+            alive |= not finished
         self._tokens, self._seen = queued
-        if not self._live():  # nothing left to step: the cache goes now, not at the next step
+        self._ended |= any(finished for _, _, finished in out)
+        if not alive:  # nothing left to step: the cache goes now, not at the next step
             self._keep([], 0)
         return out
 
@@ -151,7 +155,9 @@ class ContinuousBatch:
     def _trim(self, live: list[int]) -> None:
         """Drop the cache's positions before every live row's sequence, whole steps of them, once there are any
         (dead rows see only their last position): requests that take dead slots are right-aligned at the
-        cache's end, so without this the cache would grow as long as the batch never empties."""
+        cache's end, so without this the cache would grow as long as the batch never empties. Only a request's
+        end can make such positions, so ``step`` asks only after one."""
+        self._ended = False
         cache = self._cache
         rows = self._rows(live)
         if min(cache.pad[r] for r in rows) < cache.step:
