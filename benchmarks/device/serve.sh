@@ -2,6 +2,7 @@
 # The real server under load (issue 24): a random full-size model of VARIANT (english or turbo) served with
 # `serve --max-batch 128 --max-queue 256` plus SERVE_FLAGS, then bench_serve.py scenarios, one per remaining
 # argument, into ~/res/serve.jsonl: bash serve.sh english "" "--concurrency 128 --formats whole --requests 128" ...
+# SERVER_PID in a scenario becomes the server's process id (a soak's --pid, for its RSS).
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 variant=$1 flags=$2
 shift 2
@@ -24,6 +25,7 @@ until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.
 done
 echo "== $variant $flags: up after $((SECONDS - t0)) s"
 for scenario in "$@"; do
+  scenario=${scenario//SERVER_PID/$server}
   echo "== $scenario"
   # shellcheck disable=SC2086
   timeout 900 python3 benchmarks/bench_serve.py --url http://127.0.0.1:8000 $scenario --out ~/res/serve.jsonl 2>&1 \
