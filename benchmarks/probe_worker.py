@@ -1,0 +1,138 @@
+"""Where a served T3 step's time goes (issue 24): the same N requests through T3's batch alone on a thread (as
+``bench_batch --thread``) and through the server's Worker (vocoding thread on), on one model. A one-off probe
+for the H200; prints one table.
+
+    python benchmarks/probe_worker.py --requests 128 --tokens 250 [--model DIR --voice FILE]
+
+Run H and run J (benchmarks/RESULTS.md) found the served T3 step 4x slower than ``bench_batch``'s at 128
+rows, with nothing else running in the server meanwhile. Each path's every step is timed here (median, p90,
+max, total), so a few slow steps (traces, joins) show apart from a uniformly slow one. The model is built here
+at full size (``bench_stream.build``), or loaded from a converted folder as ``serve`` loads it (``--model``).
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx_chatterbox  # noqa: F401  isort: skip
+
+import argparse
+import statistics
+import threading
+import time
+
+import mlx.core as mx
+from bench_batch import on_a_thread
+from bench_serve import TEXT
+from bench_stream import build
+from common import machine_info, memory_budget, write_line
+
+from mlx_chatterbox import TTS
+from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
+from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server.worker import SpeechJob, Worker
+
+STEPS: list[tuple[float, int]] = []  # (seconds, rows) of every ContinuousBatch.step while a path runs
+_step = ContinuousBatch.step
+
+
+def _timed_step(self):
+    t = time.perf_counter()
+    out = _step(self)
+    STEPS.append((time.perf_counter() - t, len(out)))
+    return out
+
+
+ContinuousBatch.step = _timed_step
+
+
+def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
+    batch = SpeechTokenBatch(tts.t3)
+    ids = tts.text_ids(TEXT)
+    for i in range(n):
+        batch.add(BatchRequest(ids, voice, SamplingParams(max_new_tokens=tokens), key=mx.random.key(i)))
+    while len(batch):
+        batch.step()
+
+
+def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool) -> dict:
+    with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True) as w:
+        jobs = [SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream) for i in range(n)]
+        readers = [threading.Thread(target=lambda t: [None for _ in t], args=(w.submit(j),)) for j in jobs]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join()
+        return w.metrics()["phases"]
+
+
+def summary(path: str, wall: float, phases: dict | None = None) -> dict:
+    times = sorted(s for s, rows in STEPS if rows)
+    row = dict(
+        path=path,
+        wall_s=wall,
+        steps=len(times),
+        rows_per_step=statistics.mean(rows for _, rows in STEPS if rows),
+        median_ms=1000 * statistics.median(times),
+        p90_ms=1000 * times[int(0.9 * (len(times) - 1))],
+        max_ms=1000 * times[-1],
+        total_s=sum(times),
+    )
+    if phases is not None:
+        row["phases"] = {f"{p['thread']} {p['phase']}": round(p["seconds"], 2) for p in phases if p["seconds"] > 0.05}
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=250)
+    p.add_argument("--model", type=Path, help="a converted folder, loaded as `serve` loads it (default: built)")
+    p.add_argument("--voice", type=Path, help="with --model: a voice file (default: the folder's built-in)")
+    p.add_argument("--cfm-dtype", default="bfloat16")
+    p.add_argument("--memory-budget", type=memory_budget, default="auto", help="S3Gen.memory_budget")
+    p.add_argument("--streams", type=int, default=64, help="streamed requests through the Worker at once")
+    p.add_argument("--paths", default="batch,whole,streamed", help="which of batch,whole,streamed to run")
+    p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.model is None:
+        tts = build(args.tiny)
+        tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
+        mx.eval(tts.s3gen.estimator.parameters())  # here: the Worker's threads cannot evaluate lazy weights
+    else:
+        tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
+    tts.s3gen.memory_budget = args.memory_budget
+    voice = Voice.load(args.voice) if args.voice else tts.builtin_voice
+    n, tokens = args.requests, args.tokens
+    paths = {
+        "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
+        "whole": ("worker, whole", lambda k: worker(tts, voice, n, k, False)),
+        "streamed": (f"worker, {args.streams} streamed", lambda k: worker(tts, voice, args.streams, k, True)),
+    }
+    runs = [paths[name] for name in args.paths.split(",")]
+    info, rows = machine_info(), []
+    for name, run in runs:
+        run(30)  # warm-up: this batch's shapes traced
+        STEPS.clear()
+        t = time.perf_counter()
+        phases = run(tokens)
+        rows.append(summary(name, time.perf_counter() - t, phases))
+        write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
+                        memory_budget=args.memory_budget, machine=info), args.out)  # fmt: skip
+    print("\n| path | wall s | steps | rows/step | step ms median / p90 / max | steps total s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['wall_s']:.1f} | {r['steps']} | {r['rows_per_step']:.1f} | "
+              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['total_s']:.1f} |")  # fmt: skip
+    for r in rows:
+        if "phases" in r:
+            print(f"# {r['path']}: {r['phases']}")
+
+
+if __name__ == "__main__":
+    main()
