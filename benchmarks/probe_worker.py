@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_chatterbox  # noqa: F401  isort: skip
 
 import argparse
+import dataclasses
 import statistics
 import threading
 import time
@@ -108,6 +109,7 @@ def main() -> None:
         tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
     tts.s3gen.memory_budget = args.memory_budget
     voice = Voice.load(args.voice) if args.voice else tts.builtin_voice
+    mx.eval(dataclasses.astuple(voice))  # here: the threads below cannot evaluate a lazily loaded voice
     n, tokens = args.requests, args.tokens
     paths = {
         "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
