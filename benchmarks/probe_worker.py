@@ -1,13 +1,16 @@
 """Where a served T3 step's time goes (issue 24): the same N requests through T3's batch alone on a thread (as
-``bench_batch --thread``) and through the server's Worker (vocoding thread on), on one model. A one-off probe
-for the H200; prints one table.
+``bench_batch --thread``), through the server's Worker (vocoding thread on), or through ``serve`` itself, on one
+model. A one-off probe for the H200; prints one table.
 
     python benchmarks/probe_worker.py --requests 128 --tokens 250 [--model DIR --voice FILE]
+    python benchmarks/probe_worker.py --paths serve --model DIR --voice FILE
 
-Run H and run J (benchmarks/RESULTS.md) found the served T3 step 4x slower than ``bench_batch``'s at 128
-rows, with nothing else running in the server meanwhile. Each path's every step is timed here (median, p90,
-max, total), so a few slow steps (traces, joins) show apart from a uniformly slow one. The model is built here
-at full size (``bench_stream.build``), or loaded from a converted folder as ``serve`` loads it (``--model``).
+Run J (benchmarks/RESULTS.md) found the served T3 step 3x slower than the Worker's in a process of its own at 128
+rows, with nothing else running in the server meanwhile. Every step is timed here (median, p90, max, total), so a
+few slow steps (traces, joins) show apart from a uniformly slow one. The model is built here at full size
+(``bench_stream.build``), or loaded from a converted folder as ``serve`` loads it (``--model``). ``--paths
+serve`` runs ``mlx-chatterbox serve`` in this process (uvicorn on the main thread, as the CLI runs it) and sends
+it requests over HTTP through bench_serve.py from another process.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 
 import argparse
 import dataclasses
+import os
+import signal
 import statistics
+import subprocess
 import threading
 import time
+import urllib.request
 
 import mlx.core as mx
 from bench_batch import on_a_thread
@@ -31,12 +38,13 @@ from bench_serve import TEXT
 from bench_stream import build
 from common import machine_info, memory_budget, write_line
 
-from mlx_chatterbox import TTS
+from mlx_chatterbox import TTS, cli
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server.worker import SpeechJob, Worker
 
+HERE = Path(__file__).resolve().parent
 STEPS: list[tuple[float, int]] = []  # (seconds, rows) of every ContinuousBatch.step while a path runs
 _step = ContinuousBatch.step
 
@@ -62,7 +70,10 @@ def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
 
 def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool) -> dict:
     with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True) as w:
-        jobs = [SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream) for i in range(n)]
+        jobs = [
+            SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream)
+            for i in range(n)
+        ]
         readers = [threading.Thread(target=lambda t: [None for _ in t], args=(w.submit(j),)) for j in jobs]
         for r in readers:
             r.start()
@@ -84,7 +95,9 @@ def summary(path: str, wall: float, phases: dict | None = None) -> dict:
         total_s=sum(times),
     )
     if phases is not None:
-        row["phases"] = {f"{p['thread']} {p['phase']}": round(p["seconds"], 2) for p in phases if p["seconds"] > 0.05}
+        row["phases"] = {
+            f"{p['thread']} {p['phase']}": round(p["seconds"], 2) for p in phases if p["seconds"] > 0.05
+        }
     return row
 
 
@@ -92,15 +105,37 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--tokens", type=int, default=250)
-    p.add_argument("--model", type=Path, help="a converted folder, loaded as `serve` loads it (default: built)")
+    p.add_argument(
+        "--model", type=Path, help="a converted folder, loaded as `serve` loads it (default: built)"
+    )
     p.add_argument("--voice", type=Path, help="with --model: a voice file (default: the folder's built-in)")
     p.add_argument("--cfm-dtype", default="bfloat16")
     p.add_argument("--memory-budget", type=memory_budget, default="auto", help="S3Gen.memory_budget")
     p.add_argument("--streams", type=int, default=64, help="streamed requests through the Worker at once")
-    p.add_argument("--paths", default="batch,whole,streamed", help="which of batch,whole,streamed to run")
+    p.add_argument(
+        "--paths",
+        default="batch,whole,streamed",
+        help="which of batch,whole,streamed to run; or serve alone: `serve` on --model in this process, whole "
+        "and streamed requests sent over HTTP by bench_serve.py",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.paths == "serve":
+        rows = served(args)
+    else:
+        rows = in_process(args)
+    print("\n| path | wall s | steps | rows/step | step ms median / p90 / max | steps total s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['wall_s']:.1f} | {r['steps']} | {r['rows_per_step']:.1f} | "
+              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['total_s']:.1f} |")  # fmt: skip
+    for r in rows:
+        if "phases" in r:
+            print(f"# {r['path']}: {r['phases']}")
+
+
+def in_process(args: argparse.Namespace) -> list[dict]:
     if args.model is None:
         tts = build(args.tiny)
         tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
@@ -126,14 +161,53 @@ def main() -> None:
         rows.append(summary(name, time.perf_counter() - t, phases))
         write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
                         memory_budget=args.memory_budget, machine=info), args.out)  # fmt: skip
-    print("\n| path | wall s | steps | rows/step | step ms median / p90 / max | steps total s |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['path']} | {r['wall_s']:.1f} | {r['steps']} | {r['rows_per_step']:.1f} | "
-              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['total_s']:.1f} |")  # fmt: skip
-    for r in rows:
-        if "phases" in r:
-            print(f"# {r['path']}: {r['phases']}")
+    return rows
+
+
+def served(args: argparse.Namespace) -> list[dict]:
+    """``serve`` as the CLI runs it (uvicorn on this, the main, thread), every T3 step timed; a thread sends
+    whole and then streamed requests (a warm-up round of 30 tokens before each) through bench_serve.py, then
+    stops the server with SIGINT."""
+    if args.model is None:
+        raise SystemExit("--paths serve needs --model (and --voice): a converted folder")
+    port, rows = 8011, []
+    url = f"http://127.0.0.1:{port}"
+
+    def drive() -> None:
+        try:
+            wait_for(url)
+            for fmt, n in (("whole", args.requests), ("streamed", args.streams)):
+                for tokens in (30, args.tokens):
+                    STEPS.clear()
+                    t = time.perf_counter()
+                    load = ["--concurrency", n, "--formats", fmt, "--requests", n, "--tokens", tokens]
+                    subprocess.run(
+                        [sys.executable, str(HERE / "bench_serve.py"), "--url", url, *map(str, load)]
+                    )
+                rows.append(summary(f"served, {n} {fmt}", time.perf_counter() - t))
+                write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
+                                machine=machine_info()), args.out)  # fmt: skip
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=drive, daemon=True).start()
+    flags = ["--model", str(args.model), "--port", str(port), "--max-batch", "128", "--max-queue", "256"]
+    flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"] + (
+        ["--voice", str(args.voice)] if args.voice else []
+    )
+    cli.main(["serve", *flags])
+    return rows
+
+
+def wait_for(url: str, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url}/health did not answer in {timeout:g} s")
 
 
 if __name__ == "__main__":
