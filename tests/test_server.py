@@ -634,6 +634,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--cfm-steps",
         "--stream-context",
         "--vocode-thread",
+        "--stream-catch-up",
         "--no-ui",
     )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
@@ -645,6 +646,10 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         main(["serve", "--stream-context", "-1"])
     assert e.value.code == 2 and "argument --stream-context: -1 is out of range" in capsys.readouterr().err
     nowhere = str(tmp_path / "no-model")  # never loaded: the checks come first
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", nowhere, "--vocode-thread", "off", "--stream-catch-up", "on"])
+    assert e.value.code == 2
+    assert "--stream-catch-up applies to streams decoded on the vocoding thread" in capsys.readouterr().err
     assert main(["serve", "--model", nowhere, "--voice", str(tmp_path / "v.safetensors")]) == 1
     assert "no such file" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
@@ -745,16 +750,19 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize(
-    "flag,cuda,threaded",
+    "flag,cuda,threaded,catch_up",
     [
-        ([], False, False),
-        ([], True, True),
-        (["--vocode-thread"], False, True),
-        (["--vocode-thread", "off"], True, False),
+        ([], False, False, False),
+        ([], True, True, True),
+        (["--vocode-thread"], False, True, True),
+        (["--vocode-thread", "off"], True, False, False),
+        (["--stream-catch-up", "off"], True, True, False),
+        (["--vocode-thread", "--stream-catch-up", "on"], False, True, True),
     ],
 )
-def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded):
-    """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare."""
+def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up):
+    """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
+    its streams catch up (``--stream-catch-up``, on by default)."""
     seen = {}
 
     def serve(app, host, port, shutdown_timeout, log_level):
@@ -766,6 +774,7 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main(args) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
+    assert seen["health"]["stream_catch_up"] is catch_up
 
 
 @pytest.mark.parametrize(

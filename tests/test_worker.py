@@ -370,10 +370,14 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
             assert error == 0, errors
 
 
-def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tts, monkeypatch):
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tts, monkeypatch, catch_up):
     """With a vocoding thread, streamed decodes run there while T3 keeps stepping: the first (A's first chunk)
     is held until T3 has drawn all of B's tokens; the decodes that fell due meanwhile (A's last, B's first)
-    then share one call. Each stream is TTS.stream's chunk for chunk (the same cuts), within SHARED_TOL."""
+    then share one call. Without catch-up each stream is TTS.stream's chunk for chunk (the same cuts), within
+    SHARED_TOL. With it, B, whose 40 tokens all waited, takes them into one decode: TTS.stream's audio with a
+    first chunk past its end (one chunk); A, whose tokens after its first chunk cross no boundary, is
+    TTS.stream's either way."""
     a = SpeechJob(
         "Hi.", random_voice(1), SamplingParams(max_new_tokens=14), cfm_steps=2, seed=20, stream=True
     )
@@ -394,7 +398,7 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
         return real(vocoders, **kwargs)
 
     monkeypatch.setattr(worker_module, "decode_together", spy)
-    with Worker(tts, vocode_thread=True) as worker:
+    with Worker(tts, vocode_thread=True, stream_catch_up=catch_up) as worker:
         hold = worker.run(time.sleep, 0.3)  # both start together
         tickets += [worker.submit(job) for job in (a, b)]
         hold.result()
@@ -402,11 +406,13 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
     monkeypatch.undo()
     assert stepped == [True]
     assert rows[0] == 1 and rows[1] == 2, rows
-    for job, chunks in zip((a, b), got):
+    b_alone = dataclasses.replace(b, first_chunk=b.params.max_new_tokens + 1) if catch_up else b
+    for job, chunks in zip((a, b_alone), got):
         expected = alone(tts, job)
         assert [len(c) for c in chunks] == [len(c) for c in expected]
         wav, ref = np.concatenate(chunks), np.concatenate(expected)
         assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
+    assert len(got[1]) == (1 if catch_up else len(alone(tts, b)))
 
 
 def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, monkeypatch):
@@ -430,7 +436,7 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
         return real(vocoders, **kwargs)
 
     monkeypatch.setattr(worker_module, "decode_together", spy)
-    with Worker(tts, vocode_thread=True) as worker:
+    with Worker(tts, vocode_thread=True, stream_catch_up=False) as worker:
         bad = worker.submit(doomed)
         with pytest.raises(RuntimeError, match="no memory left"):
             list(bad)
@@ -495,7 +501,7 @@ def test_streamed_and_whole_jobs_at_once(tts):
         dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
         for k, job in enumerate(jobs(False) + jobs(True))
     ]
-    with Worker(tts, max_batch=6, vocode_thread=True) as worker:
+    with Worker(tts, max_batch=6, vocode_thread=True, stream_catch_up=False) as worker:
         hold = worker.run(time.sleep, 0.3)
         tickets = [worker.submit(job) for job in specs]
         hold.result()

@@ -49,6 +49,13 @@ def add_parser(sub) -> None:
         "requests from 11x to 20x real time on an H200, off elsewhere (no gain on CPUs; not measured on Macs)",
     )
     p.add_argument(
+        "--stream-catch-up",
+        choices=("on", "off"),
+        help="with the vocoding thread: a stream whose tokens waited for a busy S3Gen takes them all into its next "
+        "decode (on, the default: fewer, longer decodes when the server is loaded; chunk boundaries then depend on "
+        "timing), or decodes at the fixed chunk boundaries of `say --stream` whatever the load (off)",
+    )
+    p.add_argument(
         "--max-queue",
         type=common.at_least_1,
         default=128,
@@ -162,6 +169,12 @@ def run(args: argparse.Namespace) -> None:
     if args.memory_limit is not None and not args.memory_limit > 0:
         raise ValueError(f"--memory-limit {args.memory_limit}: give a positive number of GB")
     check_shutdown_timeout(args.shutdown_timeout, "--shutdown-timeout")
+    vocode_thread = default_vocode_thread() if args.vocode_thread == "auto" else args.vocode_thread == "on"
+    if args.stream_catch_up is not None and not vocode_thread:
+        raise common.UsageError(
+            "--stream-catch-up applies to streams decoded on the vocoding thread, which is off here; add "
+            "--vocode-thread on, or leave --stream-catch-up out"
+        )
     keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
     folder = args.voices if args.voices is not None else default_voices_dir()
     if folder.exists() and not folder.is_dir():
@@ -182,7 +195,8 @@ def run(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         vocode_batch=args.vocode_batch,
-        vocode_thread=default_vocode_thread() if args.vocode_thread == "auto" else args.vocode_thread == "on",
+        vocode_thread=vocode_thread,
+        stream_catch_up=args.stream_catch_up != "off",
     ) as worker:
         first_chunk = FIRST_CHUNK if args.first_chunk == "auto" else args.first_chunk
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing

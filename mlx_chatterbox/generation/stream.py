@@ -212,6 +212,25 @@ class StreamVocoder:
         """``push`` without its decode: when the tokens cross a chunk boundary, the decode is left due
         (``due``) for ``decode_together``, and no more tokens are taken until it has run."""
         self._check_open()
+        self._add(tokens)
+        if len(self._tokens) < self._next:
+            return
+        while self._next <= len(self._tokens):
+            self._next += self._step
+            self._step = max(self.chunk, min(2 * self._step, MAX_CHUNK))
+        self._due = self._prepare(final=False)
+
+    def end(self, tokens: Sequence[int] = ()) -> None:
+        """``finish`` without its decode, the last ``tokens`` taken first (any number: the last decode reads them
+        all, whatever chunk boundaries they cross): the last decode is left due for ``decode_together``."""
+        self._check_open()
+        self._add(tokens)
+        self._finished = True
+        if not self._tokens:
+            raise ValueError("no speech tokens were pushed; there is nothing to vocode")
+        self._due = self._prepare(final=True)
+
+    def _add(self, tokens: Sequence[int]) -> None:
         ids = np.asarray(tokens)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"tokens must be a 1-d sequence of integer ids, got {ids.dtype} {ids.shape}")
@@ -222,20 +241,6 @@ class StreamVocoder:
                 f"speech tokens must lie in [0, {vocab}), found {bad}; drop T3's start/stop ids first"
             )
         self._tokens += ids.tolist()
-        if len(self._tokens) < self._next:
-            return
-        while self._next <= len(self._tokens):
-            self._next += self._step
-            self._step = max(self.chunk, min(2 * self._step, MAX_CHUNK))
-        self._due = self._prepare(final=False)
-
-    def end(self) -> None:
-        """``finish`` without its decode: the last decode is left due for ``decode_together``."""
-        self._check_open()
-        self._finished = True
-        if not self._tokens:
-            raise ValueError("no speech tokens were pushed; there is nothing to vocode")
-        self._due = self._prepare(final=True)
 
     @property
     def due(self) -> int:

@@ -240,7 +240,12 @@ class Worker:
     ``vocode_frames`` mel frames, by default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of
     ``vocode_bucket`` tokens) in one S3Gen call: after the step that made them ready, or, ``vocode_thread=True``,
     on a second thread while T3 keeps stepping (and the watermark on a third). At most ``max_queue`` jobs wait
-    or run (``submit`` raises ``QueueFull`` beyond)."""
+    or run (``submit`` raises ``QueueFull`` beyond).
+
+    stream_catch_up (with ``vocode_thread``): a stream whose tokens waited for S3Gen (its decode ran late, in a
+    busy call, or the thread woke after several T3 steps) takes them all into its next decode, so a loaded
+    server runs fewer, longer decodes per stream; its chunk boundaries then depend on timing. False: every
+    stream's chunks are ``TTS.stream``'s, whatever the load."""
 
     def __init__(
         self,
@@ -252,6 +257,7 @@ class Worker:
         vocode_frames: int | None = None,
         vocode_bucket: int = VOCODE_BUCKET,
         vocode_thread: bool = False,
+        stream_catch_up: bool = True,
     ):
         if vocode_frames is None:  # as many long rows as vocode_batch allows: --vocode-batch sets both
             vocode_frames = vocode_batch * VOCODE_FRAMES_PER_ROW
@@ -272,7 +278,7 @@ class Worker:
             )
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
         self.vocode_batch, self.vocode_frames, self.vocode_bucket = vocode_batch, vocode_frames, vocode_bucket
-        self.vocode_thread = vocode_thread
+        self.vocode_thread, self.stream_catch_up = vocode_thread, stream_catch_up
         self.sample_rate = tts.sample_rate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
         self._jobs = 0  # submitted and not finished (under _lock)
@@ -795,8 +801,9 @@ class Worker:
 
     # Streamed pieces on the vocoding thread (vocode_thread=True): T3 keeps stepping while their decodes run, and
     # the decodes that fall due meanwhile run together in the next call. The worker sends each piece's tokens
-    # (``_post``); this thread takes them into the piece's vocoder one push at a time, as ``TTS.stream``
-    # pushes them, stopping at a due decode, so that every stream decodes at TTS.stream's boundaries.
+    # (``_post``); this thread takes them into the piece's vocoder up to its next due decode (``_feed``): one
+    # push at a time, so that every stream decodes at TTS.stream's boundaries, or with ``stream_catch_up`` all
+    # that waited at once.
 
     def _post(self, kind: str, j: _Job, value: Any = None) -> None:
         """From the worker thread: a message about a streamed piece for the vocoding thread, sent with the turn's
@@ -831,18 +838,24 @@ class Worker:
         return failed
 
     def _feed(self) -> list[_Streamed]:
-        """Each stream takes what it holds up to its next due decode. Returns the answers for streams that
-        failed."""
+        """Each stream takes what it holds up to its next due decode: token lists one at a time, as
+        ``TTS.stream`` pushes them, or (``stream_catch_up``) all it holds at once, so that a stream whose
+        decode waited for S3Gen makes up for it in one longer decode instead of several. Returns the answers
+        for streams that failed."""
         failed = []
         for stream in list(self._streams.values()):
+            held, vocoder = stream.held, stream.vocoder
             try:
-                while stream.held and not stream.vocoder.due and not stream.final:
-                    tokens = stream.held.popleft()
-                    if tokens is None:
-                        stream.vocoder.end()
+                while held and not vocoder.due and not stream.final:
+                    tokens = []
+                    while held and held[0] is not None and (self.stream_catch_up or not tokens):
+                        tokens += held.popleft()
+                    if held and held[0] is None and (self.stream_catch_up or not tokens):
+                        held.popleft()
+                        vocoder.end(tokens)
                         stream.final = True
                     else:
-                        stream.vocoder.take(tokens)
+                        vocoder.take(tokens)
             except Exception as error:
                 del self._streams[id(stream.j)]
                 failed.append(_Streamed([(stream.j, None, False)], error))
