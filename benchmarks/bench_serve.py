@@ -577,17 +577,9 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
     health = get_json(url, "/health")
     sample_rate = health["sample_rate"]
     info = machine_info()
-    keys = (
-        "model",
-        "variant",
-        "max_batch",
-        "max_queue",
-        "vocode_batch",
-        "vocode_thread",
-        "stream_catch_up",
-        "cfm_steps",
-    )
-    keys += ("cfm_dtype", "stream_context", "first_chunk")  # the flags that change the server's speed
+    keys = ("model", "variant", "max_batch", "max_queue", "vocode_batch", "vocode_thread", "cfm_steps")
+    # the flags that change the server's speed
+    keys += ("cfm_dtype", "stream_context", "first_chunk", "stream_catch_up")
     server = {k: health.get(k) for k in keys}
     rows = []
 
