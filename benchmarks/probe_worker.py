@@ -39,8 +39,10 @@ from bench_stream import build
 from common import machine_info, memory_budget, write_line
 
 from mlx_chatterbox import TTS, cli
+from mlx_chatterbox.generation import batch as batch_module
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server.worker import SpeechJob, Worker
 
@@ -57,6 +59,18 @@ def _timed_step(self):
 
 
 ContinuousBatch.step = _timed_step
+TRACES: list[tuple[int, int]] = (
+    []
+)  # (rows, capacity) of every trace of T3's batched step, in any process path
+_decode_window = T3.decode_window
+
+
+def _traced(self, *args):  # the compiled step calls the Python function only when it traces
+    TRACES.append((args[4][0].shape[0], args[4][0].shape[2]))
+    return _decode_window(self, *args)
+
+
+T3.decode_window = _traced
 
 
 def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
@@ -68,15 +82,15 @@ def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
         batch.step()
 
 
-def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool) -> dict:
+def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: float = 0.0) -> dict:
+    """n jobs through a Worker, submitted at once or one every over/n seconds (as HTTP requests trickle in)."""
     with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True) as w:
-        jobs = [
-            SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream)
-            for i in range(n)
-        ]
-        readers = [threading.Thread(target=lambda t: [None for _ in t], args=(w.submit(j),)) for j in jobs]
-        for r in readers:
-            r.start()
+        readers = []
+        for i in range(n):
+            job = SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream)
+            readers.append(threading.Thread(target=lambda t: [None for _ in t], args=(w.submit(job),)))
+            readers[-1].start()
+            time.sleep(over / n)
         for r in readers:
             r.join()
         return w.metrics()["phases"]
@@ -93,6 +107,7 @@ def summary(path: str, wall: float, phases: dict | None = None) -> dict:
         p90_ms=1000 * times[int(0.9 * (len(times) - 1))],
         max_ms=1000 * times[-1],
         total_s=sum(times),
+        traces=list(TRACES),
     )
     if phases is not None:
         row["phases"] = {
@@ -115,24 +130,43 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="batch,whole,streamed",
-        help="which of batch,whole,streamed to run; or serve alone: `serve` on --model in this process, whole "
+        help="which of batch,whole,trickled,streamed to run; or serve alone: `serve` on --model in this process, whole "
         "and streamed requests sent over HTTP by bench_serve.py",
+    )
+    p.add_argument(
+        "--arrive-over", type=float, default=1.0, help="trickled: seconds over which the jobs arrive"
+    )
+    p.add_argument(
+        "--pow2",
+        action="store_true",
+        help="batches laid out in powers of two slots (batch.batch_size patched)",
+    )
+    p.add_argument(
+        "--prewarm",
+        action="store_true",
+        help="before each measured run, a short batch of every slot count up to --requests (traces them, as a "
+        "start-up warm-up could)",
     )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.pow2:
+        batch_module.batch_size = lambda n: 1 << (n - 1).bit_length()
     if args.paths == "serve":
         rows = served(args)
     else:
         rows = in_process(args)
-    print("\n| path | wall s | steps | rows/step | step ms median / p90 / max | steps total s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| path | wall s | steps | rows/step | step ms median / p90 / max | steps total s | traces |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['path']} | {r['wall_s']:.1f} | {r['steps']} | {r['rows_per_step']:.1f} | "
-              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['total_s']:.1f} |")  # fmt: skip
+              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['total_s']:.1f} | "
+              f"{len(r['traces'])} |")  # fmt: skip
     for r in rows:
-        if "phases" in r:
-            print(f"# {r['path']}: {r['phases']}")
+        print(
+            f"# {r['path']}: traced (rows, capacity) {r['traces']}"
+            + (f"; {r['phases']}" if "phases" in r else "")
+        )
 
 
 def in_process(args: argparse.Namespace) -> list[dict]:
@@ -149,13 +183,24 @@ def in_process(args: argparse.Namespace) -> list[dict]:
     paths = {
         "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
         "whole": ("worker, whole", lambda k: worker(tts, voice, n, k, False)),
+        "trickled": (
+            f"worker, whole, arriving over {args.arrive_over:g} s",
+            lambda k: worker(tts, voice, n, k, False, args.arrive_over),
+        ),
         "streamed": (f"worker, {args.streams} streamed", lambda k: worker(tts, voice, args.streams, k, True)),
     }
     runs = [paths[name] for name in args.paths.split(",")]
     info, rows = machine_info(), []
     for name, run in runs:
         run(30)  # warm-up: this batch's shapes traced
+        if args.prewarm:
+            sizes = sorted({batch_module.batch_size(k) for k in range(1, n + 1)})
+            t = time.perf_counter()
+            for k in sizes:
+                on_a_thread(batch_alone, tts, voice, k, 4)
+            print(f"# prewarm: {len(sizes)} slot counts {sizes} in {time.perf_counter() - t:.1f} s")
         STEPS.clear()
+        TRACES.clear()
         t = time.perf_counter()
         phases = run(tokens)
         rows.append(summary(name, time.perf_counter() - t, phases))
@@ -179,6 +224,7 @@ def served(args: argparse.Namespace) -> list[dict]:
             for fmt, n in (("whole", args.requests), ("streamed", args.streams)):
                 for tokens in (30, args.tokens):
                     STEPS.clear()
+                    TRACES.clear()
                     t = time.perf_counter()
                     load = ["--concurrency", n, "--formats", fmt, "--requests", n, "--tokens", tokens]
                     subprocess.run(
