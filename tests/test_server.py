@@ -762,19 +762,23 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
 )
 def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up):
     """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
-    its streams catch up (``--stream-catch-up``, on by default)."""
+    its streams catch up (``--stream-catch-up``, on by default). A streamed request is served either way."""
     seen = {}
 
     def serve(app, host, port, shutdown_timeout, log_level):
         with TestClient(app) as http:
             seen["health"] = http.get("/health").json()
+            body = {"model": "mlx", "input": "Hi.", "response_format": "pcm", "max_new_tokens": 30, "seed": 3}
+            seen["speech"] = http.post("/v1/audio/speech", json={**body, "stream": True})
 
     monkeypatch.setattr(run_module, "serve", serve)
     monkeypatch.setattr(worker_module, "default_vocode_thread", lambda: cuda)
+    random_voice(seed=7).save(tmp_path / "mine.safetensors")
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
-    assert main(args) == 0
+    assert main([*args, "--voice", str(tmp_path / "mine.safetensors")]) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
     assert seen["health"]["stream_catch_up"] is catch_up
+    assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
 
 
 @pytest.mark.parametrize(
