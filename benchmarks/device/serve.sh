@@ -8,10 +8,7 @@ variant=$1 flags=$2
 shift 2
 echo "== commit $BENCH_COMMIT"
 dir=/tmp/serve-$variant
-[ -d "$dir/mlx" ] || python3 -c "
-import sys; sys.path[:0] = ['benchmarks', '.']
-from pathlib import Path; import bench_serve
-d = Path('$dir'); d.mkdir(exist_ok=True); bench_serve.write_random_model('full', '$variant', d)"
+bash "$(dirname "$0")/model.sh" "$variant"
 # shellcheck disable=SC2086  # the flags are words
 python3 -m mlx_chatterbox serve --model "$dir/mlx" --voice "$dir/voice.safetensors" --port 8000 \
     --max-batch 128 --max-queue 256 $flags > ~/res/serve_server.log 2>&1 &
