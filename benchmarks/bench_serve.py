@@ -259,7 +259,7 @@ def worker_breakdown(before: dict, after: dict) -> dict:
     """The deltas of the worker's counters between two reads of /metrics around a scenario: the span between
     them by the server's clock (the scenario's wall time and a read), per thread and phase its seconds, share
     of the span, calls and rows; the worker thread's seconds in no phase (``other``: routing tokens, receiving
-    jobs); mean requests per T3 step and rows per S3Gen call; jobs ended by outcome."""
+    jobs); mean requests per T3 step and rows per S3Gen call; T3's step traces; jobs ended by outcome."""
 
     def delta(key: tuple) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -292,6 +292,7 @@ def worker_breakdown(before: dict, after: dict) -> dict:
         t3_rows_per_step=per_call("t3_step"),
         vocode_rows_per_call=per_call("vocode"),
         stream_decode_rows_per_call=per_call("stream_decode"),
+        t3_traces=int(delta(("mlx_chatterbox_t3_traces_total", ()))),
         requests=requests,
     )
 
@@ -449,10 +450,10 @@ def markdown(rows: list[dict]) -> str:
 
 def worker_markdown(rows: list[dict]) -> str:
     """Where the worker's time went per scenario: seconds and share of the span per phase (the vocoding
-    thread's apart), then mean rows per T3 step and per S3Gen call."""
+    thread's apart), then mean rows per T3 step and per S3Gen call, and T3's step traces."""
     columns = list(dict.fromkeys((t, p) for r in rows for t, ps in r["worker"]["phases"].items() for p in ps))
     names = [p if t == "worker" else f"{t} {p}" for t, p in columns]
-    names += ["other", "T3 rows/step", "vocode rows/call", "stream rows/call"]
+    names += ["other", "T3 rows/step", "vocode rows/call", "stream rows/call", "T3 traces"]
     lines = ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for r in rows:
         w = r["worker"]
@@ -462,7 +463,7 @@ def worker_markdown(rows: list[dict]) -> str:
             cells.append("-" if tally is None else f"{tally['seconds']:.2f} s {100 * tally['share']:.0f}%")
         cells.append(f"{w['other_s']:.2f} s {100 * w['other_share']:.0f}%")
         cells += [fmt(w[k], ".1f") for k in ("t3_rows_per_step", "vocode_rows_per_call")]
-        cells.append(fmt(w["stream_decode_rows_per_call"], ".1f"))
+        cells += [fmt(w["stream_decode_rows_per_call"], ".1f"), str(w["t3_traces"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_chatterbox.generation import speech_tokens
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch, batch_size
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens, prefill_embeds
 from mlx_chatterbox.models.cache import BatchKVCache
@@ -150,7 +151,9 @@ def test_a_request_replacing_a_finished_one_takes_its_slot(tiny_t3, monkeypatch)
         for i, (r, n) in enumerate(zip([a, c, d, c, d, c, d, c], [9, 12, 15, 7, 10, 13, 8, 11]))
     ]
     calls = count_calls(monkeypatch, BatchKVCache, ["put", "extend", "keep"])
+    traced = speech_tokens.traces()
     got = closed_loop(SpeechTokenBatch(model), queue, 3)
+    assert speech_tokens.traces() - traced == len(shapes)  # the process's count (serve's /metrics) sees them
     for i, request in enumerate(queue):
         assert got[i] == alone(tiny_t3, request), f"request {i}"
     assert [s[0] for s in shapes] == [6, 2]  # 3 slots of a CFG pair; one, draining

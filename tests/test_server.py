@@ -27,6 +27,7 @@ from openai import OpenAI
 from mlx_chatterbox import TTS, SamplingParams
 from mlx_chatterbox.cli import main
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation import speech_tokens
 from mlx_chatterbox.generation.stream import CONTEXT, StreamVocoder
 from mlx_chatterbox.server import run as run_module
 from mlx_chatterbox.server import worker as worker_module
@@ -568,6 +569,8 @@ def test_metrics(server):
         assert after[key] - before[key] == n, outcome
     for name in ("jobs", "jobs_waiting", "jobs_running", "vocode_pending"):
         assert after[f"mlx_chatterbox_{name}", frozenset()] == 0, name
+    traces = ("mlx_chatterbox_t3_traces_total", frozenset())  # counted exactly: test_batch.py
+    assert after[traces] == speech_tokens.traces() > 0 and after[traces] >= before[traces]
 
     with serving(create_app(worker, voices, model_name="tiny", api_keys=["key"])) as keyed:
         r = httpx.get(f"{keyed}/metrics")

@@ -692,5 +692,6 @@ def test_metrics_count_where_the_time_goes(tts, vocode_thread):
     assert phases(after, on)["vocode"]["rows"] == 2  # the failed job never reached S3Gen
     assert a["idle"]["calls"] > 0 and a["idle"]["seconds"] > 0
     assert after["jobs"] == after["waiting"] == after["running"] == after["vocode_pending"] == 0
+    assert after["t3_traces"] >= whole["t3_traces"] >= before["t3_traces"]  # counted exactly: test_batch.py
     busy = sum(p["seconds"] for p in a.values())
     assert busy <= after["uptime"] < wall, (busy, after["uptime"], wall)

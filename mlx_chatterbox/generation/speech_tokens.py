@@ -154,6 +154,9 @@ def _draw_args(
 _MAX_COMPILED = 16
 
 
+_traces = [0]  # traces of every compiled step in this process (``traces``)
+
+
 def compiled(model: object, key: object, build: Callable[[], Callable]) -> Callable:
     """``model.compiled_steps[key]``: ``mx.compile(build())`` on first use, at most ``_MAX_COMPILED`` kept per
     model (the oldest goes first). Every T3 decode loop (single, batched, aligned; English and Turbo) keeps
@@ -162,8 +165,21 @@ def compiled(model: object, key: object, build: Callable[[], Callable]) -> Calla
     if key not in steps:
         if len(steps) >= _MAX_COMPILED:
             steps.pop(next(iter(steps)))
-        steps[key] = mx.compile(build())
+        step = build()
+
+        def traced(*args):  # mx.compile runs the Python function only when it traces (a new shape)
+            _traces[0] += 1
+            return step(*args)
+
+        steps[key] = mx.compile(traced)
     return steps[key]
+
+
+def traces() -> int:
+    """How many times a compiled T3 decode step has been traced in this process: once per new input shape (rows,
+    KV capacity, draw table), each costing the host the whole step's graph and, on a GPU, its new kernels
+    (``serve``'s ``/metrics``)."""
+    return _traces[0]
 
 
 def speech_ids(vocab_size: int) -> mx.array:

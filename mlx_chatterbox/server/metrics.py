@@ -118,6 +118,12 @@ def prometheus(metrics: dict) -> str:
         [(label(**p), p["rows"]) for p in phases if p["phase"] in ROW_PHASES],
     )
     family(
+        "mlx_chatterbox_t3_traces_total",
+        "counter",
+        "Times T3's compiled decode steps were traced in this process (each new shape: rows, KV capacity).",
+        [("", metrics["t3_traces"])],
+    )
+    family(
         "mlx_chatterbox_requests_total",
         "counter",
         "Speech jobs ended, by outcome.",

@@ -48,6 +48,7 @@ import numpy as np
 from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch
 from ..generation.pieces import Plan, join_audio, token_budget
+from ..generation.speech_tokens import traces
 from ..generation.stream import CHUNK
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
 from ..generation.stream import (
@@ -318,10 +319,16 @@ class Worker:
     def metrics(self) -> dict:
         """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
         rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs``
-        (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch) and ``vocode_pending`` (whole
-        pieces waiting for S3Gen). Read from any thread, without waiting for the worker."""
+        (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch), ``vocode_pending`` (whole
+        pieces waiting for S3Gen) and ``t3_traces`` (``speech_tokens.traces``: T3's compiled steps traced in
+        this process). Read from any thread, without waiting for the worker."""
         gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running)
-        return {**self._meter.snapshot(), **gauges, "vocode_pending": len(self._pending)}
+        return {
+            **self._meter.snapshot(),
+            **gauges,
+            "vocode_pending": len(self._pending),
+            "t3_traces": traces(),
+        }
 
     def start(self) -> None:
         """Start the worker thread. While it runs, Python's automatic garbage collection is off and the worker
