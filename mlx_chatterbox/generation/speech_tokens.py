@@ -149,11 +149,10 @@ def _draw_args(
     return (None, d) if uniform_draws else (d, None)
 
 
-# Compiled decode steps per model and sampling set-up, reused across calls (tracing costs a few ms per
-# capacity of the KV cache). Knob values are constants of a trace, so each distinct set is its own entry.
+# Compiled decode steps per model and sampling set-up, reused across calls (each is traced again per new input
+# shape: rows, capacity of the KV cache). Knob values are constants of a trace, so each distinct set is its own
+# entry.
 _MAX_COMPILED = 16
-
-
 _traces = [0]  # traces of every compiled step in this process (``traces``)
 
 
@@ -167,9 +166,9 @@ def compiled(model: object, key: object, build: Callable[[], Callable]) -> Calla
             steps.pop(next(iter(steps)))
         step = build()
 
-        def traced(*args):  # mx.compile runs the Python function only when it traces (a new shape)
+        def traced(*args, **kwargs):  # mx.compile runs the Python function only when it traces (a new shape)
             _traces[0] += 1
-            return step(*args)
+            return step(*args, **kwargs)
 
         steps[key] = mx.compile(traced)
     return steps[key]
