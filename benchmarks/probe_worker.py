@@ -59,9 +59,9 @@ def _timed_step(self):
 
 
 ContinuousBatch.step = _timed_step
-TRACES: list[tuple[int, int]] = (
-    []
-)  # (rows, capacity) of every trace of T3's batched step, in any process path
+# (rows, capacity) of every trace of T3's batched step, in any path (speech_tokens.traces counts them without
+# their shapes)
+TRACES: list[tuple[int, int]] = []
 _decode_window = T3.decode_window
 
 
@@ -125,7 +125,7 @@ def main() -> None:
     )
     p.add_argument("--voice", type=Path, help="with --model: a voice file (default: the folder's built-in)")
     p.add_argument("--cfm-dtype", default="bfloat16")
-    p.add_argument("--memory-budget", type=memory_budget, default="auto", help="S3Gen.memory_budget")
+    p.add_argument("--memory-budget", type=memory_budget, help="S3Gen.memory_budget (default: auto)")
     p.add_argument("--streams", type=int, default=64, help="streamed requests through the Worker at once")
     p.add_argument(
         "--paths",
@@ -153,6 +153,10 @@ def main() -> None:
     if args.pow2:
         batch_module.batch_size = lambda n: 1 << (n - 1).bit_length()
     if args.paths == "serve":
+        given = [flag for flag, v in (("--prewarm", args.prewarm), ("--tiny", args.tiny),
+                                      ("--memory-budget", args.memory_budget is not None)) if v]  # fmt: skip
+        if given:
+            p.error(f"{', '.join(given)}: not with --paths serve (serve runs with its own settings)")
         rows = served(args)
     else:
         rows = in_process(args)
@@ -176,7 +180,7 @@ def in_process(args: argparse.Namespace) -> list[dict]:
         mx.eval(tts.s3gen.estimator.parameters())  # here: the Worker's threads cannot evaluate lazy weights
     else:
         tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
-    tts.s3gen.memory_budget = args.memory_budget
+    tts.s3gen.memory_budget = "auto" if args.memory_budget is None else args.memory_budget
     voice = Voice.load(args.voice) if args.voice else tts.builtin_voice
     mx.eval(dataclasses.astuple(voice))  # here: the threads below cannot evaluate a lazily loaded voice
     n, tokens = args.requests, args.tokens
@@ -205,7 +209,7 @@ def in_process(args: argparse.Namespace) -> list[dict]:
         phases = run(tokens)
         rows.append(summary(name, time.perf_counter() - t, phases))
         write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
-                        memory_budget=args.memory_budget, machine=info), args.out)  # fmt: skip
+                        memory_budget=tts.s3gen.memory_budget, machine=info), args.out)  # fmt: skip
     return rows
 
 
@@ -238,10 +242,8 @@ def served(args: argparse.Namespace) -> list[dict]:
 
     threading.Thread(target=drive, daemon=True).start()
     flags = ["--model", str(args.model), "--port", str(port), "--max-batch", "128", "--max-queue", "256"]
-    flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"] + (
-        ["--voice", str(args.voice)] if args.voice else []
-    )
-    cli.main(["serve", *flags])
+    flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"]
+    cli.main(["serve", *flags, *(["--voice", str(args.voice)] if args.voice else [])])
     return rows
 
 

@@ -322,13 +322,8 @@ class Worker:
         (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch), ``vocode_pending`` (whole
         pieces waiting for S3Gen) and ``t3_traces`` (``speech_tokens.traces``: T3's compiled steps traced in
         this process). Read from any thread, without waiting for the worker."""
-        gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running)
-        return {
-            **self._meter.snapshot(),
-            **gauges,
-            "vocode_pending": len(self._pending),
-            "t3_traces": traces(),
-        }
+        gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running, t3_traces=traces())
+        return {**self._meter.snapshot(), **gauges, "vocode_pending": len(self._pending)}
 
     def start(self) -> None:
         """Start the worker thread. While it runs, Python's automatic garbage collection is off and the worker
