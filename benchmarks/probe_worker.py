@@ -31,14 +31,16 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 import mlx.core as mx
 from bench_batch import on_a_thread
 from bench_serve import TEXT
 from bench_stream import build
 from common import machine_info, memory_budget, write_line
+from mlx.utils import tree_map
 
-from mlx_chatterbox import TTS, cli
+from mlx_chatterbox import TTS, cli, weights
 from mlx_chatterbox.generation import batch as batch_module
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.voice import Voice
@@ -48,7 +50,8 @@ from mlx_chatterbox.server.worker import SpeechJob, Worker
 
 HERE = Path(__file__).resolve().parent
 STEPS: list[tuple[float, int]] = []  # (seconds, rows) of every ContinuousBatch.step while a path runs
-_step = ContinuousBatch.step
+QUEUED: list[float] = []  # seconds of each step's _queue_next: the host's work of queueing it (no waiting)
+_step, _queue_next = ContinuousBatch.step, SpeechTokenBatch._queue_next
 
 
 def _timed_step(self):
@@ -58,15 +61,22 @@ def _timed_step(self):
     return out
 
 
-ContinuousBatch.step = _timed_step
-# (rows, capacity) of every trace of T3's batched step, in any path (speech_tokens.traces counts them without
-# their shapes)
-TRACES: list[tuple[int, int]] = []
+def _timed_queue_next(self):
+    t = time.perf_counter()
+    out = _queue_next(self)
+    QUEUED.append(time.perf_counter() - t)
+    return out
+
+
+ContinuousBatch.step, SpeechTokenBatch._queue_next = _timed_step, _timed_queue_next
+# (rows, capacity, the step it came in) of every trace of T3's batched step, in any path (speech_tokens.traces
+# counts them without their shapes)
+TRACES: list[tuple[int, int, int]] = []
 _decode_window = T3.decode_window
 
 
 def _traced(self, *args):  # the compiled step calls the Python function only when it traces
-    TRACES.append((args[4][0].shape[0], args[4][0].shape[2]))
+    TRACES.append((args[4][0].shape[0], args[4][0].shape[2], len(STEPS)))
     return _decode_window(self, *args)
 
 
@@ -96,6 +106,12 @@ def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: floa
         return w.metrics()["phases"]
 
 
+def clear() -> None:
+    STEPS.clear()
+    QUEUED.clear()
+    TRACES.clear()
+
+
 def summary(path: str, wall: float, phases: dict | None = None) -> dict:
     times = sorted(s for s, rows in STEPS if rows)
     row = dict(
@@ -106,6 +122,7 @@ def summary(path: str, wall: float, phases: dict | None = None) -> dict:
         median_ms=1000 * statistics.median(times),
         p90_ms=1000 * times[int(0.9 * (len(times) - 1))],
         max_ms=1000 * times[-1],
+        queue_median_ms=1000 * statistics.median(QUEUED),
         total_s=sum(times),
         traces=list(TRACES),
     )
@@ -137,9 +154,17 @@ def main() -> None:
         "--arrive-over", type=float, default=1.0, help="trickled: seconds over which the jobs arrive"
     )
     p.add_argument(
-        "--pow2",
+        "--layout",
+        choices=["buckets", "pow2", "fixed"],
+        default="buckets",
+        help="slots a batch is laid out in (batch.batch_size patched): its 4 sizes a doubling (as shipped), powers "
+        "of two, or always --requests (newcomers then take dead slots)",
+    )
+    p.add_argument(
+        "--device-copy",
         action="store_true",
-        help="batches laid out in powers of two slots (batch.batch_size patched)",
+        help="copy every loaded network's parameters with a GPU op after loading (MLX-CUDA reads safetensors into "
+        "managed memory; a kernel's output lands in device memory)",
     )
     p.add_argument(
         "--prewarm",
@@ -150,8 +175,14 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
-    if args.pow2:
+    if args.device_copy and args.model is None:
+        p.error("--device-copy: the built model's weights are made on the GPU already; give --model")
+    if args.layout == "pow2":
         batch_module.batch_size = lambda n: 1 << (n - 1).bit_length()
+    elif args.layout == "fixed":
+        batch_module.batch_size = lambda n: max(n, args.requests)
+    if args.device_copy:
+        weights._load_network = _copied(weights._load_network)
     if args.paths == "serve":
         given = [flag for flag, v in (("--prewarm", args.prewarm), ("--tiny", args.tiny),
                                       ("--memory-budget", args.memory_budget is not None)) if v]  # fmt: skip
@@ -160,17 +191,30 @@ def main() -> None:
         rows = served(args)
     else:
         rows = in_process(args)
-    print("\n| path | wall s | steps | rows/step | step ms median / p90 / max | steps total s | traces |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n# layout {args.layout}, device copy {args.device_copy}")
+    print(
+        "| path | wall s | steps | rows/step | step ms median / p90 / max | queueing ms median | steps total s | traces |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['path']} | {r['wall_s']:.1f} | {r['steps']} | {r['rows_per_step']:.1f} | "
-              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['total_s']:.1f} | "
-              f"{len(r['traces'])} |")  # fmt: skip
+              f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} / {r['max_ms']:.1f} | {r['queue_median_ms']:.1f} | "
+              f"{r['total_s']:.1f} | {len(r['traces'])} |")  # fmt: skip
     for r in rows:
         print(
             f"# {r['path']}: traced (rows, capacity) {r['traces']}"
             + (f"; {r['phases']}" if "phases" in r else "")
         )
+
+
+def _copied(load: Callable) -> Callable:
+    def copied(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.update(tree_map(lambda a: a * 1, model.parameters()))  # (* 1 keeps -0.0, + 0 would not)
+        mx.eval(model.parameters())
+        return model
+
+    return copied
 
 
 def in_process(args: argparse.Namespace) -> list[dict]:
@@ -203,12 +247,12 @@ def in_process(args: argparse.Namespace) -> list[dict]:
             for k in sizes:
                 on_a_thread(batch_alone, tts, voice, k, 4)
             print(f"# prewarm: {len(sizes)} slot counts {sizes} in {time.perf_counter() - t:.1f} s")
-        STEPS.clear()
-        TRACES.clear()
+        clear()
         t = time.perf_counter()
         phases = run(tokens)
         rows.append(summary(name, time.perf_counter() - t, phases))
         write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
+                        layout=args.layout, device_copy=args.device_copy,
                         memory_budget=tts.s3gen.memory_budget, machine=info), args.out)  # fmt: skip
     return rows
 
@@ -227,8 +271,7 @@ def served(args: argparse.Namespace) -> list[dict]:
             wait_for(url)
             for fmt, n in (("whole", args.requests), ("streamed", args.streams)):
                 for tokens in (30, args.tokens):
-                    STEPS.clear()
-                    TRACES.clear()
+                    clear()
                     t = time.perf_counter()
                     load = ["--concurrency", n, "--formats", fmt, "--requests", n, "--tokens", tokens]
                     subprocess.run(
@@ -236,6 +279,7 @@ def served(args: argparse.Namespace) -> list[dict]:
                     )
                 rows.append(summary(f"served, {n} {fmt}", time.perf_counter() - t))
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
+                                layout=args.layout, device_copy=args.device_copy,
                                 machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)
