@@ -92,6 +92,26 @@ def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
         batch.step()
 
 
+def shapes(tts: TTS, voice: Voice, sizes: list[int], capacities: list[int]) -> list[dict]:
+    """What a new (slots, capacity) costs a step: for each slot count, a batch of that many requests is
+    admitted (its first step: the prefill and a trace at its capacity), stepped, then its cache grown to each
+    capacity and stepped again; every step timed, with its host's queueing time (a trace happens there)."""
+    ids, rows = tts.text_ids(TEXT), []
+    for n in sizes:
+        batch = SpeechTokenBatch(tts.t3, stop_on_eos=False)
+        for i in range(n):
+            batch.add(BatchRequest(ids, voice, SamplingParams(max_new_tokens=1000), key=mx.random.key(i)))
+        for capacity in capacities:
+            if batch._cache is not None:  # (the first step admits the requests at their prefill's capacity)
+                batch._cache.reserve(capacity)
+            for kind in ("new", "plain", "plain"):
+                clear()
+                batch.step()
+                rows.append(dict(slots=n, capacity=batch._cache.capacity, kind=kind, step_ms=1000 * STEPS[0][0],
+                                 queue_ms=1000 * QUEUED[0], traces=len(TRACES)))  # fmt: skip
+    return rows
+
+
 def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: float = 0.0) -> dict:
     """n jobs through a Worker, submitted at once or one every over/n seconds (as HTTP requests trickle in)."""
     with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True) as w:
@@ -147,7 +167,7 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="batch,whole,streamed",
-        help="which of batch,whole,trickled,streamed to run; or serve alone: `serve` on --model in this process, whole "
+        help="which of batch,whole,trickled,streamed to run; or shapes alone: the cost of a step's new shapes; or serve alone: `serve` on --model in this process, whole "
         "and streamed requests sent over HTTP by bench_serve.py",
     )
     p.add_argument(
@@ -183,6 +203,8 @@ def main() -> None:
         batch_module.batch_size = lambda n: max(n, args.requests)
     if args.device_copy:
         weights._load_network = _copied(weights._load_network)
+    if args.paths == "shapes":
+        return shapes_table(args)
     if args.paths == "serve":
         given = [flag for flag, v in (("--prewarm", args.prewarm), ("--tiny", args.tiny),
                                       ("--memory-budget", args.memory_budget is not None)) if v]  # fmt: skip
@@ -217,7 +239,24 @@ def _copied(load: Callable) -> Callable:
     return copied
 
 
-def in_process(args: argparse.Namespace) -> list[dict]:
+def shapes_table(args: argparse.Namespace) -> None:
+    """``shapes`` twice, each on a thread and MLX stream of its own: the second pass traces the same shapes again
+    (compiled steps are kept per stream) with their kernels built by the first."""
+    tts, voice = load(args)
+    sizes, capacities = [1, 4, 16, 64, 128], [256, 512, 768]
+    print("| pass | slots | capacity | new shape: step ms (queueing ms) | plain step ms (queueing ms) |")
+    print("|---|---|---|---|---|")
+    for name in ("first", "again, new stream"):
+        rows = on_a_thread(shapes, tts, voice, sizes, capacities)
+        for new, plain in zip(rows[0::3], rows[2::3]):
+            print(f"| {name} | {new['slots']} | {new['capacity']} | {new['step_ms']:.1f} ({new['queue_ms']:.1f}), "
+                  f"{new['traces']} traces | {plain['step_ms']:.1f} ({plain['queue_ms']:.1f}) |")  # fmt: skip
+            write_line(dict(bench="probe_worker", path="shapes", pass_=name, new=new, plain=plain,
+                            model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
+
+
+def load(args: argparse.Namespace) -> tuple[TTS, Voice]:
+    """The model (built, or loaded as ``serve`` loads it) and the voice, evaluated on this thread."""
     if args.model is None:
         tts = build(args.tiny)
         tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
@@ -227,6 +266,11 @@ def in_process(args: argparse.Namespace) -> list[dict]:
     tts.s3gen.memory_budget = "auto" if args.memory_budget is None else args.memory_budget
     voice = Voice.load(args.voice) if args.voice else tts.builtin_voice
     mx.eval(dataclasses.astuple(voice))  # here: the threads below cannot evaluate a lazily loaded voice
+    return tts, voice
+
+
+def in_process(args: argparse.Namespace) -> list[dict]:
+    tts, voice = load(args)
     n, tokens = args.requests, args.tokens
     paths = {
         "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
