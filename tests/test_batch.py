@@ -234,6 +234,38 @@ def test_left_padded_decode_matches_each_row_alone(tiny_t3):
     assert err < 1e-5, err
 
 
+@pytest.mark.parametrize(
+    "mine,theirs,capacity",
+    [
+        ((41, 256), (40, 256), 256),
+        ((40, 256), (41, 256), 256),
+        ((300, 768), (100, 256), 512),
+        ((256, 256), (9, 256), 512),
+    ],
+)
+def test_joined_rows_take_the_fewest_steps_that_hold_them(mine, theirs, capacity):
+    """``BatchKVCache.extend`` right-aligns both caches' written positions at the later end, in the fewest whole
+    steps that hold it and the next position, whatever their buffers' lengths: a prefill of 40 positions in
+    256 joining rows at 41 stays at 256 (it made 512 when whole buffers were shifted), and a cache grown to 768
+    at 300 goes back to 512. The written positions move unchanged; the rest is zeros (masked)."""
+    rng = np.random.default_rng(0)
+    caches = []
+    for offset, size in (mine, theirs):
+        kv = [mx.array(rng.standard_normal((2, 3, size, 4)).astype(np.float32)) for _ in range(2)]
+        caches.append(BatchKVCache(kv, offset, [0, 0]))
+    before = [[np.array(a) for a in c.kv] for c in caches]
+    joined, other = caches
+    joined.extend(other)
+    end = max(mine[0], theirs[0])
+    assert joined.capacity == capacity and joined.offset == end
+    assert joined.pad == [end - mine[0]] * 2 + [end - theirs[0]] * 2
+    for a, old_mine, old_theirs in zip(joined.kv, *before):
+        a = np.array(a)
+        for rows, old, offset in ((slice(0, 2), old_mine, mine[0]), (slice(2, 4), old_theirs, theirs[0])):
+            np.testing.assert_array_equal(a[rows, :, end - offset : end], old[:, :, :offset])
+            assert not a[rows, :, : end - offset].any() and not a[rows, :, end:].any()
+
+
 def test_left_padded_prefill_matches_each_request_alone(tiny_t3):
     """Requests of different lengths prefilled together, left-padded to the longest (``SpeechTokenBatch``
     admits its waiting requests so): each row's logits and keys/values against its request prefilled alone."""

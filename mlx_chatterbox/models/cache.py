@@ -104,15 +104,20 @@ class BatchKVCache(KVCache):
         self.base = self.offset
 
     def extend(self, other: BatchKVCache) -> None:
-        """Append ``other``'s rows after this cache's, both shifted right to the later of the two ends."""
+        """Append ``other``'s rows after this cache's, both shifted right to the later of the two ends, in the
+        fewest whole steps that hold that end and the next position. What lies past a cache's offset is
+        unwritten and goes: shifting whole buffers would add the shift to their capacity (a 256-position
+        prefill joining rows one position further on made 512, so a burst of short requests decoded twice the
+        positions and traced the step at a capacity of its own)."""
         self.flush()
         other.flush()
         end = max(self.offset, other.offset)
-        mine, theirs = self._shifted(end - self.offset), other._shifted(end - other.offset)
-        capacity = self._capacity_for(max(end + 1, mine[0].shape[2], theirs[0].shape[2]))
+        capacity = self._capacity_for(end + 1)
         self.kv = [
-            mx.concatenate([self._padded(a, capacity), self._padded(b, capacity)], axis=0)
-            for a, b in zip(mine, theirs)
+            mx.concatenate(
+                [_aligned(a, self.offset, end, capacity), _aligned(b, other.offset, end, capacity)]
+            )
+            for a, b in zip(self.kv, other.kv)
         ]
         self.pad = [p + end - self.offset for p in self.pad] + [p + end - other.offset for p in other.pad]
         self.offset = self.base = end
@@ -159,8 +164,8 @@ class BatchKVCache(KVCache):
         b, h, _, hd = self.kv[0].shape
         return [mx.zeros((b, h, self.window_size, hd), dtype=a.dtype) for a in self.kv]
 
-    def _shifted(self, n: int) -> list[mx.array]:
-        """The buffers with ``n`` masked positions in front (nothing when n is 0)."""
-        if n == 0:
-            return self.kv
-        return [mx.pad(a, [(0, 0), (0, 0), (n, 0), (0, 0)]) for a in self.kv]
+
+def _aligned(a: mx.array, offset: int, end: int, capacity: int) -> mx.array:
+    """A buffer's ``offset`` written positions moved to end at ``end``, in ``capacity`` positions (the rest
+    zeros: masked)."""
+    return mx.pad(a[:, :, :offset], [(0, 0), (0, 0), (end - offset, capacity - end), (0, 0)])
