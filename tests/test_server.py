@@ -4,6 +4,7 @@ the official ``openai`` client (plus httpx for what that client does not do)."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import importlib.util
 import io
@@ -510,6 +511,9 @@ def test_health_and_models(server, client):
 SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_]\w*="[^"\\\n]*",?)*)\})? (\S+)')
 
 
+TRACES = ("mlx_chatterbox_t3_traces_total", frozenset())
+
+
 def scrape(url: str, **kw) -> dict[tuple[str, frozenset], float]:
     """``GET /metrics`` parsed, checked against the format: {(name, labels): value}, each family's HELP and
     TYPE before its samples, counters named ``*_total``."""
@@ -638,6 +642,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--stream-context",
         "--vocode-thread",
         "--stream-catch-up",
+        "--warm-batches",
         "--no-ui",
     )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
@@ -782,6 +787,62 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
     assert seen["health"]["stream_catch_up"] is catch_up
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
+
+
+@pytest.mark.parametrize(
+    "flag,cuda,warmed",
+    [
+        ([], False, False),
+        ([], True, True),
+        (["--warm-batches", "on"], False, True),
+        (["--warm-batches", "off"], True, False),
+    ],
+)
+def test_serve_warm_batches_flag(tts, tmp_path, monkeypatch, capsys, flag, cuda, warmed):
+    """``--warm-batches`` (auto: with MLX-CUDA) steps T3's batch at every size up to ``--max-batch`` before the
+    server listens: a burst of as many requests then traces no step of its own; without it, it does."""
+    seen = {}
+
+    def serve(app, host, port, shutdown_timeout, log_level):
+        with serving(app) as url:
+            before = scrape(url)[TRACES]
+            # 30 tokens: long enough that the three overlap in T3's batch
+            body = {"model": "mlx", "input": "Hi.", "response_format": "pcm", "max_new_tokens": 30}
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                replies = list(pool.map(lambda seed: post([url], {**body, "seed": seed}), range(3)))
+            seen["codes"] = [r.status_code for r in replies]
+            seen["new"] = scrape(url)[TRACES] - before
+
+    monkeypatch.setattr(run_module, "serve", serve)
+    monkeypatch.setattr(worker_module, "default_warm_batches", lambda: cuda)
+    random_voice(seed=7).save(tmp_path / "mine.safetensors")
+    args = [
+        "serve",
+        "--model",
+        str(tts.path),
+        "--voices",
+        str(tmp_path / "voices"),
+        "--no-ui",
+        "--max-batch",
+        "3",
+    ]
+    assert main([*args, "--voice", str(tmp_path / "mine.safetensors"), *flag]) == 0
+    assert seen["codes"] == [200] * 3
+    assert (seen["new"] == 0) is warmed, seen["new"]
+    err = capsys.readouterr().err
+    assert ("T3's batch stepped at 3 sizes, 1 to 3 requests" in err) is warmed
+
+
+def test_serve_warm_batches_needs_a_voice(tts, tmp_path, monkeypatch, capsys):
+    """``--warm-batches on`` with no default voice (a model without a built-in one, no ``--voice``) is refused."""
+    voiceless = TTS.load(tts.path)
+    voiceless.builtin_voice = None
+    monkeypatch.setattr(TTS, "load", lambda *args, **kwargs: voiceless)
+    args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--warm-batches", "on"]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert "--warm-batches on steps T3's batch in the default voice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

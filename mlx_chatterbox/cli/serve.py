@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 from ..api import FIRST_CHUNK, MAX_FIRST_CHUNK, STREAM_CONTEXT, TTS, check_chunks
@@ -54,6 +55,14 @@ def add_parser(sub) -> None:
         help="with the vocoding thread: a stream whose tokens waited for a busy S3Gen takes them all into its next "
         "decode (on, the default: fewer, longer decodes when the server is loaded; chunk boundaries then depend on "
         "timing), or decodes at the fixed chunk boundaries of `say --stream` whatever the load (off)",
+    )
+    p.add_argument(
+        "--warm-batches",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="before listening, step T3's batch once at every size it takes up to --max-batch, in the default voice, "
+        "so that the first requests of each size wait for no kernel builds (auto, the default: on with MLX-CUDA, "
+        "where a new size costs seconds the first time on a machine, when there is a default voice; off elsewhere)",
     )
     p.add_argument(
         "--max-queue",
@@ -163,7 +172,7 @@ def run(args: argparse.Namespace) -> None:
     from ..server.app import create_app
     from ..server.run import check_shutdown_timeout, serve
     from ..server.voices import VoiceStore, default_voices_dir
-    from ..server.worker import Worker, default_vocode_thread
+    from ..server.worker import Worker, default_vocode_thread, default_warm_batches
 
     given_voice = common.read_voice(args.voice)
     if args.memory_limit is not None and not args.memory_limit > 0:
@@ -188,6 +197,12 @@ def run(args: argparse.Namespace) -> None:
         mx.set_memory_limit(limit)
         mx.set_cache_limit(limit)
     default = common.voice(tts, given_voice) or tts.builtin_voice
+    warm_batches = default_warm_batches() if args.warm_batches == "auto" else args.warm_batches == "on"
+    if args.warm_batches == "on" and default is None:
+        raise common.UsageError(
+            "--warm-batches on steps T3's batch in the default voice, and this model has no built-in voice: give "
+            "--voice FILE, or leave --warm-batches at auto or off"
+        )
     voices = VoiceStore(folder, default)
     model_name = Path(args.model).name or str(args.model)
     with Worker(
@@ -201,6 +216,14 @@ def run(args: argparse.Namespace) -> None:
         first_chunk = FIRST_CHUNK if args.first_chunk == "auto" else args.first_chunk
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
             worker.warm_up(default, common.english(tts))
+            if warm_batches:
+                start = time.perf_counter()
+                counts = worker.warm_batches(default, common.english(tts))
+                print(
+                    f"T3's batch stepped at {len(counts)} sizes, 1 to {counts[-1]} requests, in "
+                    f"{time.perf_counter() - start:.1f} s (--warm-batches)",
+                    file=sys.stderr,
+                )
             if args.first_chunk == "auto" and _times_first_chunk():
                 try:
                     first_chunk = worker.playback_first_chunk(default, common.english(tts))

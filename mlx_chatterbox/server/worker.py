@@ -46,10 +46,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..api import CROSSFADE, TTS
-from ..generation.batch import BatchRequest, SpeechTokenBatch
+from ..generation.batch import BatchRequest, SpeechTokenBatch, batch_size
 from ..generation.pieces import Plan, join_audio, token_budget
 from ..generation.speech_tokens import traces
-from ..generation.stream import CHUNK
+from ..generation.stream import (
+    CHUNK,
+)
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
 from ..generation.stream import (
     FIRST_CHUNK,
@@ -88,6 +90,18 @@ def default_vocode_thread() -> bool:
     """``serve --vocode-thread auto``: a vocoding thread with MLX-CUDA, where S3Gen is GPU-bound while T3's steps
     are host-bound (128 concurrent whole requests on an H200: 11.4x real time without, 20.0x with, 2026-12-02);
     none on CPUs, where the two share the cores (8 whole requests: 6.7 s without, 13.2 s with, on 2 cores)."""
+    return _on_cuda()
+
+
+def default_warm_batches() -> bool:
+    """``serve --warm-batches auto``: with MLX-CUDA, where a batch of a new size costs its first requests seconds
+    of kernel builds the first time on a machine (``Worker.warm_batches``); not elsewhere, where a new size
+    costs a trace of tens of milliseconds and the warm-up's steps at every count (compute-bound there) would
+    delay the start the most."""
+    return _on_cuda()
+
+
+def _on_cuda() -> bool:
     return mx.default_device() != mx.cpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
@@ -401,6 +415,30 @@ class Worker:
             job = SpeechJob("Warming up.", voice, params, seed=0, stream=stream, language=language)
             for _ in self.submit(job):
                 pass
+
+    def warm_batches(self, voice: Voice, language: str | None = None) -> list[int]:
+        """Step T3's batch at every slot count it can be laid out in up to ``max_batch`` (``batch_size``'s: 1 ..
+        8, 10, 12, 14, 16, 20, ...), so that requests arriving in groups of any size wait neither for the step
+        to be traced nor for its kernels to be built (``serve --warm-batches``). Each count costs a prefill of
+        that many short requests, two steps and, with MLX-CUDA, the first time on a machine, the kernels built
+        for its number of rows (H200: 12 s for 4 requests, 1.8 s for 16, none new from 64; 30-70 ms a count
+        once they are on disk). Returns the slot counts."""
+        text_ids = self.tts.text_ids("Warming up.", language)
+        params = self.tts.speech.params_type(max_new_tokens=WARM_UP_TOKENS)
+        counts = sorted({batch_size(n) for n in range(1, self.max_batch + 1)})
+        self.run(self._warm_batches, text_ids, voice, params, counts).result()
+        return counts
+
+    def _warm_batches(
+        self, text_ids: list[int], voice: Voice, params: SamplingParams | TurboParams, counts: list[int]
+    ) -> None:
+        for n in counts:
+            batch = self._new_batch()
+            for i in range(n):  # keyed draws, as the jobs' (seeded or not): the same compiled step
+                batch.add(BatchRequest(text_ids, voice, params, key=seed_keys(i)[0]))
+            batch.step()  # the prefill, and the first decode step queued: traced, its kernels built
+            batch.step()
+        mx.synchronize()
 
     def playback_first_chunk(self, voice: Voice, language: str | None = None) -> int:
         """The first chunk (speech tokens) after which a lone stream plays on without a gap on this machine
