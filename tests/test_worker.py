@@ -15,7 +15,6 @@ import pytest
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
-from mlx_chatterbox.generation.stream import CHUNK
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import IDLE_COLLECT_S, QueueFull, SpeechJob, Worker
@@ -47,9 +46,8 @@ def jobs(stream: bool) -> list[SpeechJob]:
     ]  # fmt: skip
 
 
-def alone(tts: TTS, job: SpeechJob, chunk: int = CHUNK) -> list[np.ndarray]:
-    """The job's chunks through ``TTS.stream`` (``chunk``: its second chunk's tokens), or its whole audio from
-    ``TTS.generate`` as one chunk."""
+def alone(tts: TTS, job: SpeechJob) -> list[np.ndarray]:
+    """The job's chunks through ``TTS.stream``, or its whole audio from ``TTS.generate`` as one chunk."""
     kwargs = dict(cfm_steps=job.cfm_steps, seed=job.seed, watermark=job.watermark)
     if job.stream:
         return list(
@@ -59,7 +57,6 @@ def alone(tts: TTS, job: SpeechJob, chunk: int = CHUNK) -> list[np.ndarray]:
                 job.params,
                 context=job.stream_context,
                 first_chunk=job.first_chunk,
-                chunk=chunk,
                 **kwargs,
             )
         )
@@ -378,10 +375,9 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
     """With a vocoding thread, streamed decodes run there while T3 keeps stepping: the first (A's first chunk)
     is held until T3 has drawn all of B's tokens; the decodes that fell due meanwhile (A's last, B's first)
     then share one call. Without catch-up each stream is TTS.stream's chunk for chunk (the same cuts), within
-    SHARED_TOL. With it, B, whose 40 tokens all waited, still decodes its first 12 alone (a first chunk never
-    catches up: it is the listener's wait) and then the other 28 at once: TTS.stream's audio with a second
-    chunk past its end (two chunks); A, whose tokens after its first chunk cross no boundary, is TTS.stream's
-    either way."""
+    SHARED_TOL. With it, B, whose 40 tokens all waited, takes them into one decode: TTS.stream's audio with a
+    first chunk past its end (one chunk); A, whose tokens after its first chunk cross no boundary, is
+    TTS.stream's either way."""
     a = SpeechJob(
         "Hi.", random_voice(1), SamplingParams(max_new_tokens=14), cfm_steps=2, seed=20, stream=True
     )
@@ -410,13 +406,13 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
     monkeypatch.undo()
     assert stepped == [True]
     assert rows[0] == 1 and rows[1] == 2, rows
-    b_chunk = b.params.max_new_tokens if catch_up else CHUNK
-    for job, chunks, chunk in zip((a, b), got, (CHUNK, b_chunk)):
-        expected = alone(tts, job, chunk)
+    b_alone = dataclasses.replace(b, first_chunk=b.params.max_new_tokens + 1) if catch_up else b
+    for job, chunks in zip((a, b_alone), got):
+        expected = alone(tts, job)
         assert [len(c) for c in chunks] == [len(c) for c in expected]
         wav, ref = np.concatenate(chunks), np.concatenate(expected)
         assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
-    assert len(got[1]) == (2 if catch_up else len(alone(tts, b)))
+    assert len(got[1]) == (1 if catch_up else len(alone(tts, b)))
 
 
 def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, monkeypatch):

@@ -258,9 +258,8 @@ class Worker:
     or run (``submit`` raises ``QueueFull`` beyond).
 
     stream_catch_up (with ``vocode_thread``): a stream whose tokens waited for S3Gen (its decode ran late, in a
-    busy call, or the thread woke after several T3 steps) takes them all into its next decode after its first
-    (which stays ``first_chunk`` tokens long), so a loaded server runs fewer, longer decodes per stream; its
-    chunk boundaries then depend on timing. False: every
+    busy call, or the thread woke after several T3 steps) takes them all into its next decode, so a loaded
+    server runs fewer, longer decodes per stream; its chunk boundaries then depend on timing. False: every
     stream's chunks are ``TTS.stream``'s, whatever the load."""
 
     def __init__(
@@ -886,15 +885,12 @@ class Worker:
         failed = []
         for stream in list(self._streams.values()):
             held, vocoder = stream.held, stream.vocoder
-            # A first decode never catches up: it is the listener's wait for the first audio, kept as short as
-            # ``first_chunk`` (H200, 64 streams at once: time to first audio p50 7.0 s with it, 3.8 s without).
-            catch_up = self.stream_catch_up and stream.started
             try:
                 while held and not vocoder.due and not stream.final:
                     tokens = []
-                    while held and held[0] is not None and (catch_up or not tokens):
+                    while held and held[0] is not None and (self.stream_catch_up or not tokens):
                         tokens += held.popleft()
-                    if held and held[0] is None and (catch_up or not tokens):
+                    if held and held[0] is None and (self.stream_catch_up or not tokens):
                         held.popleft()
                         vocoder.end(tokens)
                         stream.final = True
