@@ -43,6 +43,7 @@ from mlx.utils import tree_map
 from mlx_chatterbox import TTS, cli, weights
 from mlx_chatterbox.generation import batch as batch_module
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
+from mlx_chatterbox.generation.speech_tokens import request_embeds
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
@@ -112,6 +113,40 @@ def shapes(tts: TTS, voice: Voice, sizes: list[int], capacities: list[int]) -> l
     return rows
 
 
+def prefills(tts: TTS, voice: Voice, sizes: list[int], extra: list[int]) -> list[dict]:
+    """What a prefill of a new shape costs: groups of N requests whose texts are TEXT plus ``extra`` tokens (so
+    prefills of other lengths), each prefilled and evaluated alone, a first time and again; then what the first
+    allocation of the largest group's KV buffers at 512 positions costs (a key and a value buffer a layer),
+    a first time and again."""
+    ids, rows, c = tts.text_ids(TEXT), [], tts.t3.config
+    for n in sizes:
+        for more in extra:
+            embeds = request_embeds(tts.t3, voice, ids + ids[:more], SamplingParams())
+            for kind in ("new", "again"):
+                t = time.perf_counter()
+                mx.eval(tts.t3.prefill(mx.concatenate([embeds] * n))[0])
+                rows.append(
+                    dict(requests=n, length=embeds.shape[1], kind=kind, ms=1000 * (time.perf_counter() - t))
+                )
+    shape = (2 * max(sizes), c.num_heads, 512, c.head_dim)
+    for kind in ("KV buffers", "KV buffers again"):
+        t = time.perf_counter()
+        mx.eval([mx.zeros(shape) for _ in range(2 * c.num_layers)])
+        rows.append(dict(requests=max(sizes), length=512, kind=kind, ms=1000 * (time.perf_counter() - t)))
+    return rows
+
+
+def prefill_table(args: argparse.Namespace) -> None:
+    tts, voice = load(args)
+    print("| requests | prefill positions (KV: buffers at 512) | first ms | again ms |\n|---|---|---|---|")
+    rows = on_a_thread(prefills, tts, voice, [1, 3, 8, 24, 64, 128], [0, 7, 40])
+    for first, again in zip(rows[0::2], rows[1::2]):
+        what = first["length"] if first["kind"] == "new" else "KV buffers"
+        print(f"| {first['requests']} | {what} | {first['ms']:.1f} | {again['ms']:.1f} |")
+        write_line(dict(bench="probe_worker", path="prefill", first=first, again=again,
+                        model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
+
+
 def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: float = 0.0) -> dict:
     """n jobs through a Worker, submitted at once or one every over/n seconds (as HTTP requests trickle in)."""
     with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True) as w:
@@ -167,7 +202,7 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="batch,whole,streamed",
-        help="which of batch,whole,trickled,streamed to run; or shapes alone: the cost of a step's new shapes; or serve alone: `serve` on --model in this process, whole "
+        help="which of batch,whole,trickled,streamed to run; or shapes alone: the cost of a step's new shapes; or prefill alone: the cost of a prefill's new shapes and of a first KV allocation; or serve alone: `serve` on --model in this process, whole "
         "and streamed requests sent over HTTP by bench_serve.py",
     )
     p.add_argument(
@@ -205,6 +240,8 @@ def main() -> None:
         weights._load_network = _copied(weights._load_network)
     if args.paths == "shapes":
         return shapes_table(args)
+    if args.paths == "prefill":
+        return prefill_table(args)
     if args.paths == "serve":
         given = [flag for flag, v in (("--prewarm", args.prewarm), ("--tiny", args.tiny),
                                       ("--memory-budget", args.memory_budget is not None)) if v]  # fmt: skip
