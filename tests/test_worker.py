@@ -15,10 +15,11 @@ import pytest
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation.speech_tokens import traces
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import IDLE_COLLECT_S, QueueFull, SpeechJob, Worker
-from tests.conftest import TINY_MODEL, random_voice, write_upstream_checkpoint
+from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
 
 LONG = "First sentence of a text long enough for two pieces. " * 7  # 378 characters: two pieces
 
@@ -285,6 +286,23 @@ def test_warm_up_traces_the_decode_step_and_leaves_the_worker_idle(tts):
         worker.warm_up(random_voice(1))
         assert worker.jobs == 0
         assert t3.compiled_steps, "no decode step was traced"
+
+
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+def test_warm_batches_traces_each_batch_size_once(tts, tmp_path, variant):
+    """``warm_batches`` steps T3's batch (English's CFG pairs, Turbo's single rows) at every ``batch_size`` up to
+    ``max_batch``: one trace each, kept on the worker's thread for the requests to come (a second warm-up
+    traces nothing) and the worker left idle."""
+    if variant == "turbo":
+        src = write_upstream_checkpoint(tmp_path / "up", TINY_TURBO)
+        tts = TTS.load(convert(src, tmp_path / "mlx", config=TINY_TURBO))
+    tts.t3.compiled_steps.clear()
+    with Worker(tts, max_batch=10) as worker:
+        before = traces()
+        assert worker.warm_batches(random_voice(1)) == [1, 2, 3, 4, 5, 6, 7, 8, 10]
+        assert traces() - before == 9
+        worker.warm_batches(random_voice(2))
+        assert traces() - before == 9 and worker.jobs == 0
 
 
 # Per-row bound of a whole job vocoded in a shared S3Gen call against TTS.generate alone (fp32, tiny model):
