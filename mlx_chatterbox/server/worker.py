@@ -49,9 +49,7 @@ from ..api import CROSSFADE, TTS
 from ..generation.batch import BatchRequest, SpeechTokenBatch, batch_size
 from ..generation.pieces import Plan, join_audio, token_budget
 from ..generation.speech_tokens import traces
-from ..generation.stream import (
-    CHUNK,
-)
+from ..generation.stream import CHUNK
 from ..generation.stream import CONTEXT as STREAM_CONTEXT
 from ..generation.stream import (
     FIRST_CHUNK,
@@ -420,8 +418,8 @@ class Worker:
         8, 10, 12, 14, 16, 20, ...), so that requests arriving in groups of any size wait neither for the step
         to be traced nor for its kernels to be built (``serve --warm-batches``). Each count costs a prefill of
         that many short requests, two steps and, with MLX-CUDA, the first time on a machine, the kernels built
-        for its number of rows (H200: 12 s for 4 requests, 1.8 s for 16, none new from 64; 30-70 ms a count
-        once they are on disk). Returns the slot counts."""
+        for its number of rows (H200: 12 s for 4 requests, 1.8 s for 16, none new from 64; a trace of 10-90 ms and
+        the prefill once they are on disk). Returns the slot counts."""
         text_ids = self.tts.text_ids("Warming up.", language)
         params = self.tts.speech.params_type(max_new_tokens=WARM_UP_TOKENS)
         counts = sorted({batch_size(n) for n in range(1, self.max_batch + 1)})
