@@ -519,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=positive(int), help="per scenario (default: 4 x clients, or 4 x rate)")
     p.add_argument("--duration", type=positive(float), help="seconds per scenario instead of --requests")
     p.add_argument("--tokens", type=positive(int), default=250, help="max_new_tokens of a request (25 = 1 s)")
+    p.add_argument(
+        "--warm-up-tokens",
+        type=positive(int),
+        help="before each scenario, a closed loop of requests of this many tokens at its concurrency (an open loop's "
+        "rate rounded), unrecorded: a server's first burst is slower than the next (RESULTS.md runs K-M)",
+    )
     p.add_argument("--text", default=TEXT)
     p.add_argument("--seed", type=int, default=0, help="request i: seed + i; Poisson arrivals")
     p.add_argument("--timeout", type=positive(float), default=600, help="seconds a request may take")
@@ -545,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.concurrency and not args.rate:
             p.error("give --concurrency (closed loop), --rate (open loop) or --soak")
     else:
+        if args.warm_up_tokens is not None:
+            p.error("--warm-up-tokens is for closed and open loops; a soak judges growth after --soak-warmup")
         if len(args.concurrency) != 1 or len(args.formats) != 1 or args.rate:
             p.error("--soak needs one --concurrency value and one --formats value, and no --rate")
         if args.requests is not None or args.duration is not None:
@@ -584,14 +592,21 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
     server = {k: health.get(k) for k in keys}
     rows = []
 
-    def sender(fmt_: str):
+    def sender(fmt_: str, tokens: int = args.tokens):
         extra = {"stream": True, "stream_format": "audio"} if fmt_ == "streamed" else {"stream": False}
 
         def send(i: int) -> Result:
             body = dict(model=health["model"], input=args.text, response_format="pcm", seed=args.seed + i)
-            return request(url, {**body, "max_new_tokens": args.tokens, **extra}, args.timeout)
+            return request(url, {**body, "max_new_tokens": tokens, **extra}, args.timeout)
 
         return send
+
+    def warm_up(fmt_: str, clients: int) -> dict | None:
+        """The unrecorded round before a scenario (``--warm-up-tokens``): its size and how many came back whole."""
+        if args.warm_up_tokens is None:
+            return None
+        results, _ = closed_loop(sender(fmt_, args.warm_up_tokens), clients, clients, None)
+        return dict(tokens=args.warm_up_tokens, requests=clients, ok=sum(r.ok for r in results))
 
     def emit(scenario: str, fmt_: str, results: list[Result], wall: float, before: dict, **extra) -> None:
         """One scenario's row, ``before``: the server's /metrics as it began."""
@@ -613,14 +628,16 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
     for fmt_ in args.formats:
         for c in args.concurrency:
             n = args.requests if args.requests is not None or args.duration else 4 * c
+            warmed = dict(warm_up=warm_up(fmt_, c))
             before = scrape(url)
             results, wall = closed_loop(sender(fmt_), c, n, args.duration)
-            emit(f"closed {c} {fmt_}", fmt_, results, wall, before, loop="closed", concurrency=c)
+            emit(f"closed {c} {fmt_}", fmt_, results, wall, before, loop="closed", concurrency=c, **warmed)
         for rate in args.rate:
             n = args.requests if args.requests is not None or args.duration else max(1, round(4 * rate))
+            warmed = dict(warm_up=warm_up(fmt_, max(1, round(rate))))
             before = scrape(url)
             results, wall = open_loop(sender(fmt_), rate, n, args.duration, args.seed)
-            emit(f"open {rate:g}/s {fmt_}", fmt_, results, wall, before, loop="open", rate=rate)
+            emit(f"open {rate:g}/s {fmt_}", fmt_, results, wall, before, loop="open", rate=rate, **warmed)
     return rows
 
 

@@ -64,9 +64,10 @@ def check_worker(row: dict, streamed: bool) -> None:
 
 
 def test_closed_and_open_loops_streamed_and_whole(tmp_path):
+    """Each scenario after an unrecorded warm-up round (``--warm-up-tokens``), which its row reports."""
     out = tmp_path / "serve.jsonl"
     args = ["--random", "tiny", "--concurrency", "2", "--rate", "4", "--requests", "2", "--tokens", "20"]
-    stdout = bench(*args, "--out", str(out))
+    stdout = bench(*args, "--warm-up-tokens", "5", "--out", str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["scenario"] for r in rows] == [
         "closed 2 streamed",
@@ -75,7 +76,9 @@ def test_closed_and_open_loops_streamed_and_whole(tmp_path):
         "open 4/s whole",
     ]
     for row in rows:
-        check_sane(row, 2, row["format"] == "streamed")
+        check_sane(row, 2, row["format"] == "streamed")  # the worker's deltas: the scenario's requests alone
+        clients = 2 if row["loop"] == "closed" else 4  # an open loop's warm-up: its rate's clients
+        assert row["warm_up"] == {"tokens": 5, "requests": clients, "ok": clients}
     assert "| closed 2 whole | 2 / 2 | 0 |" in stdout  # the markdown table
     assert "| scenario | idle | gc | admit | t3_step |" in stdout  # the worker's
 
