@@ -84,11 +84,16 @@ def _traced(self, *args):  # the compiled step calls the Python function only wh
 T3.decode_window = _traced
 
 
-def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
-    batch = SpeechTokenBatch(tts.t3)
-    ids = tts.text_ids(TEXT)
+def new_batch(tts: TTS, voice: Voice, n: int, tokens: int, stop_on_eos: bool = True) -> SpeechTokenBatch:
+    """T3's batch with n requests of TEXT and ``tokens`` tokens each added (admitted at its first step)."""
+    batch, ids = SpeechTokenBatch(tts.t3, stop_on_eos), tts.text_ids(TEXT)
     for i in range(n):
         batch.add(BatchRequest(ids, voice, SamplingParams(max_new_tokens=tokens), key=mx.random.key(i)))
+    return batch
+
+
+def batch_alone(tts: TTS, voice: Voice, n: int, tokens: int) -> None:
+    batch = new_batch(tts, voice, n, tokens)
     while len(batch):
         batch.step()
 
@@ -97,11 +102,9 @@ def shapes(tts: TTS, voice: Voice, sizes: list[int], capacities: list[int]) -> l
     """What a new (slots, capacity) costs a step: for each slot count, a batch of that many requests is
     admitted (its first step: the prefill and a trace at its capacity), stepped, then its cache grown to each
     capacity and stepped again; every step timed, with its host's queueing time (a trace happens there)."""
-    ids, rows = tts.text_ids(TEXT), []
+    rows = []
     for n in sizes:
-        batch = SpeechTokenBatch(tts.t3, stop_on_eos=False)
-        for i in range(n):
-            batch.add(BatchRequest(ids, voice, SamplingParams(max_new_tokens=1000), key=mx.random.key(i)))
+        batch = new_batch(tts, voice, n, 1000, stop_on_eos=False)
         for capacity in capacities:
             if batch._cache is not None:  # (the first step admits the requests at their prefill's capacity)
                 batch._cache.reserve(capacity)
@@ -221,12 +224,6 @@ def main() -> None:
         help="copy every loaded network's parameters with a GPU op after loading (MLX-CUDA reads safetensors into "
         "managed memory; a kernel's output lands in device memory)",
     )
-    p.add_argument(
-        "--prewarm",
-        action="store_true",
-        help="before each measured run, a short batch of every slot count up to --requests (traces them, as a "
-        "start-up warm-up could)",
-    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -243,7 +240,7 @@ def main() -> None:
     if args.paths == "prefill":
         return prefill_table(args)
     if args.paths == "serve":
-        given = [flag for flag, v in (("--prewarm", args.prewarm), ("--tiny", args.tiny),
+        given = [flag for flag, v in (("--tiny", args.tiny),
                                       ("--memory-budget", args.memory_budget is not None)) if v]  # fmt: skip
         if given:
             p.error(f"{', '.join(given)}: not with --paths serve (serve runs with its own settings)")
@@ -322,12 +319,6 @@ def in_process(args: argparse.Namespace) -> list[dict]:
     info, rows = machine_info(), []
     for name, run in runs:
         run(30)  # warm-up: this batch's shapes traced
-        if args.prewarm:
-            sizes = sorted({batch_module.batch_size(k) for k in range(1, n + 1)})
-            t = time.perf_counter()
-            for k in sizes:
-                on_a_thread(batch_alone, tts, voice, k, 4)
-            print(f"# prewarm: {len(sizes)} slot counts {sizes} in {time.perf_counter() - t:.1f} s")
         clear()
         t = time.perf_counter()
         phases = run(tokens)
