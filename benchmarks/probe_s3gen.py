@@ -25,6 +25,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 import argparse
 import collections
 import io
+import itertools
 import json
 import os
 import re
@@ -228,8 +229,11 @@ def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int
 # --- batch ---
 
 
-def batch(s3gen: S3Gen, requests: int, budget, repeats: int) -> dict:
-    """``S3Gen.batch`` of ``requests`` x 10 s, and its stages evaluated one by one."""
+def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype) -> dict:
+    """``S3Gen.batch`` of ``requests`` x 10 s with the estimator in ``dtype`` (``serve --cfm-dtype``), and its
+    stages evaluated one by one."""
+    s3gen.estimator.set_dtype(dtype)
+    mx.eval(s3gen.estimator.parameters())
     v = voice()
     rng = np.random.default_rng(1)
     ids = [mx.array(rng.integers(0, 6561, (1, TOKENS)).astype(np.int32)) for _ in range(requests)]
@@ -247,7 +251,7 @@ def batch(s3gen: S3Gen, requests: int, budget, repeats: int) -> dict:
         t1 = time.perf_counter()
         peak = mx.get_peak_memory() - before
         # The stages apart, each evaluated alone under the same budget.
-        limit = resolve_memory_budget(budget)
+        limit = resolve_memory_budget(budget, requests)
         old = mx.set_memory_limit(mx.get_active_memory() + limit) if limit is not None else None
         mu, mask = s3gen.flow.encode(everything, lengths, isolate_rows=requests > 1)
         mx.eval(mu, mask)
@@ -278,9 +282,11 @@ def batch(s3gen: S3Gen, requests: int, budget, repeats: int) -> dict:
                 peak_mib=peak / 2**20,
             )
         )
+    s3gen.estimator.set_dtype(mx.float32)
     out = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
     audio_s = requests * TOKENS * 0.04
     return dict(
+        dtype=str(dtype).split(".")[-1],
         requests=requests,
         memory_budget=str(budget),
         audio_s=audio_s,
@@ -292,7 +298,7 @@ def batch(s3gen: S3Gen, requests: int, budget, repeats: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", default="ops,call,batch")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="ops and call")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="estimator dtypes (batch: serve's --cfm-dtype)")
     p.add_argument(
         "--rows", default="1,8,32", help="requests per call (call, batch; ops takes the first two)"
     )
@@ -354,19 +360,18 @@ def main() -> None:
                 )
     if "batch" in parts:
         print(
-            "\n| requests | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
-            "\n|---|---|---|---|---|---|---|---|"
+            "\n| CFM | requests | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
+            "\n|---|---|---|---|---|---|---|---|---|"
         )
-        for budget in args.budgets.split(","):
+        for d, budget, r in itertools.product(dtypes, args.budgets.split(","), requests):
             value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
-            for r in requests:
-                row = batch(s3gen, r, value, args.repeats)
-                emit(dict(part="batch", **row))
-                print(
-                    f"| {r} | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
-                    f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
-                    flush=True,
-                )
+            row = batch(s3gen, r, value, args.repeats, d)
+            emit(dict(part="batch", **row))
+            print(
+                f"| {row['dtype']} | {r} | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
+                f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
