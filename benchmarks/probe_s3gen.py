@@ -229,14 +229,16 @@ def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int
 # --- batch ---
 
 
-def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype) -> dict:
+def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype, spread: int) -> dict:
     """``S3Gen.batch`` of ``requests`` x 10 s with the estimator in ``dtype`` (``serve --cfm-dtype``), and its
-    stages evaluated one by one."""
+    stages evaluated one by one. ``spread``: the call's requests lose up to this many tokens each, at random,
+    as served ones differ (HiFT then runs once per distinct length); the stages are timed at 10 s each."""
     s3gen.estimator.set_dtype(dtype)
     mx.eval(s3gen.estimator.parameters())
     v = voice()
     rng = np.random.default_rng(1)
     ids = [mx.array(rng.integers(0, 6561, (1, TOKENS)).astype(np.int32)) for _ in range(requests)]
+    cut = [row[:, : TOKENS - int(rng.integers(0, spread + 1))] for row in ids]
     keys = [mx.random.key(i) for i in range(requests)]
     s3gen.memory_budget = budget
     lengths = mx.array([2 * TOKENS] * requests, dtype=mx.int32)
@@ -247,7 +249,7 @@ def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype) ->
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         t0 = time.perf_counter()
-        mx.eval(s3gen.batch(ids, [v] * requests, keys=keys, bucket=25))
+        mx.eval(s3gen.batch(cut, [v] * requests, keys=keys, bucket=25))
         t1 = time.perf_counter()
         peak = mx.get_peak_memory() - before
         # The stages apart, each evaluated alone under the same budget.
@@ -284,10 +286,11 @@ def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype) ->
         )
     s3gen.estimator.set_dtype(mx.float32)
     out = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
-    audio_s = requests * TOKENS * 0.04
+    audio_s = sum(row.shape[1] for row in cut) * 0.04
     return dict(
         dtype=str(dtype).split(".")[-1],
         requests=requests,
+        spread=spread,
         memory_budget=str(budget),
         audio_s=audio_s,
         rtf=out["total_ms"] / 1e3 / audio_s,
@@ -305,6 +308,7 @@ def main() -> None:
     p.add_argument(
         "--budgets", default="auto,none", help="batch: S3Gen.memory_budget values (MiB or auto/none)"
     )
+    p.add_argument("--spread", type=int, default=0, help="batch: requests up to this many tokens shorter")
     p.add_argument("--frames", type=int, default=FRAMES, help="ops and call: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
     p.add_argument("--repeats", type=int, default=3)
@@ -360,15 +364,15 @@ def main() -> None:
                 )
     if "batch" in parts:
         print(
-            "\n| CFM | requests | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
+            "\n| CFM | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
             "\n|---|---|---|---|---|---|---|---|---|"
         )
         for d, budget, r in itertools.product(dtypes, args.budgets.split(","), requests):
             value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
-            row = batch(s3gen, r, value, args.repeats, d)
+            row = batch(s3gen, r, value, args.repeats, d, args.spread)
             emit(dict(part="batch", **row))
             print(
-                f"| {row['dtype']} | {r} | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
+                f"| {row['dtype']} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
                 f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
                 flush=True,
             )
