@@ -44,6 +44,7 @@ from mlx_chatterbox import TTS, cli, weights
 from mlx_chatterbox.generation import batch as batch_module
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import request_embeds
+from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
@@ -224,6 +225,11 @@ def main() -> None:
         help="copy every loaded network's parameters with a GPU op after loading (MLX-CUDA reads safetensors into "
         "managed memory; a kernel's output lands in device memory)",
     )
+    p.add_argument(
+        "--serial-hift",
+        action="store_true",
+        help="streams' decodes: each stream's HiFT read back before the next is built (as before 2026-12-03)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -235,6 +241,8 @@ def main() -> None:
         batch_module.batch_size = lambda n: max(n, args.requests)
     if args.device_copy:
         weights._load_network = _copied(weights._load_network)
+    if args.serial_hift:
+        StreamVocoder._vocode = _serial(StreamVocoder._vocode)
     if args.paths == "shapes":
         return shapes_table(args)
     if args.paths == "prefill":
@@ -247,7 +255,8 @@ def main() -> None:
         rows = served(args)
     else:
         rows = in_process(args)
-    print(f"\n# layout {args.layout}, device copy {args.device_copy}")
+    print(f"\n# layout {args.layout}, device copy {args.device_copy}, memory budget {args.memory_budget or 'auto'}, "
+          f"serial HiFT {args.serial_hift}")  # fmt: skip
     print(
         "| path | wall s | steps | rows/step | step ms median / p90 / max | queueing ms median | steps total s | traces |"
     )
@@ -261,6 +270,15 @@ def main() -> None:
             f"# {r['path']}: traced (rows, capacity) {r['traces']}"
             + (f"; {r['phases']}" if "phases" in r else "")
         )
+
+
+def _serial(vocode: Callable) -> Callable:
+    def serial(*args):
+        out = vocode(*args)
+        mx.eval(out)
+        return out
+
+    return serial
 
 
 def _copied(load: Callable) -> Callable:
@@ -324,7 +342,7 @@ def in_process(args: argparse.Namespace) -> list[dict]:
         phases = run(tokens)
         rows.append(summary(name, time.perf_counter() - t, phases))
         write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
-                        layout=args.layout, device_copy=args.device_copy,
+                        layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                         memory_budget=tts.s3gen.memory_budget, machine=info), args.out)  # fmt: skip
     return rows
 
@@ -351,7 +369,7 @@ def served(args: argparse.Namespace) -> list[dict]:
                     )
                 rows.append(summary(f"served, {n} {fmt}", time.perf_counter() - t))
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
-                                layout=args.layout, device_copy=args.device_copy,
+                                layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                                 machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)

@@ -319,25 +319,34 @@ class StreamVocoder:
     def _complete(self, d: _Decode, mel: mx.array) -> np.ndarray:
         """The decode's S3Gen ``mel`` -> HiFT over its segment, the stream's state moved past it: the samples
         it makes final, the crossfade applied."""
+        return self._settle(d, *self._vocode(d, mel))
+
+    def _vocode(self, d: _Decode, mel: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """HiFT over the decode's segment, lazily (``decode_together`` queues several streams' before reading
+        any): the waveform, the sine's cycles per frame over the new frames, and the source."""
         done, spf, hift = self._final_frames, self._spf, self.s3gen.hift
-        start, shift, frames, end = d.start, d.shift, d.frames, d.end
-        segment = mel[:, start - shift : frames - shift]
-        f0 = hift.predict_f0(segment)[:, done - start :]  # (1, frames - done)
+        segment = mel[:, d.start - d.shift : d.frames - d.shift]
+        f0 = hift.predict_f0(segment)[:, done - d.start :]  # (1, frames - done)
         # The sine continues the phase it had at `done`; over the context frames, the previous decode's source
         # is reused as it was (upstream's cache_source).
         fresh = hift.source(
             f0,
             phases=self._phases + mx.array(2 * math.pi * self._cycles, dtype=mx.float32)[None],
-            noise=self._source_noise.take(done * spf, frames * spf),
+            noise=self._source_noise.take(done * spf, d.frames * spf),
         )
         source = mx.concatenate([self._source_tail.astype(fresh.dtype), fresh], axis=1)
         wav = hift.decode(segment, source)
-        if start == 0:
+        if d.start == 0:
             wav = fade_in(wav)  # upstream's trim_fade, on the utterance's first 40 ms only
-        # Cycles per frame as HiFT.source computes its frequencies (fp32), summed in float64.
+        # Cycles per frame as HiFT.source computes its frequencies (fp32); summed in float64 by _settle.
         freq = f0.astype(mx.float32)[..., None] * mx.arange(1, self._harmonics + 1, dtype=mx.float32)
-        freq = np.array(freq / hift.config.sampling_rate, dtype=np.float64)[0]  # (frames - done, H)
-        self._cycles = (self._cycles + spf * freq[: end - done].sum(axis=0)) % 1.0
+        return wav, freq / hift.config.sampling_rate, source
+
+    def _settle(self, d: _Decode, wav: mx.array, freq: mx.array, source: mx.array) -> np.ndarray:
+        """``_vocode``'s results read back: the stream's state moved past the decode, its final samples."""
+        done, spf, start, end = self._final_frames, self._spf, d.start, d.end
+        cycles = np.array(freq, dtype=np.float64)[0]  # (frames - done, H)
+        self._cycles = (self._cycles + spf * cycles[: end - done].sum(axis=0)) % 1.0
         keep = max(0, end - HIFT_CONTEXT)
         self._source_tail = source[:, (keep - start) * spf : (end - start) * spf]
         audio = np.array(wav[0], dtype=np.float32)
@@ -392,8 +401,14 @@ def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> li
         finalize=[d.final for d in decodes],
         bucket=bucket,
     )
-    # HiFT stream by stream, as push runs it: its memory stays one stream's (HiFT has no masks to batch with).
-    audio = {id(v): v._complete(d, mel) for v, d, mel in zip(due, decodes, mels)}
+    # HiFT stream by stream, as push runs it (it has no masks to batch with), each queued as soon as it is built
+    # so that the device runs one stream's while the host builds the next, and none read back before all are
+    # queued (reading one back waits for everything queued before it).
+    vocoded = []
+    for v, d, mel in zip(due, decodes, mels):
+        vocoded.append(v._vocode(d, mel))
+        mx.async_eval(vocoded[-1])
+    audio = {id(v): v._settle(d, *out) for v, d, out in zip(due, decodes, vocoded)}
     return [audio.get(id(v), np.zeros(0, np.float32)) for v in vocoders]
 
 
