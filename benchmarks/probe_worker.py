@@ -201,7 +201,9 @@ def main() -> None:
     )
     p.add_argument("--voice", type=Path, help="with --model: a voice file (default: the folder's built-in)")
     p.add_argument("--cfm-dtype", default="bfloat16")
-    p.add_argument("--memory-budget", type=memory_budget, help="S3Gen.memory_budget (default: auto)")
+    p.add_argument(
+        "--memory-budget", type=memory_budget, default="auto", help="S3Gen.memory_budget: auto (default), none, MiB"
+    )
     p.add_argument("--streams", type=int, default=64, help="streamed requests through the Worker at once")
     p.add_argument(
         "--paths",
@@ -249,13 +251,13 @@ def main() -> None:
         return prefill_table(args)
     if args.paths == "serve":
         given = [flag for flag, v in (("--tiny", args.tiny),
-                                      ("--memory-budget", args.memory_budget is not None)) if v]  # fmt: skip
+                                      ("--memory-budget", args.memory_budget != "auto")) if v]  # fmt: skip
         if given:
             p.error(f"{', '.join(given)}: not with --paths serve (serve runs with its own settings)")
         rows = served(args)
     else:
         rows = in_process(args)
-    print(f"\n# layout {args.layout}, device copy {args.device_copy}, memory budget {args.memory_budget or 'auto'}, "
+    print(f"\n# layout {args.layout}, device copy {args.device_copy}, memory budget {args.memory_budget}, "
           f"serial HiFT {args.serial_hift}")  # fmt: skip
     print(
         "| path | wall s | steps | rows/step | step ms median / p90 / max | queueing ms median | steps total s | traces |"
@@ -315,7 +317,7 @@ def load(args: argparse.Namespace) -> tuple[TTS, Voice]:
         mx.eval(tts.s3gen.estimator.parameters())  # here: the Worker's threads cannot evaluate lazy weights
     else:
         tts = TTS.load(args.model, cfm_dtype=args.cfm_dtype)
-    tts.s3gen.memory_budget = "auto" if args.memory_budget is None else args.memory_budget
+    tts.s3gen.memory_budget = args.memory_budget
     voice = Voice.load(args.voice) if args.voice else tts.builtin_voice
     mx.eval(dataclasses.astuple(voice))  # here: the threads below cannot evaluate a lazily loaded voice
     return tts, voice
