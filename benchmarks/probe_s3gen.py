@@ -38,6 +38,7 @@ import numpy as np
 from probe_step import VIEWS, chain_time, primitives
 
 from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
+from mlx_chatterbox.generation import vocode
 from mlx_chatterbox.generation.vocode import S3Gen, resolve_memory_budget
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models import cfm
@@ -232,7 +233,7 @@ def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int
 def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype, spread: int) -> dict:
     """``S3Gen.batch`` of ``requests`` x 10 s with the estimator in ``dtype`` (``serve --cfm-dtype``), and its
     stages evaluated one by one. ``spread``: the call's requests lose up to this many tokens each, at random,
-    as served ones differ (HiFT then runs once per distinct length); the stages are timed at 10 s each."""
+    as served ones differ; the stages are timed at 10 s each."""
     s3gen.estimator.set_dtype(dtype)
     mx.eval(s3gen.estimator.parameters())
     v = voice()
@@ -301,7 +302,9 @@ def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype, sp
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", default="ops,call,batch")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="estimator dtypes (batch: serve's --cfm-dtype)")
+    p.add_argument(
+        "--dtypes", default="float32,bfloat16", help="estimator dtypes (batch: serve's --cfm-dtype)"
+    )
     p.add_argument(
         "--rows", default="1,8,32", help="requests per call (call, batch; ops takes the first two)"
     )
@@ -309,6 +312,12 @@ def main() -> None:
         "--budgets", default="auto,none", help="batch: S3Gen.memory_budget values (MiB or auto/none)"
     )
     p.add_argument("--spread", type=int, default=0, help="batch: requests up to this many tokens shorter")
+    p.add_argument(
+        "--hift",
+        default="one",
+        help="batch: HiFT over the call's rows in one masked call (one), or once per distinct length (per-length, "
+        "as before 2026-12-03); a comma-separated list runs each",
+    )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops and call: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
     p.add_argument("--repeats", type=int, default=3)
@@ -364,18 +373,38 @@ def main() -> None:
                 )
     if "batch" in parts:
         print(
-            "\n| CFM | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
-            "\n|---|---|---|---|---|---|---|---|---|"
+            "\n| CFM | HiFT | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
+            "\n|---|---|---|---|---|---|---|---|---|---|"
         )
-        for d, budget, r in itertools.product(dtypes, args.budgets.split(","), requests):
+        one = vocode.vocode_rows
+        for hift, d, budget, r in itertools.product(
+            args.hift.split(","), dtypes, args.budgets.split(","), requests
+        ):
+            vocode.vocode_rows = {"one": one, "per-length": _per_length(one)}[hift]
             value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
             row = batch(s3gen, r, value, args.repeats, d, args.spread)
-            emit(dict(part="batch", **row))
+            emit(dict(part="batch", hift=hift, **row))
             print(
-                f"| {row['dtype']} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
+                f"| {row['dtype']} | {hift} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
                 f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
                 flush=True,
             )
+
+
+def _per_length(vocode_rows):
+    """``vocode_rows`` once per distinct mel length (no masks), as S3Gen.batch ran HiFT before 2026-12-03."""
+
+    def per_length(hift, mels, keys):
+        groups: dict[int, list[int]] = {}
+        for i, mel in enumerate(mels):
+            groups.setdefault(mel.shape[1], []).append(i)
+        out = [None] * len(mels)
+        for rows in groups.values():
+            for i, wav in zip(rows, vocode_rows(hift, [mels[i] for i in rows], [keys[i] for i in rows])):
+                out[i] = wav
+        return out
+
+    return per_length
 
 
 if __name__ == "__main__":

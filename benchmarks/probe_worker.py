@@ -42,9 +42,9 @@ from mlx.utils import tree_map
 
 from mlx_chatterbox import TTS, cli, weights
 from mlx_chatterbox.generation import batch as batch_module
+from mlx_chatterbox.generation import stream as stream_module
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import request_embeds
-from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
@@ -202,7 +202,10 @@ def main() -> None:
     p.add_argument("--voice", type=Path, help="with --model: a voice file (default: the folder's built-in)")
     p.add_argument("--cfm-dtype", default="bfloat16")
     p.add_argument(
-        "--memory-budget", type=memory_budget, default="auto", help="S3Gen.memory_budget: auto (default), none, MiB"
+        "--memory-budget",
+        type=memory_budget,
+        default="auto",
+        help="S3Gen.memory_budget: auto (default), none, MiB",
     )
     p.add_argument("--streams", type=int, default=64, help="streamed requests through the Worker at once")
     p.add_argument(
@@ -230,7 +233,8 @@ def main() -> None:
     p.add_argument(
         "--serial-hift",
         action="store_true",
-        help="streams' decodes: each stream's HiFT read back before the next is built (as before 2026-12-03)",
+        help="streams' decodes: each stream's HiFT a call of its own, read back before the next is built (as "
+        "before 2026-12-03; now one masked call for all of a decode's streams)",
     )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
@@ -244,7 +248,7 @@ def main() -> None:
     if args.device_copy:
         weights._load_network = _copied(weights._load_network)
     if args.serial_hift:
-        StreamVocoder._vocode = _serial(StreamVocoder._vocode)
+        stream_module._vocode = _serial(stream_module._vocode)
     if args.paths == "shapes":
         return shapes_table(args)
     if args.paths == "prefill":
@@ -275,9 +279,11 @@ def main() -> None:
 
 
 def _serial(vocode: Callable) -> Callable:
-    def serial(*args):
-        out = vocode(*args)
-        mx.eval(out)
+    def serial(vocoders, decodes, mels):
+        out = []
+        for v, d, mel in zip(vocoders, decodes, mels):
+            out += vocode([v], [d], [mel])
+            mx.eval(out[-1])
         return out
 
     return serial

@@ -21,7 +21,16 @@ import numpy as np
 
 from ..sampling import SamplingParams
 from .speech_tokens import EnglishSpeech
-from .vocode import SAMPLE_RATE, SAMPLES_PER_TOKEN, Draws, S3Gen, check_cfm_steps, crossfade_join, fade_in
+from .vocode import (
+    SAMPLE_RATE,
+    SAMPLES_PER_TOKEN,
+    Draws,
+    S3Gen,
+    check_cfm_steps,
+    crossfade_join,
+    fade_in,
+    pad_frames,
+)
 from .voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -319,28 +328,7 @@ class StreamVocoder:
     def _complete(self, d: _Decode, mel: mx.array) -> np.ndarray:
         """The decode's S3Gen ``mel`` -> HiFT over its segment, the stream's state moved past it: the samples
         it makes final, the crossfade applied."""
-        return self._settle(d, *self._vocode(d, mel))
-
-    def _vocode(self, d: _Decode, mel: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """HiFT over the decode's segment, lazily (``decode_together`` queues several streams' before reading
-        any): the waveform, the sine's cycles per frame over the new frames, and the source."""
-        done, spf, hift = self._final_frames, self._spf, self.s3gen.hift
-        segment = mel[:, d.start - d.shift : d.frames - d.shift]
-        f0 = hift.predict_f0(segment)[:, done - d.start :]  # (1, frames - done)
-        # The sine continues the phase it had at `done`; over the context frames, the previous decode's source
-        # is reused as it was (upstream's cache_source).
-        fresh = hift.source(
-            f0,
-            phases=self._phases + mx.array(2 * math.pi * self._cycles, dtype=mx.float32)[None],
-            noise=self._source_noise.take(done * spf, d.frames * spf),
-        )
-        source = mx.concatenate([self._source_tail.astype(fresh.dtype), fresh], axis=1)
-        wav = hift.decode(segment, source)
-        if d.start == 0:
-            wav = fade_in(wav)  # upstream's trim_fade, on the utterance's first 40 ms only
-        # Cycles per frame as HiFT.source computes its frequencies (fp32); summed in float64 by _settle.
-        freq = f0.astype(mx.float32)[..., None] * mx.arange(1, self._harmonics + 1, dtype=mx.float32)
-        return wav, freq / hift.config.sampling_rate, source
+        return self._settle(d, *_vocode([self], [d], [mel])[0])
 
     def _settle(self, d: _Decode, wav: mx.array, freq: mx.array, source: mx.array) -> np.ndarray:
         """``_vocode``'s results read back: the stream's state moved past the decode, its final samples."""
@@ -361,6 +349,63 @@ class StreamVocoder:
             return new
         self._tail = new[len(new) - CROSSFADE :].copy()
         return new[: len(new) - CROSSFADE]
+
+
+def _vocode(
+    vocoders: Sequence[StreamVocoder], decodes: Sequence[_Decode], mels: Sequence[mx.array]
+) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """HiFT over each stream's decode segment, all in one call (shorter segments padded and masked), lazily:
+    per stream the waveform, the sine's cycles per frame over its new frames, and its source (``_settle``
+    reads them back). A single stream runs unpadded."""
+    hift = vocoders[0].s3gen.hift
+    spf = hift.config.samples_per_frame
+    segments = [mel[:, d.start - d.shift : d.frames - d.shift] for d, mel in zip(decodes, mels)]
+    sizes = [segment.shape[1] for segment in segments]
+    news = [d.frames - v._final_frames for v, d in zip(vocoders, decodes)]  # frames after the HiFT context
+    width, new_width = max(sizes), max(news)
+    lengths = None if min(sizes) == width else mx.array(sizes, dtype=mx.int32)
+    mel = mx.concatenate([pad_frames(x, width - n) for x, n in zip(segments, sizes)])
+    f0 = hift.predict_f0(mel, lengths)
+    f0 = mx.concatenate(  # the new frames' f0 of each stream, left-aligned
+        [
+            pad_frames(f0[i : i + 1, n - new : n], new_width - new)
+            for i, (n, new) in enumerate(zip(sizes, news))
+        ]
+    )
+    # The sine continues the phase each stream had at its last final frame; over the context frames, the
+    # previous decode's source is reused as it was (upstream's cache_source).
+    fresh = hift.source(
+        f0,
+        phases=mx.concatenate(
+            [v._phases + mx.array(2 * math.pi * v._cycles, dtype=mx.float32)[None] for v in vocoders]
+        ),
+        noise=mx.concatenate(
+            [
+                pad_frames(
+                    v._source_noise.take(v._final_frames * spf, d.frames * spf), (new_width - new) * spf
+                )
+                for v, d, new in zip(vocoders, decodes, news)
+            ]
+        ),
+    )
+    sources = [
+        mx.concatenate([v._source_tail.astype(fresh.dtype), fresh[i : i + 1, : new * spf]], axis=1)
+        for i, (v, new) in enumerate(zip(vocoders, news))
+    ]
+    wav = hift.decode(
+        mel, mx.concatenate([pad_frames(x, (width - n) * spf) for x, n in zip(sources, sizes)]), lengths
+    )
+    # Cycles per frame as HiFT.source computes its frequencies (fp32); summed in float64 by _settle.
+    freq = f0.astype(mx.float32)[..., None] * mx.arange(1, vocoders[0]._harmonics + 1, dtype=mx.float32)
+    freq = freq / hift.config.sampling_rate
+    out = []
+    for i, (d, n, new, source) in enumerate(zip(decodes, sizes, news, sources)):
+        row = wav[i : i + 1, : n * spf]
+        row = (
+            fade_in(row) if d.start == 0 else row
+        )  # upstream's trim_fade, on the utterance's first 40 ms only
+        out.append((row, freq[i : i + 1, :new], source))
+    return out
 
 
 @dataclass(frozen=True)
@@ -401,13 +446,8 @@ def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> li
         finalize=[d.final for d in decodes],
         bucket=bucket,
     )
-    # HiFT stream by stream, as push runs it (it has no masks to batch with), each queued as soon as it is built
-    # so that the device runs one stream's while the host builds the next, and none read back before all are
-    # queued (reading one back waits for everything queued before it).
-    vocoded = []
-    for v, d, mel in zip(due, decodes, mels):
-        vocoded.append(v._vocode(d, mel))
-        mx.async_eval(vocoded[-1])
+    vocoded = _vocode(due, decodes, mels)
+    mx.async_eval(vocoded)
     audio = {id(v): v._settle(d, *out) for v, d, out in zip(due, decodes, vocoded)}
     return [audio.get(id(v), np.zeros(0, np.float32)) for v in vocoders]
 

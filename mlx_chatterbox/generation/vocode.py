@@ -244,8 +244,8 @@ class S3Gen:
         """Several requests vocoded together: ``__call__`` for each (tokens[i], voices[i], keys[i]), as a
         list of (1, samples_i) float32 waveforms at 24 kHz, faded in, equal to the one-by-one results up to
         float error. Token counts and voices (prompt lengths) may differ between requests; ``bucket`` as
-        for ``batch_mel``. HiFT runs once per distinct mel length (it has no masks: padding would change
-        a row's last frames)."""
+        for ``batch_mel``. HiFT runs once for all of them too (``vocode_rows``: shorter rows padded and
+        masked)."""
         return _batch_wav(self, tokens, voices, cfm_steps, keys, bucket)
 
 
@@ -401,22 +401,29 @@ def _batch_wav(
         keys = [None] * len(tokens)
     split = [(None, None) if key is None else tuple(mx.random.split(key)) for key in keys]
     mels = _batch_mel(s3gen, tokens, voices, cfm_steps, [cfm_key for cfm_key, _ in split], bucket)
-    # HiFT has no masks (its F0 predictor and resblocks see both sides): only rows of one mel length share a
-    # call, each with the source draws of its own shape from its own key.
-    groups: dict[int, list[int]] = {}
-    for i, mel in enumerate(mels):
-        groups.setdefault(mel.shape[1], []).append(i)
-    wavs: list[mx.array | None] = [None] * len(mels)
-    for frames, rows in groups.items():
-        draws = [s3gen.hift.draw_source(1, frames, split[i][1]) for i in rows]
-        wav = s3gen.hift(
-            mx.concatenate([mels[i] for i in rows], axis=0),
-            phases=mx.concatenate([phases for phases, _ in draws], axis=0),
-            noise=mx.concatenate([noise for _, noise in draws], axis=0),
-        )
-        for j, i in enumerate(rows):
-            wavs[i] = fade_in(wav[j : j + 1])
-    return wavs
+    return [fade_in(wav) for wav in vocode_rows(s3gen.hift, mels, [source_key for _, source_key in split])]
+
+
+def vocode_rows(hift: HiFT, mels: list[mx.array], keys: list[mx.array | None]) -> list[mx.array]:
+    """HiFT over rows of any lengths in one call: (1, T_i, 80) mels -> (1, 480 T_i) waveforms, each with the
+    source draws of its own shape from its own key, equal to the row alone up to float error. Rows shorter
+    than the longest are zero-padded and masked (``HiFT.decode``'s lengths)."""
+    frames = [mel.shape[1] for mel in mels]
+    width = max(frames)
+    draws = [hift.draw_source(1, n, key) for n, key in zip(frames, keys)]
+    spf = hift.config.samples_per_frame
+    wav = hift(
+        mx.concatenate([pad_frames(mel, width - n) for mel, n in zip(mels, frames)]),
+        phases=mx.concatenate([phases for phases, _ in draws]),
+        noise=mx.concatenate([pad_frames(noise, (width - n) * spf) for (_, noise), n in zip(draws, frames)]),
+        lengths=None if min(frames) == width else mx.array(frames, dtype=mx.int32),
+    )
+    return [wav[i : i + 1, : n * spf] for i, n in enumerate(frames)]
+
+
+def pad_frames(x: mx.array, n: int) -> mx.array:
+    """(B, T, ...) -> (B, T + n, ...), zeros after."""
+    return mx.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2)) if n else x
 
 
 def _token_row(ids: mx.array | np.ndarray, vocab_size: int, index: int) -> mx.array:

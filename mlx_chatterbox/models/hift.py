@@ -109,17 +109,25 @@ def _fourier_tables(n_fft: int) -> tuple[mx.array, mx.array, mx.array]:
     return mx.array(window, mx.float32), mx.array(forward, mx.float32), mx.array(inverse, mx.float32)
 
 
-def stft(x: mx.array, n_fft: int, hop: int) -> tuple[mx.array, mx.array]:
+def stft(x: mx.array, n_fft: int, hop: int, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """``torch.stft(x, n_fft, hop, n_fft, periodic Hann, center=True, pad_mode='reflect', onesided=True)``.
 
     x: (B, L) float32 samples, L > n_fft // 2. Returns (re, im), each (B, 1 + L // hop, n_fft // 2 + 1),
-    channels-last (frames, bins).
+    channels-last (frames, bins). ``lengths`` (B,) int32: row b holds lengths[b] samples, right-padded
+    (with anything); its first 1 + lengths[b] // hop frames are those of the row alone, the rest are not.
     """
     pad = n_fft // 2
     if x.shape[1] <= pad:
         raise ValueError(f"stft needs more than {pad} samples for its reflect padding, got {x.shape[1]}")
-    # reflect padding excludes the edge sample: x[pad], ..., x[1] | x | x[L-2], ..., x[L-1-pad]
-    x = mx.concatenate([x[:, pad:0:-1], x, x[:, -2 : -pad - 2 : -1]], axis=1)
+    if lengths is None:
+        # reflect padding excludes the edge sample: x[pad], ..., x[1] | x | x[L-2], ..., x[L-1-pad]
+        x = mx.concatenate([x[:, pad:0:-1], x, x[:, -2 : -pad - 2 : -1]], axis=1)
+    else:
+        # Each row reflected at its own end: padded sample p is x[|q|] (q = p - pad) up to the row's length
+        # n, x[2(n - 1) - q] after it; clipped into the array where only masked frames read.
+        q = mx.arange(x.shape[1] + 2 * pad)[None] - pad
+        index = mx.where(q < lengths[:, None], mx.abs(q), 2 * (lengths[:, None] - 1) - q)
+        x = mx.take_along_axis(x, mx.clip(index, 0, x.shape[1] - 1), axis=1)
     frames = 1 + (x.shape[1] - n_fft) // hop
     index = mx.arange(frames)[:, None] * hop + mx.arange(n_fft)[None]
     window, forward, _ = _fourier_tables(n_fft)
@@ -128,17 +136,25 @@ def stft(x: mx.array, n_fft: int, hop: int) -> tuple[mx.array, mx.array]:
     return spec[..., :bins], spec[..., bins:]
 
 
-def istft(re: mx.array, im: mx.array, n_fft: int, hop: int) -> mx.array:
+def istft(re: mx.array, im: mx.array, n_fft: int, hop: int, frames: mx.array | None = None) -> mx.array:
     """``torch.istft(re + i·im, n_fft, hop, n_fft, periodic Hann, center=True, onesided)``.
 
     re, im: (B, F, n_fft // 2 + 1) with n_fft a multiple of hop. Returns (B, hop * (F - 1)) samples: the
     windowed inverse frames overlap-added, divided by the summed squared window, n_fft // 2 trimmed at each
-    end.
+    end. ``frames`` (B,) int32: row b has that many frames, right-padded; its first hop * (frames[b] - 1)
+    samples are those of the row alone.
     """
     window, _, inverse = _fourier_tables(n_fft)
-    frames = (mx.concatenate([re, im], axis=-1) @ inverse) * window  # (B, F, n_fft)
-    y = _overlap_add(frames, hop)
-    envelope = _overlap_add(mx.broadcast_to(mx.square(window), (1, re.shape[1], n_fft)), hop)
+    square = mx.broadcast_to(mx.square(window), (1, re.shape[1], n_fft))
+    spectra = mx.concatenate([re, im], axis=-1)
+    if frames is not None:  # padded frames would overlap the last real ones: none may add to them
+        valid = (mx.arange(re.shape[1])[None] < frames[:, None])[..., None]
+        spectra, square = spectra * valid.astype(spectra.dtype), square * valid.astype(square.dtype)
+    y = _overlap_add((spectra @ inverse) * window, hop)  # (B, F, n_fft) frames overlap-added
+    # Beyond a padded row's end the envelope is 0; the floor (torch's NOLA bound) keeps those samples finite.
+    envelope = _overlap_add(square, hop)
+    if frames is not None:
+        envelope = mx.maximum(envelope, 1e-11)
     pad = n_fft // 2
     return y[:, pad:-pad] / envelope[:, pad:-pad]
 
@@ -199,6 +215,19 @@ class Snake(nn.Module):
         return x + (1.0 / (self.alpha + 1e-9)) * mx.square(sin(x * self.alpha))
 
 
+def _masked(x: mx.array, mask: mx.array | None) -> mx.array:
+    """x with the frames beyond each row's length zeroed (mask (B, T, 1) bool), as a conv over the row alone
+    sees them: the padding of a batch of rows of different lengths then changes none of their frames."""
+    return x if mask is None else x * mask.astype(x.dtype)
+
+
+def _frame_mask(lengths: mx.array | None, width: int, scale: int = 1, extra: int = 0) -> mx.array | None:
+    """(B, width, 1) bool, true on row b's first scale·lengths[b] + extra frames; None without lengths."""
+    if lengths is None:
+        return None
+    return (mx.arange(width)[None] < lengths[:, None] * scale + extra)[..., None]
+
+
 class ELU(nn.Module):
     """ELU(alpha=1) with expm1 as torch; a parameterless entry that keeps ``condnet``'s indices."""
 
@@ -221,9 +250,9 @@ class ResBlock(nn.Module):
         self.activations1 = [Snake(channels) for _ in dilations]
         self.activations2 = [Snake(channels) for _ in dilations]
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = conv2(act2(conv1(act1(x)))) + x
+            x = conv2(_masked(act2(conv1(_masked(act1(x), mask))), mask)) + x
         return x
 
 
@@ -237,10 +266,10 @@ class F0Predictor(nn.Module):
             self.condnet += [Conv1d(in_channels if i == 0 else channels, channels, 3, padding=1), ELU()]
         self.classifier = nn.Linear(channels, 1)
 
-    def __call__(self, mel: mx.array) -> mx.array:
+    def __call__(self, mel: mx.array, mask: mx.array | None = None) -> mx.array:
         x = mel
         for layer in self.condnet:
-            x = layer(x)
+            x = layer(_masked(x, mask) if isinstance(layer, Conv1d) else x)
         return mx.abs(self.classifier(x)[..., 0])
 
 
@@ -289,9 +318,10 @@ class HiFT(nn.Module):
         ]
         self.conv_post = Conv1d(base // 2 ** len(self.ups), n_fft + 2, 7, padding=3)
 
-    def predict_f0(self, mel: mx.array) -> mx.array:
-        """mel: (B, T, 80) log-mel. Returns f0 (B, T) in Hz (not negative)."""
-        return self.f0_predictor(mel)
+    def predict_f0(self, mel: mx.array, lengths: mx.array | None = None) -> mx.array:
+        """mel: (B, T, 80) log-mel. Returns f0 (B, T) in Hz (not negative). ``lengths`` (B,) int32: row b's
+        frames, the rest padding; its first lengths[b] values are those of the row alone."""
+        return self.f0_predictor(mel, _frame_mask(lengths, mel.shape[1]))
 
     def draw_source(self, batch: int, frames: int, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """The random inputs of ``source`` for (batch, frames) mel frames, from ``key`` (or MLX's global
@@ -343,34 +373,44 @@ class HiFT(nn.Module):
         harmonics = sines * voiced + noise_amp * noise.reshape(b, t, spf, h)
         return self.m_source(harmonics.reshape(b, t * spf, h).astype(self.m_source.l_linear.weight.dtype))
 
-    def decode(self, mel: mx.array, source: mx.array) -> mx.array:
+    def decode(self, mel: mx.array, source: mx.array, lengths: mx.array | None = None) -> mx.array:
         """mel: (B, T, 80), source: (B, 480 T, 1) excitation. Returns the waveform (B, 480 T) in
-        ±audio_limit."""
+        ±audio_limit. ``lengths`` (B,) int32: row b's mel frames, the rest of it (and of its source) padding;
+        its first 480 lengths[b] samples are those of the row alone, up to float error."""
         cfg = self.config
         b, t, _ = mel.shape
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
         if source.shape != (b, t * cfg.samples_per_frame, 1):
             raise ValueError(f"source has shape {source.shape}, expected {(b, t * cfg.samples_per_frame, 1)}")
-        re, im = stft(source[..., 0].astype(mx.float32), n_fft, hop)
+        spectral = cfg.samples_per_frame // hop  # spectrogram frames per mel frame (120)
+        samples = None if lengths is None else lengths * cfg.samples_per_frame
+        re, im = stft(source[..., 0].astype(mx.float32), n_fft, hop, samples)
         s = mx.concatenate([re, im], axis=-1).astype(mel.dtype)  # (B, 120 T + 1, n_fft + 2)
+        s = _masked(s, _frame_mask(lengths, s.shape[1], spectral, 1))
 
-        x = self.conv_pre(mel)
-        nk = len(cfg.resblock_kernel_sizes)
+        # Without lengths every mask is None; with them each conv's input is zero beyond its row's frames.
+        mask = _frame_mask(lengths, t)
+        x = self.conv_pre(_masked(mel, mask))
+        nk, scale = len(cfg.resblock_kernel_sizes), 1
         for i, up in enumerate(self.ups):
-            x = up(nn.leaky_relu(x, cfg.lrelu_slope))
-            if i == len(self.ups) - 1:
+            x = up(_masked(nn.leaky_relu(x, cfg.lrelu_slope), mask))
+            scale *= cfg.upsample_rates[i]
+            extra = int(i == len(self.ups) - 1)
+            if extra:
                 x = mx.concatenate([x[:, 1:2], x], axis=1)  # ReflectionPad1d((1, 0)): 120 T + 1 frames
-            x = x + self.source_resblocks[i](self.source_downs[i](s))
-            xs = self.resblocks[i * nk](x)
+            mask = _frame_mask(lengths, x.shape[1], scale, extra)
+            x = x + self.source_resblocks[i](self.source_downs[i](s), mask)
+            xs = self.resblocks[i * nk](x, mask)
             for j in range(1, nk):
-                xs = xs + self.resblocks[i * nk + j](x)
+                xs = xs + self.resblocks[i * nk + j](x, mask)
             x = xs / nk
         # The last slope is F.leaky_relu's default 0.01, not lrelu_slope (architecture §9.12).
-        x = self.conv_post(nn.leaky_relu(x, 0.01)).astype(mx.float32)
+        x = self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask)).astype(mx.float32)
         bins = n_fft // 2 + 1
         magnitude = mx.minimum(exp(x[..., :bins]), 100.0)
         phase = sin(x[..., bins:])  # upstream applies sin here too ("actually, sin is redundancy")
-        wav = istft(magnitude * cos(phase), magnitude * sin(phase), n_fft, hop)
+        frames = None if lengths is None else lengths * spectral + 1
+        wav = istft(magnitude * cos(phase), magnitude * sin(phase), n_fft, hop, frames)
         return mx.clip(wav, -cfg.audio_limit, cfg.audio_limit)
 
     def __call__(
@@ -380,11 +420,13 @@ class HiFT(nn.Module):
         key: mx.array | None = None,
         phases: mx.array | None = None,
         noise: mx.array | None = None,
+        lengths: mx.array | None = None,
     ) -> mx.array:
         """mel: (B, T, 80) log-mel -> waveform (B, 480 T) at 24 kHz (upstream ``HiFTGenerator.inference``
-        without the source cache; the fade-in is the caller's). Randomness as in ``source``."""
-        f0 = self.predict_f0(mel)
-        return self.decode(mel, self.source(f0, phases=phases, noise=noise, key=key))
+        without the source cache; the fade-in is the caller's). Randomness as in ``source``; ``lengths`` as
+        in ``decode`` (rows of different lengths in one call)."""
+        f0 = self.predict_f0(mel, lengths)
+        return self.decode(mel, self.source(f0, phases=phases, noise=noise, key=key), lengths)
 
     # --- checkpoint ---
 
