@@ -149,7 +149,7 @@ def istft(re: mx.array, im: mx.array, n_fft: int, hop: int, frames: mx.array | N
     spectra = mx.concatenate([re, im], axis=-1)
     if frames is not None:  # padded frames would overlap the last real ones: none may add to them
         valid = (mx.arange(re.shape[1])[None] < frames[:, None])[..., None]
-        spectra, square = spectra * valid.astype(spectra.dtype), square * valid.astype(square.dtype)
+        spectra, square = spectra * valid, square * valid
     y = _overlap_add((spectra @ inverse) * window, hop)  # (B, F, n_fft) frames overlap-added
     # Beyond a padded row's end the envelope is 0; the floor (torch's NOLA bound) keeps those samples finite.
     envelope = _overlap_add(square, hop)
@@ -218,7 +218,7 @@ class Snake(nn.Module):
 def _masked(x: mx.array, mask: mx.array | None) -> mx.array:
     """x with the frames beyond each row's length zeroed (mask (B, T, 1) bool), as a conv over the row alone
     sees them: the padding of a batch of rows of different lengths then changes none of their frames."""
-    return x if mask is None else x * mask.astype(x.dtype)
+    return x if mask is None else x * mask  # bool promotes to x's dtype
 
 
 def _frame_mask(lengths: mx.array | None, width: int, scale: int = 1, extra: int = 0) -> mx.array | None:
