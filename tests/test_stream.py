@@ -509,18 +509,23 @@ def test_streams_decoded_together_equal_their_own_decodes(voiced, monkeypatch):
     one S3Gen call: each round's samples are each stream's own push/finish's, within TOGETHER_TOL."""
     tts = voiced
     expected = [[v.push(g) for g in groups] + [v.finish()] for v, groups in together_streams(tts.s3gen)]
-    estimator_calls, rows = [], []
-    real_call, real_batch_mel = Estimator.__call__, tts.s3gen.batch_mel
+    estimator_calls, hift_calls, rows = [], [], []
+    real_call, real_decode, real_batch_mel = Estimator.__call__, HiFT.decode, tts.s3gen.batch_mel
 
     def counted(self, *args, **kwargs):
         estimator_calls.append(args[0].shape[0])  # the rows of one call (CFG doubles them)
         return real_call(self, *args, **kwargs)
+
+    def decode(self, mel, *args, **kwargs):
+        hift_calls.append(mel.shape[0])
+        return real_decode(self, mel, *args, **kwargs)
 
     def spy(tokens, voices, **kwargs):
         rows.append([(t.shape[1], f) for t, f in zip(tokens, kwargs["finalize"])])
         return real_batch_mel(tokens, voices, **kwargs)
 
     monkeypatch.setattr(Estimator, "__call__", counted)
+    monkeypatch.setattr(HiFT, "decode", decode)
     monkeypatch.setattr(tts.s3gen, "batch_mel", spy)
     streams = together_streams(tts.s3gen)
     got: list[list[np.ndarray]] = [[] for _ in streams]
@@ -539,11 +544,13 @@ def test_streams_decoded_together_equal_their_own_decodes(voiced, monkeypatch):
             if due[i] < vocoder.voice.s3gen_prompt_tokens.shape[1] + vocoder.pushed:
                 cut.append(i)
         estimator_calls.clear()
+        hift_calls.clear()
         for i, out in zip(live, decode_together([streams[i][0] for i in live], bucket=8)):
             got[i].append(out)
         assert all(not streams[i][0].due for i in live)
         # Several due decodes: one S3Gen call (2 CFM steps, 2 estimator calls of 2 x their rows).
         assert estimator_calls == [2 * len(due)] * 2, (r, due, estimator_calls)
+        assert hift_calls == [len(due)], (r, due, hift_calls)  # and one HiFT call, its segments padded
         if len(due) > 1:  # the rows as each stream's `due` said: prompt, window and new tokens
             prompts = [streams[i][0].voice.s3gen_prompt_tokens.shape[1] for i in due]
             assert [n + p for (n, _), p in zip(rows[-1], prompts)] == list(due.values())

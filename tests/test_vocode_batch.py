@@ -67,9 +67,18 @@ def test_batched_mel_equals_one_by_one(tts, bucket):
 
 
 @pytest.mark.parametrize("bucket", [1, 16])
-def test_batched_waveform_equals_one_by_one(tts, bucket):
+def test_batched_waveform_equals_one_by_one(tts, bucket, monkeypatch):
     ids, voices, keys = requests()
+    hift_rows, real_decode = [], type(tts.s3gen.hift).decode
+
+    def decode(self, mel, *args, **kwargs):
+        hift_rows.append(mel.shape[0])
+        return real_decode(self, mel, *args, **kwargs)
+
+    monkeypatch.setattr(type(tts.s3gen.hift), "decode", decode)
     batched = tts.s3gen.batch(ids, voices, cfm_steps=3, keys=keys, bucket=bucket)
+    assert hift_rows == [len(ids)]  # one HiFT call for mels of three lengths
+    monkeypatch.undo()
     errors = []
     for row, t, v, k in zip(batched, ids, voices, keys):
         alone = tts.s3gen(t, v, cfm_steps=3, key=k)
