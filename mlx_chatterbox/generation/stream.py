@@ -298,7 +298,7 @@ class StreamVocoder:
             return np.zeros(0, np.float32)
         s3gen = self.s3gen
         mel = s3gen.mel(d.tokens, self.voice, cfm_steps=self.cfm_steps, cfm_noise=d.noise, finalize=d.final)
-        return self._complete(d, mel)
+        return self._settle(d, *_vocode([self], [d], [mel])[0])
 
     def _prepare(self, final: bool) -> _Decode | None:
         """What a decode at the tokens so far reads and makes final; None when no audio would become final."""
@@ -325,13 +325,9 @@ class StreamVocoder:
             end=end,
         )
 
-    def _complete(self, d: _Decode, mel: mx.array) -> np.ndarray:
-        """The decode's S3Gen ``mel`` -> HiFT over its segment, the stream's state moved past it: the samples
-        it makes final, the crossfade applied."""
-        return self._settle(d, *_vocode([self], [d], [mel])[0])
-
     def _settle(self, d: _Decode, wav: mx.array, freq: mx.array, source: mx.array) -> np.ndarray:
-        """``_vocode``'s results read back: the stream's state moved past the decode, its final samples."""
+        """``_vocode``'s results read back: the stream's state moved past the decode, and the samples it makes
+        final, the crossfade applied."""
         done, spf, start, end = self._final_frames, self._spf, d.start, d.end
         cycles = np.array(freq, dtype=np.float64)[0]  # (frames - done, H)
         self._cycles = (self._cycles + spf * cycles[: end - done].sum(axis=0)) % 1.0
@@ -401,9 +397,8 @@ def _vocode(
     out = []
     for i, (d, n, new, source) in enumerate(zip(decodes, sizes, news, sources)):
         row = wav[i : i + 1, : n * spf]
-        row = (
-            fade_in(row) if d.start == 0 else row
-        )  # upstream's trim_fade, on the utterance's first 40 ms only
+        # upstream's trim_fade, on the utterance's first 40 ms only
+        row = fade_in(row) if d.start == 0 else row
         out.append((row, freq[i : i + 1, :new], source))
     return out
 
