@@ -270,8 +270,11 @@ def worker_breakdown(before: dict, after: dict) -> dict:
     for name, labels in after:
         if name == "mlx_chatterbox_worker_seconds_total":
             thread, phase = dict(labels)["thread"], dict(labels)["phase"]
+            # A kind's seconds are summed over its threads (several marking threads): its share is of them all.
+            threads = after.get(("mlx_chatterbox_worker_threads", (("thread", thread),)), 1.0)
             tally = {k: delta((f"mlx_chatterbox_worker_{m}", labels)) for k, m in PHASE_METRICS.items()}
-            tally.update(calls=int(tally["calls"]), rows=int(tally["rows"]), share=tally["seconds"] / span)
+            share = tally["seconds"] / (span * threads)
+            tally.update(calls=int(tally["calls"]), rows=int(tally["rows"]), share=share)
             phases.setdefault(thread, {})[phase] = tally
 
     def per_call(phase: str) -> float | None:
@@ -355,11 +358,10 @@ def write_random_model(kind: str, variant: str, dst: Path) -> None:
     """A converted random-weight model folder ``dst/mlx`` and a random voice ``dst/voice.safetensors`` for it,
     by the tests' helpers (no torch)."""
     sys.path.insert(0, str(REPO))
-    from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
-    from tests.toy_gpt2_tokenizer import VOCAB_SIZE
-
     from mlx_chatterbox.convert import convert
     from mlx_chatterbox.variants import ENGLISH, TURBO
+    from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
+    from tests.toy_gpt2_tokenizer import VOCAB_SIZE
 
     # Full-size Turbo speaks through the toy GPT-2 tokenizer, so its text vocabulary is the toy's (720 rows of
     # the text embedding instead of 50,276: a lookup table, the same cost per step).

@@ -550,6 +550,7 @@ def test_metrics(server):
     before = scrape(url)
     for name in PHASES["worker"]:
         assert ("mlx_chatterbox_worker_seconds_total", phase("worker", name)) in before, name
+    assert before["mlx_chatterbox_worker_threads", frozenset({("thread", '"worker"')})] == 1
     body = {"model": "tts-1", "input": TEXT, "response_format": "pcm", "max_new_tokens": TOKENS, "seed": 3}
     for stream in (False, True):
         assert post(server, {**body, "stream": stream}).status_code == 200
@@ -642,6 +643,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--stream-context",
         "--vocode-thread",
         "--stream-catch-up",
+        "--mark-threads",
         "--warm-batches",
         "--no-ui",
     )
@@ -658,6 +660,14 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         main(["serve", "--model", nowhere, "--vocode-thread", "off", "--stream-catch-up", "on"])
     assert e.value.code == 2
     assert "--stream-catch-up applies to streams decoded on the vocoding thread" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", nowhere, "--vocode-thread", "off", "--mark-threads", "2"])
+    assert e.value.code == 2
+    assert "--mark-threads 2: the marking threads run beside the vocoding thread" in capsys.readouterr().err
+    for bad, says in (("0", "0 is out of range"), ("two", "invalid thread count value: 'two'")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--mark-threads", bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err
     assert main(["serve", "--model", nowhere, "--voice", str(tmp_path / "v.safetensors")]) == 1
     assert "no such file" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
@@ -758,19 +768,23 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize(
-    "flag,cuda,threaded,catch_up",
+    "flag,cuda,threaded,catch_up,markers",
     [
-        ([], False, False, False),
-        ([], True, True, True),
-        (["--vocode-thread"], False, True, True),
-        (["--vocode-thread", "off"], True, False, False),
-        (["--stream-catch-up", "off"], True, True, False),
-        (["--vocode-thread", "--stream-catch-up", "on"], False, True, True),
+        ([], False, False, False, 1),
+        ([], True, True, True, "auto"),
+        (["--vocode-thread"], False, True, True, "auto"),
+        (["--vocode-thread", "off"], True, False, False, 1),
+        (["--stream-catch-up", "off"], True, True, False, "auto"),
+        (["--vocode-thread", "--stream-catch-up", "on"], False, True, True, "auto"),
+        (["--vocode-thread", "--mark-threads", "3"], False, True, True, 3),
+        (["--vocode-thread", "off", "--mark-threads", "1"], False, False, False, 1),
     ],
 )
-def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up):
+def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up, markers):
     """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
-    its streams catch up (``--stream-catch-up``, on by default). A streamed request is served either way."""
+    its streams catch up (``--stream-catch-up``, on by default) and its audio is watermarked on
+    ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4). A streamed request is served either way.
+    """
     seen = {}
 
     def serve(app, host, port, shutdown_timeout, log_level):
@@ -781,11 +795,13 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
 
     monkeypatch.setattr(run_module, "serve", serve)
     monkeypatch.setattr(worker_module, "default_vocode_thread", lambda: cuda)
+    monkeypatch.setattr(worker_module.os, "cpu_count", lambda: 8)  # auto: 2 marking threads
     random_voice(seed=7).save(tmp_path / "mine.safetensors")
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main([*args, "--voice", str(tmp_path / "mine.safetensors")]) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
     assert seen["health"]["stream_catch_up"] is catch_up
+    assert seen["health"]["mark_threads"] == (2 if markers == "auto" else markers)
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
 
 

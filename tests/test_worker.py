@@ -490,25 +490,66 @@ def test_a_gone_readers_audio_is_not_watermarked(tts, monkeypatch):
         ticket = worker.submit(job)
         assert marking.wait(30)
         deadline = time.perf_counter() + 30
-        while worker._deliveries.qsize() < 2 and time.perf_counter() < deadline:  # chunks wait behind it
+        (lane,) = worker._deliveries  # one marking thread
+        while lane.qsize() < 2 and time.perf_counter() < deadline:  # chunks wait behind it
             time.sleep(0.01)
-        assert worker._deliveries.qsize() >= 2
+        assert lane.qsize() >= 2
         ticket.cancel()
         reader_left.set()
         wait_idle(worker)
-        while worker._deliveries.qsize():
+        while lane.qsize():
             time.sleep(0.01)
     assert len(marked) == 1
+
+
+def test_marking_threads_mark_jobs_at_once_each_in_order(tts, monkeypatch):
+    """``mark_threads=2``: two jobs' audio is watermarked on two threads at the same time (each thread's first
+    mark waits at a barrier for the other's), and every job's chunks still arrive in order, equal to
+    ``TTS.stream`` / ``TTS.generate`` alone within SHARED_TOL (whole and streamed, watermarked)."""
+    specs = [
+        dataclasses.replace(job, stream=stream, watermark=True, seed=60 + k)
+        for k, (job, stream) in enumerate(zip(jobs(True) + jobs(False)[1:2], (True, True, True, False)))
+    ]
+    barrier, threads = threading.Barrier(2, timeout=30), set()
+    real_chunk, real_whole = tts._mark_chunk, tts._mark
+
+    def meet(real):
+        def spy(wav):
+            name = threading.current_thread().name
+            if name not in threads:  # each marking thread's first mark waits for the other thread's
+                threads.add(name)
+                barrier.wait()
+            return real(wav)
+
+        return spy
+
+    monkeypatch.setattr(tts, "_mark_chunk", meet(real_chunk))
+    monkeypatch.setattr(tts, "_mark", meet(real_whole))
+    with Worker(tts, max_batch=4, vocode_thread=True, stream_catch_up=False, mark_threads=2) as worker:
+        hold = worker.run(time.sleep, 0.3)  # all start together
+        tickets = [worker.submit(job) for job in specs]
+        hold.result()
+        got = [list(t) for t in tickets]
+        assert worker.metrics()["threads"] == {"worker": 1, "vocoder": 1, "marker": 2}
+    assert threads == {"mlx-chatterbox-marker-0", "mlx-chatterbox-marker-1"}
+    monkeypatch.undo()
+    for job, chunks in zip(specs, got):
+        expected = alone(tts, job)
+        assert [len(c) for c in chunks] == [len(c) for c in expected]
+        wav, ref = np.concatenate(chunks), np.concatenate(expected)
+        assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
 
 
 def test_vocoding_settings_are_checked(tts):
     assert (
         Worker(tts, vocode_batch=3).vocode_frames == 3 * worker_module.VOCODE_FRAMES_PER_ROW
     )  # scaled with it
-    for name in ("vocode_batch", "vocode_frames", "vocode_bucket"):
+    for name in ("vocode_batch", "vocode_frames", "vocode_bucket", "mark_threads"):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name}={bad!r} must be an integer of at least 1"):
                 Worker(tts, **{name: bad})
+    with pytest.raises(ValueError, match="mark_threads=2: marking threads run beside the vocoding thread"):
+        Worker(tts, mark_threads=2)
 
 
 def test_streamed_and_whole_jobs_at_once(tts):
@@ -681,6 +722,7 @@ def test_metrics_count_where_the_time_goes(tts, vocode_thread):
     on = "vocoder" if vocode_thread else "worker"
 
     w = phases(whole)
+    assert whole["threads"] == ({"worker": 1, "vocoder": 1, "marker": 1} if vocode_thread else {"worker": 1})
     assert whole["requests"] == {"finished": 2, "failed": 0, "cancelled": 0}
     tokens = [j.params.max_new_tokens for j in specs]
     assert w["t3_step"]["rows"] == sum(t.speech_tokens for t in tickets) == sum(tokens)

@@ -50,6 +50,16 @@ def add_parser(sub) -> None:
         "requests from 11x to 20x real time on an H200, off elsewhere (no gain on CPUs; not measured on Macs)",
     )
     p.add_argument(
+        "--mark-threads",
+        type=_mark_threads,
+        default="auto",
+        metavar="N|auto",
+        help="with the vocoding thread: threads that watermark the audio, each request's on one of them (Perth's "
+        "resampling and FFTs run on the CPU and release the GIL); auto (the default): a quarter of the CPU's cores, "
+        "1 to 4, with the vocoding thread, else 1 (one thread was busy 8.4 s of a 19 s burst of 128 whole requests "
+        "on an H200)",
+    )
+    p.add_argument(
         "--stream-catch-up",
         choices=("on", "off"),
         help="with the vocoding thread: a stream whose tokens waited for a busy S3Gen takes them all into its next "
@@ -148,6 +158,14 @@ def _first_chunk(text: str) -> int | str:
     return value
 
 
+def _mark_threads(text: str) -> int | str:
+    """An argparse type: ``--mark-threads``' count of threads, or auto."""
+    return text if text == "auto" else common.at_least_1(text)
+
+
+_mark_threads.__name__ = "thread count"
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 1-65535."""
     value = int(text)
@@ -172,7 +190,7 @@ def run(args: argparse.Namespace) -> None:
     from ..server.app import create_app
     from ..server.run import check_shutdown_timeout, serve
     from ..server.voices import VoiceStore, default_voices_dir
-    from ..server.worker import Worker, default_vocode_thread, default_warm_batches
+    from ..server.worker import Worker, default_mark_threads, default_vocode_thread, default_warm_batches
 
     given_voice = common.read_voice(args.voice)
     if args.memory_limit is not None and not args.memory_limit > 0:
@@ -184,6 +202,12 @@ def run(args: argparse.Namespace) -> None:
             "--stream-catch-up applies to streams decoded on the vocoding thread, which is off here; add "
             "--vocode-thread on, or leave --stream-catch-up out"
         )
+    if args.mark_threads != "auto" and args.mark_threads > 1 and not vocode_thread:
+        raise common.UsageError(
+            f"--mark-threads {args.mark_threads}: the marking threads run beside the vocoding thread, which is off "
+            "here; add --vocode-thread on, or leave --mark-threads out"
+        )
+    mark_threads = default_mark_threads(vocode_thread) if args.mark_threads == "auto" else args.mark_threads
     keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
     folder = args.voices if args.voices is not None else default_voices_dir()
     if folder.exists() and not folder.is_dir():
@@ -212,6 +236,7 @@ def run(args: argparse.Namespace) -> None:
         vocode_batch=args.vocode_batch,
         vocode_thread=vocode_thread,
         stream_catch_up=args.stream_catch_up != "off",
+        mark_threads=mark_threads,
     ) as worker:
         first_chunk = FIRST_CHUNK if args.first_chunk == "auto" else args.first_chunk
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing

@@ -122,6 +122,7 @@ def create_app(
             "vocode_batch": worker.vocode_batch,
             "vocode_thread": worker.vocode_thread,
             "stream_catch_up": worker.vocode_thread and worker.stream_catch_up,
+            "mark_threads": worker.mark_threads,
             "cfm_steps": cfm_steps_used,
             "cfm_dtype": cfm_dtype,
             "stream_context": stream_context,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 
 # The phases timed on each thread.
 PHASES = {
@@ -28,7 +28,7 @@ PHASES = {
     ),
     # The vocoding thread's (``vocode_thread=True``): streamed chunks and whole pieces decoded there.
     "vocoder": ("idle", "stream_decode", "vocode"),
-    # The marking thread's (``vocode_thread=True`` too): the watermark of what readers get.
+    # The marking threads' (``vocode_thread=True`` too): the watermark of what readers get.
     "marker": ("idle", "mark"),
 }
 ROW_PHASES = ("t3_step", "stream_decode", "vocode")  # whose calls take several rows at once
@@ -40,24 +40,29 @@ class Meter:
     """Per (thread, phase): wall seconds, calls and rows, summed since the meter was made; and jobs ended by
     outcome. The worker's threads add (``timed``), any thread reads (``snapshot``: a copy, under the lock)."""
 
-    def __init__(self, threads: Iterable[str]):
+    def __init__(self, threads: Mapping[str, int]):
+        """``threads``: how many threads of each kind (``PHASES``' keys) the worker runs; the seconds of a kind
+        are summed over its threads."""
         self._lock = threading.Lock()
         self._since = time.perf_counter()
+        self._threads = dict(threads)
         self._phases = {(t, p): [0.0, 0, 0] for t in threads for p in PHASES[t]}  # [seconds, calls, rows]
-        self._open: dict[str, tuple[str, float]] = {}  # thread -> the phase it is in and since when
+        # (kind, thread id) -> the phase that thread is in and since when
+        self._open: dict[tuple[str, int], tuple[str, float]] = {}
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
     @contextlib.contextmanager
     def timed(self, thread: str, phase: str, rows: int = 0) -> Iterator[None]:
         """The block's wall time, one call and ``rows`` added to ``phase`` of ``thread`` (whose phases do not
         nest)."""
+        key = (thread, threading.get_ident())
         with self._lock:
-            self._open[thread] = (phase, time.perf_counter())
+            self._open[key] = (phase, time.perf_counter())
         try:
             yield
         finally:
             with self._lock:
-                _, start = self._open.pop(thread)
+                _, start = self._open.pop(key)
                 tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
                 tally[0] += time.perf_counter() - start
                 tally[1] += 1
@@ -68,19 +73,25 @@ class Meter:
             self._outcomes[outcome] += 1
 
     def snapshot(self) -> dict:
-        """``{"uptime": seconds since the meter was made, "phases": [{"thread", "phase", "seconds", "calls",
-        "rows"}], "requests": {outcome: count}}``. A phase a thread is in counts its seconds so far: two
-        snapshots' differences then cover exactly the time between them."""
+        """``{"uptime": seconds since the meter was made, "threads": {kind: count}, "phases": [{"thread",
+        "phase", "seconds", "calls", "rows"}], "requests": {outcome: count}}``. A phase a thread is in counts its
+        seconds so far: two snapshots' differences then cover exactly the time between them (times the kind's
+        thread count)."""
         with self._lock:
             now = time.perf_counter()
             seconds = {key: tally[0] for key, tally in self._phases.items()}
-            for thread, (phase, start) in self._open.items():
+            for (thread, _), (phase, start) in self._open.items():
                 seconds[thread, phase] += now - start
             phases = [
                 {"thread": t, "phase": p, "seconds": seconds[t, p], "calls": c, "rows": r}
                 for (t, p), (_, c, r) in self._phases.items()
             ]
-            return {"uptime": now - self._since, "phases": phases, "requests": dict(self._outcomes)}
+            return {
+                "uptime": now - self._since,
+                "threads": dict(self._threads),
+                "phases": phases,
+                "requests": dict(self._outcomes),
+            }
 
 
 def prometheus(metrics: dict) -> str:
@@ -97,12 +108,18 @@ def prometheus(metrics: dict) -> str:
         "Seconds since the worker was made: the span its phases' seconds are counted over.",
         [("", float(metrics["uptime"]))],
     )
+    family(
+        "mlx_chatterbox_worker_threads",
+        "gauge",
+        "Threads of each kind the worker runs: a kind's phase seconds are summed over them.",
+        [(f'{{thread="{t}"}}', n) for t, n in metrics["threads"].items()],
+    )
     phases = metrics["phases"]
     label = '{{thread="{thread}",phase="{phase}"}}'.format
     family(
         "mlx_chatterbox_worker_seconds_total",
         "counter",
-        "Wall seconds the worker's threads spent in each phase.",
+        "Wall seconds the worker's threads spent in each phase, summed over the threads of a kind.",
         [(label(**p), float(p["seconds"])) for p in phases],
     )
     family(

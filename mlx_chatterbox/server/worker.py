@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -89,6 +90,13 @@ def default_vocode_thread() -> bool:
     are host-bound (128 concurrent whole requests on an H200: 11.4x real time without, 20.0x with, 2026-12-02);
     none on CPUs, where the two share the cores (8 whole requests: 6.7 s without, 13.2 s with, on 2 cores)."""
     return _on_cuda()
+
+
+def default_mark_threads(vocode_thread: bool) -> int:
+    """``serve --mark-threads auto``: with the vocoding thread, a quarter of the CPU's cores, 1 to 4 (Perth's host
+    work per 10 s of audio is 55-75 ms; one marking thread took 8.4 s for 128 whole requests on an H200 host, the
+    tail of a 19 s burst); without it, the one thread there is."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4)) if vocode_thread else 1
 
 
 def default_warm_batches() -> bool:
@@ -197,6 +205,7 @@ class _Job:
     piped: bool = False  # the piece being streamed has its StreamVocoder on the vocoding thread (_Stream)
     joiner: PieceJoiner = dataclasses.field(default_factory=lambda: PieceJoiner(CROSSFADE))  # streamed pieces
     ended: bool = False  # its reader has had the end or an error (_done)
+    lane: int = 0  # the marking thread that watermarks all it hands over, in order
 
     def seed(self) -> int | None:
         """Piece i is spoken with seed + i, as ``TTS.generate`` does."""
@@ -252,8 +261,8 @@ class Worker:
     pieces and streamed chunks vocoded as they become ready, up to ``vocode_batch`` of them (and
     ``vocode_frames`` mel frames, by default ``VOCODE_FRAMES_PER_ROW`` a row, rows padded to multiples of
     ``vocode_bucket`` tokens) in one S3Gen call: after the step that made them ready, or, ``vocode_thread=True``,
-    on a second thread while T3 keeps stepping (and the watermark on a third). At most ``max_queue`` jobs wait
-    or run (``submit`` raises ``QueueFull`` beyond).
+    on a second thread while T3 keeps stepping (and the watermark on ``mark_threads`` more, each job's audio on
+    one of them). At most ``max_queue`` jobs wait or run (``submit`` raises ``QueueFull`` beyond).
 
     stream_catch_up (with ``vocode_thread``): a stream whose tokens waited for S3Gen (its decode ran late, in a
     busy call, or the thread woke after several T3 steps) takes them all into its next decode, so a loaded
@@ -271,6 +280,7 @@ class Worker:
         vocode_bucket: int = VOCODE_BUCKET,
         vocode_thread: bool = False,
         stream_catch_up: bool = True,
+        mark_threads: int = 1,
     ):
         if vocode_frames is None:  # as many long rows as vocode_batch allows: --vocode-batch sets both
             vocode_frames = vocode_batch * VOCODE_FRAMES_PER_ROW
@@ -280,6 +290,7 @@ class Worker:
             ("vocode_batch", vocode_batch),
             ("vocode_frames", vocode_frames),
             ("vocode_bucket", vocode_bucket),
+            ("mark_threads", mark_threads),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer of at least 1")
@@ -292,9 +303,16 @@ class Worker:
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
         self.vocode_batch, self.vocode_frames, self.vocode_bucket = vocode_batch, vocode_frames, vocode_bucket
         self.vocode_thread, self.stream_catch_up = vocode_thread, stream_catch_up
+        if mark_threads > 1 and not vocode_thread:
+            raise ValueError(
+                f"mark_threads={mark_threads}: marking threads run beside the vocoding thread, which is off; "
+                "pass vocode_thread=True, or mark_threads=1"
+            )
+        self.mark_threads = mark_threads
         self.sample_rate = tts.sample_rate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
         self._jobs = 0  # submitted and not finished (under _lock)
+        self._submitted = 0  # jobs ever submitted (under _lock): they take the marking threads in turn
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._device = mx.default_device()  # MLX streams belong to a thread: the worker makes its own
@@ -308,11 +326,13 @@ class Worker:
         self._messages: list[tuple] = []
         self._outbox: list[tuple] = []  # the worker thread's messages not yet sent (``_send``)
         self._streams: dict[int, _Stream] = {}
-        # What readers get, oldest first, when the marking thread runs (vocode_thread=True): (ticket, item, how to
-        # watermark it or None), watermarked there and handed over in order (``_deliver``); None stops it.
-        self._deliveries: queue.SimpleQueue = queue.SimpleQueue()
-        self._marker: threading.Thread | None = None
-        self._meter = Meter(["worker", "vocoder", "marker"] if vocode_thread else ["worker"])
+        # What readers get, oldest first, per marking thread when they run (vocode_thread=True): (ticket, item,
+        # how to watermark it or None), watermarked there and handed over in order (``_deliver``); None stops it.
+        # Perth's host work (resampling, FFTs) releases the GIL: several threads mark several jobs at once.
+        self._deliveries: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(mark_threads)]
+        self._markers: list[threading.Thread] = []
+        threads = {"worker": 1, "vocoder": 1, "marker": mark_threads} if vocode_thread else {"worker": 1}
+        self._meter = Meter(threads)
         # Jobs waiting for T3 and in its batch, as the worker loop's last turn began (``metrics``).
         self._waiting = self._running = 0
 
@@ -352,6 +372,8 @@ class Worker:
         workers started with no MLX work queued on the caller's thread ran 3 runs of 3 either way."""
         if self._thread is not None:
             raise RuntimeError("the worker has already been started")
+        if self.vocode_thread:
+            self.tts.watermarker()  # loaded here, once: the marking threads would each load it on first use
         mx.synchronize()
         _pause_automatic_gc()
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
@@ -362,8 +384,14 @@ class Worker:
                 target=self._vocode_loop, name="mlx-chatterbox-vocoder", daemon=True
             )
             self._vocoder.start()
-            self._marker = threading.Thread(target=self._mark_loop, name="mlx-chatterbox-marker", daemon=True)
-            self._marker.start()
+            self._markers = [
+                threading.Thread(
+                    target=self._mark_loop, args=(d,), name=f"mlx-chatterbox-marker-{i}", daemon=True
+                )
+                for i, d in enumerate(self._deliveries)
+            ]
+            for marker in self._markers:
+                marker.start()
 
     def close(self) -> None:
         """Stop after the running step and S3Gen call; jobs not finished get an error."""
@@ -371,10 +399,12 @@ class Worker:
             self._inbox.put(None)
             self._thread.join()
             self._thread = None
-            if self._marker is not None:  # after what the worker handed it last
-                self._deliveries.put(None)
-                self._marker.join()
-                self._marker = None
+            if self._markers:  # after what the worker handed them last
+                for deliveries in self._deliveries:
+                    deliveries.put(None)
+                for marker in self._markers:
+                    marker.join()
+                self._markers = []
             _resume_automatic_gc()
 
     def submit(self, job: SpeechJob) -> Ticket:
@@ -399,7 +429,9 @@ class Worker:
             if self._jobs >= self.max_queue:
                 raise QueueFull(f"{self._jobs} requests are already queued (the limit is {self.max_queue})")
             self._jobs += 1
-        self._inbox.put(_Job(job, ticket, plan, piece_ids))
+            self._submitted += 1
+            lane = self._submitted % self.mark_threads
+        self._inbox.put(_Job(job, ticket, plan, piece_ids, lane=lane))
         return ticket
 
     def warm_up(self, voice: Voice, language: str | None = None) -> None:
@@ -748,21 +780,21 @@ class Worker:
 
     def _deliver(self, j: _Job, item: Any, mark: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Hand the job's reader ``item`` (samples, the end or an error), watermarked by ``mark`` if given: now,
-        or through the marking thread when it runs, in order with what the job handed it before. There the
-        watermark (Perth: resampling, STFTs and a network, 55 ms for 10 s of audio on one core of our CPU)
-        keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
-        if self._marker is None:
+        or through the job's marking thread when they run, in order with what the job handed it before. There
+        the watermark (Perth: resampling, STFTs and a network, 55-75 ms for 10 s of audio on one core of our
+        CPU) keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
+        if not self._markers:
             j.ticket._put(item if mark is None else mark(item))
         else:
-            self._deliveries.put((j.ticket, item, mark))
+            self._deliveries[j.lane].put((j.ticket, item, mark))
 
-    def _mark_loop(self) -> None:
+    def _mark_loop(self, deliveries: queue.SimpleQueue) -> None:
         mx.set_default_device(self._device)
         mx.set_default_stream(mx.new_stream(self._device))
         try:
             while True:
                 with self._timed("idle"):
-                    delivery = self._deliveries.get()
+                    delivery = deliveries.get()
                 if delivery is None:
                     return
                 ticket, item, mark = delivery
@@ -1053,7 +1085,7 @@ class Worker:
         """The block's wall time, one call and ``rows`` added to ``phase`` of the thread that runs it
         (``metrics``)."""
         current = threading.current_thread()
-        thread = "vocoder" if current is self._vocoder else "marker" if current is self._marker else "worker"
+        thread = "vocoder" if current is self._vocoder else "marker" if current in self._markers else "worker"
         return self._meter.timed(thread, phase, rows)
 
 
