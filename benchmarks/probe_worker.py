@@ -151,9 +151,11 @@ def prefill_table(args: argparse.Namespace) -> None:
                         model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
 
 
-def worker(tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: float = 0.0) -> dict:
+def worker(
+    tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: float = 0.0, mark_threads: int = 1
+) -> dict:
     """n jobs through a Worker, submitted at once or one every over/n seconds (as HTTP requests trickle in)."""
-    with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True) as w:
+    with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True, mark_threads=mark_threads) as w:
         readers = []
         for i in range(n):
             job = SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream)
@@ -236,6 +238,15 @@ def main() -> None:
         help="streams' decodes: each stream's HiFT a call of its own, read back before the next is built (as "
         "before 2026-12-03; now one masked call for all of a decode's streams)",
     )
+    p.add_argument(
+        "--switch-intervals",
+        default="5",
+        help="in-process paths: each run once per value, the interpreter's thread switch interval in ms "
+        "(sys.setswitchinterval; Python's default is 5): how long a thread that released the GIL may wait for it",
+    )
+    p.add_argument(
+        "--mark-threads", default="1", help="worker paths: each run once per value, the Worker's mark_threads"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -255,7 +266,9 @@ def main() -> None:
         return prefill_table(args)
     if args.paths == "serve":
         given = [flag for flag, v in (("--tiny", args.tiny),
-                                      ("--memory-budget", args.memory_budget != "auto")) if v]  # fmt: skip
+                                      ("--memory-budget", args.memory_budget != "auto"),
+                                      ("--switch-intervals", args.switch_intervals != "5"),
+                                      ("--mark-threads", args.mark_threads != "1")) if v]  # fmt: skip
         if given:
             p.error(f"{', '.join(given)}: not with --paths serve (serve runs with its own settings)")
         rows = served(args)
@@ -332,26 +345,32 @@ def load(args: argparse.Namespace) -> tuple[TTS, Voice]:
 def in_process(args: argparse.Namespace) -> list[dict]:
     tts, voice = load(args)
     n, tokens = args.requests, args.tokens
-    paths = {
-        "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
-        "whole": ("worker, whole", lambda k: worker(tts, voice, n, k, False)),
-        "trickled": (
-            f"worker, whole, arriving over {args.arrive_over:g} s",
-            lambda k: worker(tts, voice, n, k, False, args.arrive_over),
-        ),
-        "streamed": (f"worker, {args.streams} streamed", lambda k: worker(tts, voice, args.streams, k, True)),
-    }
-    runs = [paths[name] for name in args.paths.split(",")]
-    info, rows = machine_info(), []
+    over = args.arrive_over
+    runs = []
+    for name in args.paths.split(","):
+        for m in map(int, args.mark_threads.split(",")) if name != "batch" else [None]:
+            marks = f", {m} marking" if m is not None else ""
+            runs.append({
+                "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
+                "whole": (f"worker, whole{marks}", lambda k, m=m: worker(tts, voice, n, k, False, 0, m)),
+                "trickled": (f"worker, whole, arriving over {over:g} s{marks}",
+                             lambda k, m=m: worker(tts, voice, n, k, False, over, m)),
+                "streamed": (f"worker, {args.streams} streamed{marks}",
+                             lambda k, m=m: worker(tts, voice, args.streams, k, True, 0, m)),
+            }[name])  # fmt: skip
+    info, rows, default_interval = machine_info(), [], sys.getswitchinterval()
     for name, run in runs:
-        run(30)  # warm-up: this batch's shapes traced
-        clear()
-        t = time.perf_counter()
-        phases = run(tokens)
-        rows.append(summary(name, time.perf_counter() - t, phases))
-        write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
-                        layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
-                        memory_budget=tts.s3gen.memory_budget, machine=info), args.out)  # fmt: skip
+        for ms in map(float, args.switch_intervals.split(",")):
+            sys.setswitchinterval(ms / 1000)
+            run(30)  # warm-up: this batch's shapes traced
+            clear()
+            t = time.perf_counter()
+            phases = run(tokens)
+            rows.append(summary(f"{name}, switch {ms:g} ms", time.perf_counter() - t, phases))
+            write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
+                            layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
+                            memory_budget=tts.s3gen.memory_budget, switch_ms=ms, machine=info), args.out)  # fmt: skip
+    sys.setswitchinterval(default_interval)
     return rows
 
 
