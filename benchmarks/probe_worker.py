@@ -152,10 +152,19 @@ def prefill_table(args: argparse.Namespace) -> None:
 
 
 def worker(
-    tts: TTS, voice: Voice, n: int, tokens: int, stream: bool, over: float = 0.0, mark_threads: int = 1
+    tts: TTS,
+    voice: Voice,
+    n: int,
+    tokens: int,
+    stream: bool,
+    over: float = 0.0,
+    mark_threads: int = 1,
+    vocode_batch: int = 32,
 ) -> dict:
     """n jobs through a Worker, submitted at once or one every over/n seconds (as HTTP requests trickle in)."""
-    with Worker(tts, max_batch=n, vocode_batch=32, vocode_thread=True, mark_threads=mark_threads) as w:
+    with Worker(
+        tts, max_batch=n, vocode_batch=vocode_batch, vocode_thread=True, mark_threads=mark_threads
+    ) as w:
         readers = []
         for i in range(n):
             job = SpeechJob(TEXT, voice, SamplingParams(max_new_tokens=tokens), seed=i, stream=stream)
@@ -247,6 +256,11 @@ def main() -> None:
     p.add_argument(
         "--mark-threads", default="1", help="worker paths: each run once per value, the Worker's mark_threads"
     )
+    p.add_argument(
+        "--vocode-batches",
+        default="32",
+        help="worker paths: each run once per value, the Worker's vocode_batch",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -268,7 +282,8 @@ def main() -> None:
         given = [flag for flag, v in (("--tiny", args.tiny),
                                       ("--memory-budget", args.memory_budget != "auto"),
                                       ("--switch-intervals", args.switch_intervals != "5"),
-                                      ("--mark-threads", args.mark_threads != "1")) if v]  # fmt: skip
+                                      ("--mark-threads", args.mark_threads != "1"),
+                                      ("--vocode-batches", args.vocode_batches != "32")) if v]  # fmt: skip
         if given:
             p.error(f"{', '.join(given)}: not with --paths serve (serve runs with its own settings)")
         rows = served(args)
@@ -347,16 +362,21 @@ def in_process(args: argparse.Namespace) -> list[dict]:
     n, tokens = args.requests, args.tokens
     over = args.arrive_over
     runs = []
+    knobs = [
+        (m, b)
+        for m in map(int, args.mark_threads.split(","))
+        for b in map(int, args.vocode_batches.split(","))
+    ]
     for name in args.paths.split(","):
-        for m in map(int, args.mark_threads.split(",")) if name != "batch" else [None]:
-            marks = f", {m} marking" if m is not None else ""
+        for m, b in knobs if name != "batch" else [(None, None)]:
+            also = f", {m} marking, vocode batch {b}" if m is not None else ""
             runs.append({
                 "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
-                "whole": (f"worker, whole{marks}", lambda k, m=m: worker(tts, voice, n, k, False, 0, m)),
-                "trickled": (f"worker, whole, arriving over {over:g} s{marks}",
-                             lambda k, m=m: worker(tts, voice, n, k, False, over, m)),
-                "streamed": (f"worker, {args.streams} streamed{marks}",
-                             lambda k, m=m: worker(tts, voice, args.streams, k, True, 0, m)),
+                "whole": (f"worker, whole{also}", lambda k, m=m, b=b: worker(tts, voice, n, k, False, 0, m, b)),
+                "trickled": (f"worker, whole, arriving over {over:g} s{also}",
+                             lambda k, m=m, b=b: worker(tts, voice, n, k, False, over, m, b)),
+                "streamed": (f"worker, {args.streams} streamed{also}",
+                             lambda k, m=m, b=b: worker(tts, voice, args.streams, k, True, 0, m, b)),
             }[name])  # fmt: skip
     info, rows, default_interval = machine_info(), [], sys.getswitchinterval()
     for name, run in runs:
