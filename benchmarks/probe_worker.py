@@ -24,6 +24,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 
 import argparse
 import dataclasses
+import functools
 import os
 import signal
 import statistics
@@ -223,7 +224,8 @@ def main() -> None:
         "--paths",
         default="batch,whole,streamed",
         help="which of batch,whole,trickled,streamed to run; or shapes alone: the cost of a step's new shapes; or prefill alone: the cost of a prefill's new shapes and of a first KV allocation; or serve alone: `serve` on --model in this process, whole "
-        "and streamed requests sent over HTTP by bench_serve.py",
+        "and streamed requests sent over HTTP by bench_serve.py; or contention alone: T3's batch of --streams rows "
+        "beside a thread that holds the GIL, the GPU, or both (S3Gen)",
     )
     p.add_argument(
         "--arrive-over", type=float, default=1.0, help="trickled: seconds over which the jobs arrive"
@@ -278,6 +280,8 @@ def main() -> None:
         return shapes_table(args)
     if args.paths == "prefill":
         return prefill_table(args)
+    if args.paths == "contention":
+        return contention_table(args)
     if args.paths == "serve":
         given = [flag for flag, v in (("--tiny", args.tiny),
                                       ("--memory-budget", args.memory_budget != "auto"),
@@ -325,6 +329,70 @@ def _copied(load: Callable) -> Callable:
         return model
 
     return copied
+
+
+def contention_table(args: argparse.Namespace) -> None:
+    """T3's batch of --streams requests stepped on a thread while another thread loads the machine, to tell the
+    GIL's share of a served step's slowdown from the GPU's: nothing; a pure-Python loop (the GIL only); chains
+    of large bf16 products (the GPU only: a few primitives a call, milliseconds of device time); ``S3Gen.batch``
+    calls of half as many 10 s requests (both, as the vocoding thread's decodes do). Every T3 step timed."""
+    tts, voice = load(args)
+    n, tokens, device = args.streams, args.tokens, mx.default_device()
+    size = 256 if args.tiny else 8192  # the products' side: 1.1 TFLOP each at full size
+    speech = mx.random.randint(0, 6561, (1, 250), key=mx.random.key(1))
+    mx.eval(speech)  # here: the other thread cannot evaluate an array made lazily on this one
+
+    def python_load() -> None:
+        sum(i * i for i in range(200_000))
+
+    def gpu_load(a: mx.array) -> None:
+        y = a
+        for _ in range(8):
+            y = y @ a
+        mx.eval(y)
+
+    def s3gen_load() -> None:
+        mx.eval(tts.s3gen.batch([speech] * max(1, n // 2), [voice] * max(1, n // 2), bucket=25))
+
+    def hog(work: Callable, stop: threading.Event, calls: list[int], errors: list[BaseException]) -> None:
+        mx.set_default_stream(mx.new_stream(device))
+        try:
+            if work is gpu_load:
+                a = mx.random.normal((size, size), key=mx.random.key(2)).astype(mx.bfloat16) / size**0.5
+                work = functools.partial(gpu_load, a)
+            while not stop.is_set():
+                work()
+                calls[0] += 1
+        except BaseException as error:  # re-raised on the main thread: a load that failed measured nothing
+            errors.append(error)
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
+
+    print(f"| T3's batch of {n} rows, {tokens} tokens, beside | wall s | step ms median / p90 / max | steps total s "
+          "| the other thread's calls |\n|---|---|---|---|---|")  # fmt: skip
+    for name, work in (("nothing", None), ("Python", python_load), ("GPU products", gpu_load),
+                       ("S3Gen.batch", s3gen_load)):  # fmt: skip
+        on_a_thread(batch_alone, tts, voice, n, 30)  # its shapes traced
+        stop, calls, errors = threading.Event(), [0], []
+        other = threading.Thread(target=hog, args=(work, stop, calls, errors)) if work else None
+        if other:
+            other.start()
+            time.sleep(2.0)  # its first calls (and their kernel builds) before T3 starts
+            calls[0] = 0
+        clear()
+        t = time.perf_counter()
+        on_a_thread(batch_alone, tts, voice, n, tokens)
+        row = summary(f"T3 {n} rows beside {name}", time.perf_counter() - t)
+        stop.set()
+        if other:
+            other.join()
+        if errors:
+            raise RuntimeError(f"the {name} load failed") from errors[0]
+        print(f"| {name} | {row['wall_s']:.2f} | {row['median_ms']:.1f} / {row['p90_ms']:.1f} / "
+              f"{row['max_ms']:.1f} | {row['total_s']:.2f} | {calls[0]} |")  # fmt: skip
+        write_line(dict(bench="probe_worker", beside=name, other_calls=calls[0], **row,
+                        model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
 
 
 def shapes_table(args: argparse.Namespace) -> None:
