@@ -94,8 +94,9 @@ def default_vocode_thread() -> bool:
 
 def default_mark_threads(vocode_thread: bool) -> int:
     """``serve --mark-threads auto``: with the vocoding thread, a quarter of the CPU's cores, 1 to 4 (Perth's host
-    work per 10 s of audio is 55-75 ms; one marking thread took 8.4 s for 128 whole requests on an H200 host, the
-    tail of a 19 s burst); without it, the one thread there is."""
+    work per 10 s of audio is 55-75 ms: one marking thread was busy 8.4 s of a 19 s burst of 128 whole requests on
+    an H200, the longest stage of Turbo's; with four, English went from 53.5x to 73.7x real time and Turbo from
+    98x to 145x, RESULTS runs O and P); without it, the one thread there is."""
     return max(1, min(4, (os.cpu_count() or 1) // 4)) if vocode_thread else 1
 
 
