@@ -32,7 +32,7 @@ import time
 
 import mlx.core as mx
 from bench_t3 import EXAGGERATION, KNOBS, OUR_DTYPES, fixed_inputs
-from common import machine_info, write_line
+from common import cache_step, machine_info, set_cache_step, write_line
 
 from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
@@ -259,8 +259,15 @@ def main(argv: list[str] | None = None) -> None:
         "budgets tokens/2 .. 3*tokens/2 and texts of 10 .. 40 tokens, as a server's batch runs; run twice, "
         "cold and then warm (other draws: the shapes met before are traced already)",
     )
+    parser.add_argument(
+        "--cache-step",
+        type=cache_step,
+        default=256,
+        help="T3's KV capacity grows this many positions at a time (default 256, the library's)",
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
+    set_cache_step(args.cache_step)
     layers.CUDA_DECODE = not args.mlx_ops
     if args.decode_attention == "old":
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
@@ -286,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             mlx_ops=args.mlx_ops,
             decode_attention=args.decode_attention,
             thread=args.thread,
+            cache_step=args.cache_step,
             **row,
         )
         write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)

@@ -38,7 +38,7 @@ import mlx.core as mx
 from bench_batch import on_a_thread
 from bench_serve import TEXT
 from bench_stream import build
-from common import machine_info, memory_budget, write_line
+from common import cache_step, machine_info, memory_budget, set_cache_step, write_line
 from mlx.utils import tree_map
 
 from mlx_chatterbox import TTS, cli, weights
@@ -263,9 +263,16 @@ def main() -> None:
         default="32",
         help="worker paths: each run once per value, the Worker's vocode_batch",
     )
+    p.add_argument(
+        "--cache-step",
+        type=cache_step,
+        default=256,
+        help="T3's KV capacity grows this many positions at a time (default 256, the library's)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
+    set_cache_step(args.cache_step)
     if args.device_copy and args.model is None:
         p.error("--device-copy: the built model's weights are made on the GPU already; give --model")
     if args.layout == "pow2":
@@ -457,7 +464,8 @@ def in_process(args: argparse.Namespace) -> list[dict]:
             rows.append(summary(f"{name}, switch {ms:g} ms", time.perf_counter() - t, phases))
             write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
                             layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
-                            memory_budget=tts.s3gen.memory_budget, switch_ms=ms, machine=info), args.out)  # fmt: skip
+                            memory_budget=tts.s3gen.memory_budget, switch_ms=ms, cache_step=args.cache_step,
+                            machine=info), args.out)  # fmt: skip
     sys.setswitchinterval(default_interval)
     return rows
 
