@@ -192,8 +192,12 @@ def astype_context(*outputs: mx.array) -> collections.Counter:
     return out
 
 
-def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int) -> dict:
-    """One estimator call at 2·requests rows (CFG); with a padding mask when requests > 1, as batches run."""
+def call(
+    s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, compiled: bool = False
+) -> dict:
+    """One estimator call at 2·requests rows (CFG); with a padding mask when requests > 1, as batches run.
+    compiled: through ``mx.compile`` (traced for this shape on its first call; its element-wise chains fused).
+    """
     est = s3gen.estimator
     est.set_dtype(dtype)
     mx.eval(est.parameters())  # else every graph below would start with the weights' casts
@@ -202,13 +206,14 @@ def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int
     spks, t = mx.random.normal((b, 80)).astype(dtype), mx.full((b,), 0.3)
     mask = None if requests == 1 else mx.ones((b, frames), dtype=mx.bool_)
     mx.eval(x, mu, cond, spks, t, mask if mask is not None else x)
-    counts = primitives(est(x, mask, mu, t, spks, cond))
-    casts = astype_context(est(x, mask, mu, t, spks, cond))
+    run = mx.compile(lambda *a: est(a[0], mask, *a[1:])) if compiled else lambda *a: est(a[0], mask, *a[1:])
+    counts = primitives(run(x, mu, t, spks, cond))
+    casts = astype_context(run(x, mu, t, spks, cond))
     builds, evals = [], []
     for _ in range(repeats + 1):
         mx.synchronize()
         t0 = time.perf_counter()
-        out = est(x, mask, mu, t, spks, cond)
+        out = run(x, mu, t, spks, cond)
         t1 = time.perf_counter()
         mx.eval(out)
         t2 = time.perf_counter()
@@ -218,6 +223,7 @@ def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int
     return dict(
         dtype=str(dtype).split(".")[-1],
         rows=b,
+        compiled=compiled,
         primitives=sum(counts.values()),
         views=sum(v for k, v in counts.items() if k in VIEWS),
         build_ms=1e3 * statistics.median(builds[1:]),
@@ -318,6 +324,12 @@ def main() -> None:
         help="batch: HiFT over the call's rows in one masked call (one), or once per distinct length (per-length, "
         "as before 2026-12-03); a comma-separated list runs each",
     )
+    p.add_argument(
+        "--estimator",
+        default="plain",
+        help="call: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains fused; "
+        "ADR 6 rejected it at 2 rows); a comma-separated list runs each, back to back",
+    )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops and call: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
     p.add_argument("--repeats", type=int, default=3)
@@ -327,6 +339,9 @@ def main() -> None:
     mx.set_default_device(getattr(mx, args.device))
     parts, dtypes = args.part.split(","), [getattr(mx, d) for d in args.dtypes.split(",")]
     requests = [int(r) for r in args.rows.split(",")]
+    ways = args.estimator.split(",")
+    if set(ways) - {"plain", "compiled"}:
+        p.error(f"--estimator {args.estimator}: plain, compiled, or both")
 
     def emit(row: dict) -> None:
         if args.out:
@@ -356,21 +371,20 @@ def main() -> None:
     s3gen = random_s3gen() if {"call", "batch"} & set(parts) else None
     if "call" in parts:
         print(
-            "\n| dtype | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> read by) |"
-            "\n|---|---|---|---|---|---|---|"
+            "\n| dtype | estimator | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> "
+            "read by) |\n|---|---|---|---|---|---|---|---|"
         )
-        for d in dtypes:
-            for r in requests:
-                row = call(s3gen, d, r, args.repeats, args.frames)
-                emit(dict(part="call", **row))
-                top = ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
-                print(
-                    f"| {row['dtype']} | {row['rows']} | {row['primitives']} ({row['views']}) | "
-                    f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} | "
-                    + ", ".join(f"{k} {v}" for k, v in list(row["casts"].items())[:4])
-                    + " |",
-                    flush=True,
-                )
+        for d, r, way in itertools.product(dtypes, requests, ways):
+            row = call(s3gen, d, r, args.repeats, args.frames, way == "compiled")
+            emit(dict(part="call", **row))
+            top = ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
+            print(
+                f"| {row['dtype']} | {way} | {row['rows']} | {row['primitives']} ({row['views']}) | "
+                f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} | "
+                + ", ".join(f"{k} {v}" for k, v in list(row["casts"].items())[:4])
+                + " |",
+                flush=True,
+            )
     if "batch" in parts:
         print(
             "\n| CFM | HiFT | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
