@@ -29,7 +29,7 @@ from .vocode import (
     check_cfm_steps,
     crossfade_join,
     fade_in,
-    pad_frames,
+    stack_padded,
 )
 from .voice import Voice
 
@@ -360,14 +360,10 @@ def _vocode(
     news = [d.frames - v._final_frames for v, d in zip(vocoders, decodes)]  # frames after the HiFT context
     width, new_width = max(sizes), max(news)
     lengths = None if min(sizes) == width else mx.array(sizes, dtype=mx.int32)
-    mel = mx.concatenate([pad_frames(x, width - n) for x, n in zip(segments, sizes)])
+    mel = stack_padded(segments, width)
     f0 = hift.predict_f0(mel, lengths)
-    f0 = mx.concatenate(  # the new frames' f0 of each stream, left-aligned
-        [
-            pad_frames(f0[i : i + 1, n - new : n], new_width - new)
-            for i, (n, new) in enumerate(zip(sizes, news))
-        ]
-    )
+    # the new frames' f0 of each stream, left-aligned
+    f0 = stack_padded([f0[i : i + 1, n - new : n] for i, (n, new) in enumerate(zip(sizes, news))], new_width)
     # The sine continues the phase each stream had at its last final frame; over the context frames, the
     # previous decode's source is reused as it was (upstream's cache_source).
     fresh = hift.source(
@@ -375,22 +371,16 @@ def _vocode(
         phases=mx.concatenate(
             [v._phases + mx.array(2 * math.pi * v._cycles, dtype=mx.float32)[None] for v in vocoders]
         ),
-        noise=mx.concatenate(
-            [
-                pad_frames(
-                    v._source_noise.take(v._final_frames * spf, d.frames * spf), (new_width - new) * spf
-                )
-                for v, d, new in zip(vocoders, decodes, news)
-            ]
+        noise=stack_padded(
+            [v._source_noise.take(v._final_frames * spf, d.frames * spf) for v, d in zip(vocoders, decodes)],
+            new_width * spf,
         ),
     )
     sources = [
         mx.concatenate([v._source_tail.astype(fresh.dtype), fresh[i : i + 1, : new * spf]], axis=1)
         for i, (v, new) in enumerate(zip(vocoders, news))
     ]
-    wav = hift.decode(
-        mel, mx.concatenate([pad_frames(x, (width - n) * spf) for x, n in zip(sources, sizes)]), lengths
-    )
+    wav = hift.decode(mel, stack_padded(sources, width * spf), lengths)
     # Cycles per frame as HiFT.source computes its frequencies (fp32); summed in float64 by _settle.
     freq = f0.astype(mx.float32)[..., None] * mx.arange(1, vocoders[0]._harmonics + 1, dtype=mx.float32)
     freq = freq / hift.config.sampling_rate

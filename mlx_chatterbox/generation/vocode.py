@@ -413,17 +413,19 @@ def vocode_rows(hift: HiFT, mels: list[mx.array], keys: list[mx.array | None]) -
     draws = [hift.draw_source(1, n, key) for n, key in zip(frames, keys)]
     spf = hift.config.samples_per_frame
     wav = hift(
-        mx.concatenate([pad_frames(mel, width - n) for mel, n in zip(mels, frames)]),
+        stack_padded(mels, width),
         phases=mx.concatenate([phases for phases, _ in draws]),
-        noise=mx.concatenate([pad_frames(noise, (width - n) * spf) for (_, noise), n in zip(draws, frames)]),
+        noise=stack_padded([noise for _, noise in draws], width * spf),
         lengths=None if min(frames) == width else mx.array(frames, dtype=mx.int32),
     )
     return [wav[i : i + 1, : n * spf] for i, n in enumerate(frames)]
 
 
-def pad_frames(x: mx.array, n: int) -> mx.array:
-    """(B, T, ...) -> (B, T + n, ...), zeros after."""
-    return mx.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2)) if n else x
+def stack_padded(rows: list[mx.array], width: int) -> mx.array:
+    """(1, T_i, ...) rows -> (len(rows), width, ...), each right-padded with zeros to ``width`` along axis 1."""
+    rest = [(0, 0)] * (rows[0].ndim - 2)
+    padded = [mx.pad(x, [(0, 0), (0, width - x.shape[1])] + rest) if x.shape[1] < width else x for x in rows]
+    return mx.concatenate(padded)
 
 
 def _token_row(ids: mx.array | np.ndarray, vocab_size: int, index: int) -> mx.array:
