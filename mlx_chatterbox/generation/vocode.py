@@ -84,18 +84,20 @@ def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
 
 # MLX's memory limit is process-wide, and bounded calls may run on two threads at once (the server's worker and
 # its vocoding thread): the limit is the highest any running call asked for, and the caller's own limit comes
-# back when the last one ends (a plain save and restore per call, interleaved, could leave a call's bound set).
+# back when the last one ends (a plain save and restore per call, interleaved, could leave a call's bound set);
+# no bound goes above the caller's limit.
 _limit_lock = threading.Lock()
 _limit_calls: list = [0, None]  # bounded calls running, MLX's limit before the first
 
 
 def _raise_memory_limit(limit: int) -> None:
     with _limit_lock:
-        previous = mx.set_memory_limit(limit)
         if _limit_calls[0] == 0:
-            _limit_calls[1] = previous
-        elif previous > limit:  # another call's bound is higher: keep it
-            mx.set_memory_limit(previous)
+            _limit_calls[1] = mx.get_memory_limit()
+        else:  # another call's bound may be higher: keep it
+            limit = max(limit, mx.get_memory_limit())
+        # Never above the caller's own limit (serve --memory-limit): a bound only holds work back.
+        mx.set_memory_limit(min(limit, _limit_calls[1]))
         _limit_calls[0] += 1
 
 
