@@ -645,6 +645,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--stream-catch-up",
         "--mark-threads",
         "--warm-batches",
+        "--vocode-memory",
         "--no-ui",
     )
     for flag in (*flags, "--shutdown-timeout", "--api-key", "--allowed-origins"):
@@ -667,6 +668,10 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     for bad, says in (("0", "0 is out of range"), ("two", "invalid thread count value: 'two'")):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--mark-threads", bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    for bad, says in (("0", "0: give a positive number of GB"), ("lots", "'lots' is neither a number of GB")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--vocode-memory", bad])
         assert e.value.code == 2 and says in capsys.readouterr().err
     assert main(["serve", "--model", nowhere, "--voice", str(tmp_path / "v.safetensors")]) == 1
     assert "no such file" in capsys.readouterr().err
@@ -803,6 +808,47 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     assert seen["health"]["stream_catch_up"] is catch_up
     assert seen["health"]["mark_threads"] == (2 if markers == "auto" else markers)
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
+
+
+@pytest.mark.parametrize(
+    "flag,reported,budget",
+    [
+        ([], "auto", "auto"),
+        (["--vocode-memory", "none"], "none", None),
+        (["--vocode-memory", "1.5"], 1.5, 3 * 2**29),
+    ],
+)
+def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, budget):
+    """``--vocode-memory`` is the budget of the server's S3Gen calls above the memory in use (auto: 1 GiB a
+    request on a GPU, 256 MiB on a CPU; none: no bound of ours), reported by /health; a whole request is
+    vocoded under it."""
+    from mlx_chatterbox.generation import vocode
+
+    seen, budgets = {}, []
+    real = vocode._raise_memory_limit
+
+    def raise_limit(limit):
+        budgets.append(limit - mx.get_active_memory())  # on the calling thread, right after the call read it
+        real(limit)
+
+    def serve(app, host, port, shutdown_timeout, log_level):
+        with TestClient(app) as http:
+            seen["health"] = http.get("/health").json()
+            budgets.clear()  # the warm-up's calls
+            body = {"model": "mlx", "input": "Hi.", "response_format": "pcm", "max_new_tokens": 5, "seed": 3}
+            seen["speech"] = http.post("/v1/audio/speech", json={**body, "stream": False})
+
+    monkeypatch.setattr(run_module, "serve", serve)
+    monkeypatch.setattr(vocode, "_raise_memory_limit", raise_limit)
+    random_voice(seed=7).save(tmp_path / "mine.safetensors")
+    args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
+    assert main([*args, "--voice", str(tmp_path / "mine.safetensors"), "--vocode-thread", "off"]) == 0
+    assert seen["health"]["vocode_memory"] == reported
+    assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
+    if budget is None:
+        assert budgets == []
+    else:
+        assert budgets and set(budgets) == {vocode.resolve_memory_budget(budget)}
 
 
 @pytest.mark.parametrize(

@@ -112,6 +112,16 @@ def add_parser(sub) -> None:
         help="cap MLX's memory (mx.set_memory_limit) and its buffer cache at this many GB (default: no cap)",
     )
     p.add_argument(
+        "--vocode-memory",
+        type=_vocode_memory,
+        default="auto",
+        metavar="GB|auto|none",
+        help="memory an S3Gen call may take above what is in use when it starts; beyond it MLX waits for the "
+        "call's queued work before queueing more (MLX's limit is process-wide: T3's steps wait too). auto (the "
+        "default): 1 GB a request of the call, up to 8; none: MLX's own limit only (fastest, several times the "
+        "memory)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -166,6 +176,22 @@ def _mark_threads(text: str) -> int | str:
 _mark_threads.__name__ = "thread count"
 
 
+def _vocode_memory(text: str) -> int | str | None:
+    """An argparse type: ``--vocode-memory`` as ``S3Gen.memory_budget`` (bytes, "auto" or None)."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of GB nor auto or none") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: give a positive number of GB, auto or none")
+    return int(value * 2**30)
+
+
+_vocode_memory.__name__ = "memory budget"
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 1-65535."""
     value = int(text)
@@ -216,6 +242,13 @@ def run(args: argparse.Namespace) -> None:
     if not os.access(folder, os.W_OK):
         raise ValueError(f"--voices {folder}: the folder is not writable (uploaded voices are saved there)")
     tts = TTS.load(args.model, variant=args.variant, cfm_dtype=args.cfm_dtype)
+    if args.vocode_memory != "auto":
+        if tts.torch_s3gen is not None:
+            raise common.UsageError(
+                "--vocode-memory bounds MLX's S3Gen, and this model vocodes with upstream's (hybrid mode); "
+                "leave --vocode-memory out"
+            )
+        tts.s3gen.memory_budget = args.vocode_memory
     if args.memory_limit is not None:
         limit = int(args.memory_limit * 2**30)
         mx.set_memory_limit(limit)

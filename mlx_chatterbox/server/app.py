@@ -92,6 +92,11 @@ def create_app(
     cfm_dtype = (
         None if worker.tts.torch_s3gen is not None else str(worker.tts.s3gen.estimator.dtype).split(".")[-1]
     )
+    # S3Gen's memory budget a call (--vocode-memory): "auto", "none" or GB; None in hybrid mode, as cfm_dtype.
+    budget = worker.tts.s3gen.memory_budget
+    vocode_memory = "none" if budget is None else budget if budget == "auto" else budget / 2**30
+    if cfm_dtype is None:
+        vocode_memory = None
     gate = app.state.gate = Gate(api_keys)
     _install_error_handlers(app)
     app.add_middleware(_Gated, gate=gate)
@@ -125,6 +130,7 @@ def create_app(
             "mark_threads": worker.mark_threads,
             "cfm_steps": cfm_steps_used,
             "cfm_dtype": cfm_dtype,
+            "vocode_memory": vocode_memory,
             "stream_context": stream_context,
             "first_chunk": first_chunk,
             "sample_rate": worker.sample_rate,
