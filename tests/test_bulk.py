@@ -384,7 +384,8 @@ def test_progress_line_on_a_terminal(folder, tmp_path, monkeypatch):
 
 def test_a_piece_cut_at_its_budget_is_reported_with_its_item(folder, tmp_path, caplog):
     """The engine's warning names the jobs line and the output, and comes from bulk synthesis."""
-    jobs = write_jobs(tmp_path / "jobs.jsonl", [{"text": "Hello there.", "max_new_tokens": 2, "output": "a.wav"}])
+    job = {"text": "Hello there.", "max_new_tokens": 2, "seed": 2, "output": "a.wav"}  # seeded: it must reach 2
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [job])
     with caplog.at_level(logging.WARNING):
         assert batch(folder, jobs, tmp_path / "out", "--no-watermark") == 0
     cuts = [(r.name, r.getMessage()) for r in caplog.records if "budget" in r.getMessage()]
