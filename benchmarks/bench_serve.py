@@ -431,8 +431,8 @@ def errors_cell(row: dict) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| scenario | ok / sent | errors | audio/wall | TTFA p50 / p95 / p99 s | E2E p50 / p95 / p99 s "
-        "| RTF p50 / p95 | stalled streams, wait s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| RTF p50 / p95 | stalled streams, wait s | MLX peak GB since start |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         under = r.get("underruns")
@@ -445,6 +445,7 @@ def markdown(rows: list[dict]) -> str:
             " / ".join(fmt(r["e2e_s"][f"p{q}"]) for q in (50, 95, 99)),
             " / ".join(fmt(r["rtf"][f"p{q}"], ".3f") for q in (50, 95)),
             f"{under['streams_stalled']}, {under['wait_s']:.2f}" if under else "-",
+            fmt(r["mlx_memory"]["peak"] / 1e9, ".1f") if r.get("mlx_memory") else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -615,6 +616,9 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
         row = dict(bench="serve", scenario=scenario, format=fmt_, tokens=args.tokens, server=server, **extra)
         row.update(summarize(results, wall, sample_rate, fmt_ == "streamed"))
         row.update(worker=worker_breakdown(before, scrape(url)))
+        # MLX's active, peak (since the server started) and cached bytes once the scenario is over: how much
+        # memory its settings (--vocode-memory, --vocode-batch) took.
+        row.update(mlx_memory=get_json(url, "/health?memory=true").get("memory"))
         row.update(machine_info=info)
         write_line(row, args.out)
         rows.append(row)

@@ -37,6 +37,7 @@ def check_sane(row: dict, requests: int, streamed: bool) -> None:
     else:
         assert "underruns" not in row
     assert row["machine_info"]["commit"] and row["server"]["variant"] == "english"
+    assert 0 < row["mlx_memory"]["active"] <= row["mlx_memory"]["peak"]
     check_worker(row, streamed)
 
 

@@ -93,10 +93,10 @@ def create_app(
         None if worker.tts.torch_s3gen is not None else str(worker.tts.s3gen.estimator.dtype).split(".")[-1]
     )
     # S3Gen's memory budget a call (--vocode-memory): "auto", "none" or GB; None in hybrid mode, as cfm_dtype.
-    budget = worker.tts.s3gen.memory_budget
-    vocode_memory = "none" if budget is None else budget if budget == "auto" else budget / 2**30
-    if cfm_dtype is None:
-        vocode_memory = None
+    vocode_memory = None
+    if cfm_dtype is not None:
+        budget = worker.tts.s3gen.memory_budget
+        vocode_memory = "none" if budget is None else budget if budget == "auto" else budget / 2**30
     gate = app.state.gate = Gate(api_keys)
     _install_error_handlers(app)
     app.add_middleware(_Gated, gate=gate)
