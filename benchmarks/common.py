@@ -106,7 +106,7 @@ def write_line(row: dict, out: str | None) -> None:
 
 
 def machine_info() -> dict:
-    """Platform, CPU, GPU, versions, git commit and date of this run."""
+    """Platform, CPU, GPU, versions, git commit, date and MLX_* environment of this run."""
     cpu = platform.processor() or None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -142,4 +142,6 @@ def machine_info() -> dict:
         versions={n: version(n) for n in ("mlx", "torch", "transformers")},
         commit=commit or "unknown",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # MLX's knobs set for the run (e.g. MLX_MAX_OPS_PER_BUFFER: ops per CUDA graph), and ours.
+        env={k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
     )
