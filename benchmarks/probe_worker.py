@@ -44,9 +44,11 @@ from mlx.utils import tree_map
 from mlx_chatterbox import TTS, cli, weights
 from mlx_chatterbox.generation import batch as batch_module
 from mlx_chatterbox.generation import stream as stream_module
+from mlx_chatterbox.generation import vocode
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import request_embeds
 from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models import cfm
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server.worker import SpeechJob, Worker
@@ -269,10 +271,21 @@ def main() -> None:
         default=256,
         help="T3's KV capacity grows this many positions at a time (default 256, the library's)",
     )
+    p.add_argument(
+        "--step-waits",
+        type=int,
+        metavar="N",
+        help="S3Gen's decoder solve keeps at most N steps queued ahead of the running one (cfm.solve's "
+        "in_flight), in every path; default: no wait, as shipped",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--out")
     args = p.parse_args()
     set_cache_step(args.cache_step)
+    if args.step_waits is not None:
+        if args.step_waits < 1:
+            p.error(f"--step-waits {args.step_waits}: give a number of steps >= 1")
+        vocode.solve = functools.partial(cfm.solve, in_flight=args.step_waits)
     if args.device_copy and args.model is None:
         p.error("--device-copy: the built model's weights are made on the GPU already; give --model")
     if args.layout == "pow2":
@@ -399,6 +412,7 @@ def contention_table(args: argparse.Namespace) -> None:
         print(f"| {name} | {row['wall_s']:.2f} | {row['median_ms']:.1f} / {row['p90_ms']:.1f} / "
               f"{row['max_ms']:.1f} | {row['total_s']:.2f} | {calls[0]} |")  # fmt: skip
         write_line(dict(bench="probe_worker", beside=name, other_calls=calls[0], **row,
+                        memory_budget=args.memory_budget, step_waits=args.step_waits,
                         model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
 
 

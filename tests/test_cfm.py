@@ -175,6 +175,22 @@ def test_ten_steps_follow_the_schedule(estimator):
     assert not close(out, one, 1e-2)
 
 
+def test_steps_held_in_flight_change_no_number(estimator, monkeypatch):
+    """``in_flight`` only waits: the same sample bit for bit, and step k is built only after step k - n - 1 was
+    waited for."""
+    x, mask, mu, spks, cond = batch([6, 4], seed=9)
+    free = solve(estimator, mu, mask, spks, cond, x, n_timesteps=4)
+    waits, real = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: waits.append(len(a)) or real(*a))
+    held = solve(estimator, mu, mask, spks, cond, x, n_timesteps=4, in_flight=1)
+    monkeypatch.undo()
+    assert waits == [1, 1]  # before steps 3 and 4: steps 1 and 2
+    assert np.array_equal(np.asarray(held), np.asarray(free))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="in_flight=.* must be a number of steps >= 1, or None"):
+            solve(estimator, mu, mask, spks, cond, x, n_timesteps=2, in_flight=bad)
+
+
 def test_solver_leaves_padded_frames_at_the_noise_and_rows_independent(estimator):
     """The estimator is zero on padded frames and upstream does not re-mask x, so they keep the noise."""
     z, mask, mu, spks, cond = batch([9, 5], seed=7)

@@ -476,6 +476,7 @@ def solve(
     noise: mx.array,
     n_timesteps: int = 10,
     cfg_rate: float = 0.7,
+    in_flight: int | None = None,
 ) -> mx.array:
     """Integrate the flow from ``noise`` at t = 0 to a mel at t = 1 (upstream ``CausalConditionalCFM.forward``
     and ``solve_euler``): Euler steps on the cosine schedule with classifier-free guidance
@@ -485,10 +486,16 @@ def solve(
     (upstream draws ``randn_like(mu)``: N(0, 1) over every frame, the prompt's included).
     Returns (B, T, 80). The result is not re-masked, as upstream. Each step is queued with ``mx.async_eval``:
     building step k + 1 overlaps running step k (20% faster on an H200 than one graph of all steps), with no
-    host synchronisation.
+    host synchronisation. ``in_flight``: at most this many steps queued ahead of the one still running (step k
+    is queued once step k - in_flight - 1 has finished): a bound on what queued steps hold that, unlike MLX's
+    process-wide memory limit, holds no other thread back; None: no wait. The numbers do not change.
     """
     if n_timesteps < 1:
         raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
+    if in_flight is not None and (
+        isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1
+    ):
+        raise ValueError(f"in_flight={in_flight!r} must be a number of steps >= 1, or None")
     if estimator.config.meanflow:
         raise ValueError("a meanflow estimator is integrated by solve_meanflow (no guidance, linear times)")
     b = mu.shape[0]
@@ -503,15 +510,18 @@ def solve(
     # A lower-precision estimator gets its inputs in its dtype; the sample x and the Euler sums stay float32.
     low = estimator.dtype
     mu, spks, cond = mu.astype(low), spks.astype(low), cond.astype(low)
-    x = noise
+    x, queued = noise, []
     for k in range(n_timesteps):
         t, r = t_span[k], t_span[k + 1]
+        if in_flight is not None and len(queued) > in_flight:
+            mx.eval(queued.pop(0))  # waits for that step: it was queued already
         x_in = (mx.concatenate([x, x], axis=0) if guided else x).astype(low)
         v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond).astype(x.dtype)
         if guided:
             v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
         x = x + (r - t) * v
         mx.async_eval(x)
+        queued.append(x)
     return x
 
 
