@@ -521,7 +521,8 @@ def solve(
             v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
         x = x + (r - t) * v
         mx.async_eval(x)
-        queued.append(x)
+        if in_flight is not None:  # else no reference is kept: x's buffer may be donated to the next step's
+            queued.append(x)
     return x
 
 
