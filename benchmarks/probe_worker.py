@@ -219,7 +219,7 @@ def main() -> None:
         "--memory-budget",
         type=memory_budget,
         default="auto",
-        help="S3Gen.memory_budget: auto (default), none, MiB",
+        help="S3Gen.memory_budget: auto (default), none, MiB (--paths serve: serve's --vocode-memory)",
     )
     p.add_argument("--streams", type=int, default=64, help="streamed requests through the Worker at once")
     p.add_argument(
@@ -304,7 +304,6 @@ def main() -> None:
         return contention_table(args)
     if args.paths == "serve":
         given = [flag for flag, v in (("--tiny", args.tiny),
-                                      ("--memory-budget", args.memory_budget != "auto"),
                                       ("--switch-intervals", args.switch_intervals != "5"),
                                       ("--mark-threads", args.mark_threads != "1"),
                                       ("--vocode-batches", args.vocode_batches != "32")) if v]  # fmt: skip
@@ -507,6 +506,7 @@ def served(args: argparse.Namespace) -> list[dict]:
                 rows.append(summary(f"served, {n} {fmt}", time.perf_counter() - t))
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
                                 layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
+                                memory_budget=args.memory_budget, step_waits=args.step_waits,
                                 machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)
@@ -514,6 +514,11 @@ def served(args: argparse.Namespace) -> list[dict]:
     threading.Thread(target=drive, daemon=True).start()
     flags = ["--model", str(args.model), "--port", str(port), "--max-batch", "128", "--max-queue", "256"]
     flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"]
+    budget = args.memory_budget  # --memory-budget as serve's --vocode-memory (GB)
+    flags += [
+        "--vocode-memory",
+        "none" if budget is None else budget if budget == "auto" else str(budget / 2**30),
+    ]
     cli.main(["serve", *flags, *(["--voice", str(args.voice)] if args.voice else [])])
     return rows
 
