@@ -279,8 +279,11 @@ def main() -> None:
         "in_flight), in every path; default: no wait, as shipped",
     )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
+    p.add_argument("--s3gen-loop", type=int, help=argparse.SUPPRESS)  # contention's other process
     p.add_argument("--out")
     args = p.parse_args()
+    if args.s3gen_loop:
+        return s3gen_loop(args)
     set_cache_step(args.cache_step)
     if args.step_waits is not None:
         if args.step_waits < 1:
@@ -354,7 +357,9 @@ def contention_table(args: argparse.Namespace) -> None:
     """T3's batch of --streams requests stepped on a thread while another thread loads the machine, to tell the
     GIL's share of a served step's slowdown from the GPU's: nothing; a pure-Python loop (the GIL only); chains
     of large bf16 products (the GPU only: a few primitives a call, milliseconds of device time); ``S3Gen.batch``
-    calls of half as many 10 s requests (both, as the vocoding thread's decodes do). Every T3 step timed."""
+    calls of half as many 10 s requests (both, as the vocoding thread's decodes do); the same calls in another
+    process (what a vocoder process would leave T3: no GIL, MLX scheduler or memory limit shared, the GPU
+    time-sliced between the two). Every T3 step timed."""
     tts, voice = load(args)
     n, tokens, device = args.streams, args.tokens, mx.default_device()
     size = 256 if args.tiny else 8192  # the products' side: 1.1 TFLOP each at full size
@@ -388,17 +393,44 @@ def contention_table(args: argparse.Namespace) -> None:
             mx.synchronize()
             mx.clear_streams()
 
+    def another_process(stop: threading.Event, calls: list[int], errors: list[BaseException]) -> None:
+        """``S3Gen.batch`` calls as ``s3gen_load``, in a process of its own (its own MLX scheduler, memory limit
+        and interpreter: none of them shared with T3's), counted as it reports them."""
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--s3gen-loop", str(max(1, n // 2)), "--cfm-dtype", args.cfm_dtype,
+             "--memory-budget", _budget_arg(args.memory_budget), *(["--tiny"] if args.tiny else []),
+             *(["--model", str(args.model)] if args.model else []),
+             *(["--voice", str(args.voice)] if args.voice else []),
+             *(["--step-waits", str(args.step_waits)] if args.step_waits else [])],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            for line in child.stdout:
+                if stop.is_set():
+                    break
+                calls[0] += line.startswith("call")
+        finally:
+            child.terminate()
+            if child.wait() not in (0, -signal.SIGTERM):
+                errors.append(RuntimeError(f"the S3Gen process ended with {child.returncode}"))
+
     print(f"| T3's batch of {n} rows, {tokens} tokens, beside | wall s | step ms median / p90 / max | steps total s "
           "| the other thread's calls |\n|---|---|---|---|---|")  # fmt: skip
     for name, work in (("nothing", None), ("Python", python_load), ("GPU products", gpu_load),
-                       ("S3Gen.batch", s3gen_load)):  # fmt: skip
+                       ("S3Gen.batch", s3gen_load), ("S3Gen.batch, another process", another_process)):  # fmt: skip
         on_a_thread(batch_alone, tts, voice, n, 30)  # its shapes traced
         stop, calls, errors = threading.Event(), [0], []
-        other = threading.Thread(target=hog, args=(work, stop, calls, errors)) if work else None
-        if other:
+        if work is another_process:
+            other = threading.Thread(target=another_process, args=(stop, calls, errors))
             other.start()
-            time.sleep(2.0)  # its first calls (and their kernel builds) before T3 starts
-            calls[0] = 0
+            while calls[0] < 2 and other.is_alive():  # built, and past its first call's kernel builds
+                time.sleep(0.5)
+        else:
+            other = threading.Thread(target=hog, args=(work, stop, calls, errors)) if work else None
+            if other:
+                other.start()
+                time.sleep(2.0)  # its first calls (and their kernel builds) before T3 starts
+        calls[0] = 0
         clear()
         t = time.perf_counter()
         on_a_thread(batch_alone, tts, voice, n, tokens)
@@ -413,6 +445,21 @@ def contention_table(args: argparse.Namespace) -> None:
         write_line(dict(bench="probe_worker", beside=name, other_calls=calls[0], **row,
                         memory_budget=args.memory_budget, step_waits=args.step_waits,
                         model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
+
+
+def _budget_arg(budget: int | str | None) -> str:
+    """``--memory-budget``'s value back as its argument (MiB)."""
+    return "none" if budget is None else budget if budget == "auto" else str(budget // 2**20)
+
+
+def s3gen_loop(args: argparse.Namespace) -> None:
+    """``contention``'s other process: ``S3Gen.batch`` of ``--s3gen-loop`` 10 s requests again and again, a line
+    on stdout after each, until it is terminated."""
+    tts, voice = load(args)
+    speech = mx.random.randint(0, 6561, (1, 250), key=mx.random.key(1))
+    while True:
+        mx.eval(tts.s3gen.batch([speech] * args.s3gen_loop, [voice] * args.s3gen_loop, bucket=25))
+        print("call", flush=True)
 
 
 def shapes_table(args: argparse.Namespace) -> None:
