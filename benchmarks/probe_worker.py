@@ -421,7 +421,8 @@ def contention_table(args: argparse.Namespace) -> None:
         on_a_thread(batch_alone, tts, voice, n, 30)  # its shapes traced
         stop, calls, errors = threading.Event(), [0], []
         if work is another_process:
-            other = threading.Thread(target=another_process, args=(stop, calls, errors))
+            # daemon: should T3's run fail, the process ends, and the child with it at its next line (pipe)
+            other = threading.Thread(target=another_process, args=(stop, calls, errors), daemon=True)
             other.start()
             while calls[0] < 2 and other.is_alive():  # built, and past its first call's kernel builds
                 time.sleep(0.5)
