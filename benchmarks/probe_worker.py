@@ -363,8 +363,7 @@ def contention_table(args: argparse.Namespace) -> None:
     tts, voice = load(args)
     n, tokens, device = args.streams, args.tokens, mx.default_device()
     size = 256 if args.tiny else 8192  # the products' side: 1.1 TFLOP each at full size
-    speech = mx.random.randint(0, 6561, (1, 250), key=mx.random.key(1))
-    mx.eval(speech)  # here: the other thread cannot evaluate an array made lazily on this one
+    speech = _speech()  # evaluated here: the other thread cannot evaluate an array made lazily on this one
 
     def python_load() -> None:
         sum(i * i for i in range(200_000))
@@ -376,7 +375,7 @@ def contention_table(args: argparse.Namespace) -> None:
         mx.eval(y)
 
     def s3gen_load() -> None:
-        mx.eval(tts.s3gen.batch([speech] * max(1, n // 2), [voice] * max(1, n // 2), bucket=25))
+        _s3gen_call(tts, voice, speech, max(1, n // 2))
 
     def hog(work: Callable, stop: threading.Event, calls: list[int], errors: list[BaseException]) -> None:
         mx.set_default_stream(mx.new_stream(device))
@@ -448,18 +447,32 @@ def contention_table(args: argparse.Namespace) -> None:
                         model=str(args.model or "built"), machine=machine_info()), args.out)  # fmt: skip
 
 
-def _budget_arg(budget: int | str | None) -> str:
-    """``--memory-budget``'s value back as its argument (MiB)."""
-    return "none" if budget is None else budget if budget == "auto" else str(budget // 2**20)
+def _budget_arg(budget: int | str | None, gb: bool = False) -> str:
+    """``--memory-budget``'s value back as its argument (MiB), or as ``serve --vocode-memory``'s (GB)."""
+    if budget is None or budget == "auto":
+        return budget or "none"
+    return str(budget / 2**30) if gb else str(budget // 2**20)
+
+
+def _speech() -> mx.array:
+    """The speech tokens of the contention probe's S3Gen calls: 250 (10 s), evaluated."""
+    speech = mx.random.randint(0, 6561, (1, 250), key=mx.random.key(1))
+    mx.eval(speech)
+    return speech
+
+
+def _s3gen_call(tts: TTS, voice: Voice, speech: mx.array, requests: int) -> None:
+    """One ``S3Gen.batch`` of ``requests`` copies of ``speech``, as the vocoding thread's calls are made."""
+    mx.eval(tts.s3gen.batch([speech] * requests, [voice] * requests, bucket=25))
 
 
 def s3gen_loop(args: argparse.Namespace) -> None:
     """``contention``'s other process: ``S3Gen.batch`` of ``--s3gen-loop`` 10 s requests again and again, a line
     on stdout after each, until it is terminated."""
     tts, voice = load(args)
-    speech = mx.random.randint(0, 6561, (1, 250), key=mx.random.key(1))
+    speech = _speech()
     while True:
-        mx.eval(tts.s3gen.batch([speech] * args.s3gen_loop, [voice] * args.s3gen_loop, bucket=25))
+        _s3gen_call(tts, voice, speech, args.s3gen_loop)
         print("call", flush=True)
 
 
@@ -562,11 +575,7 @@ def served(args: argparse.Namespace) -> list[dict]:
     threading.Thread(target=drive, daemon=True).start()
     flags = ["--model", str(args.model), "--port", str(port), "--max-batch", "128", "--max-queue", "256"]
     flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"]
-    budget = args.memory_budget  # --memory-budget as serve's --vocode-memory (GB)
-    flags += [
-        "--vocode-memory",
-        "none" if budget is None else budget if budget == "auto" else str(budget / 2**30),
-    ]
+    flags += ["--vocode-memory", _budget_arg(args.memory_budget, gb=True)]
     cli.main(["serve", *flags, *(["--voice", str(args.voice)] if args.voice else [])])
     return rows
 
