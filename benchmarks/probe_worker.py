@@ -272,6 +272,12 @@ def main() -> None:
         help="T3's KV capacity grows this many positions at a time (default 256, the library's)",
     )
     p.add_argument(
+        "--vocode-process",
+        choices=("on", "off"),
+        default="off",
+        help="--paths serve: serve --vocode-process (S3Gen in a process of its own)",
+    )
+    p.add_argument(
         "--step-waits",
         type=int,
         metavar="N",
@@ -568,14 +574,19 @@ def served(args: argparse.Namespace) -> list[dict]:
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
                                 layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                                 memory_budget=args.memory_budget, step_waits=args.step_waits,
-                                machine=machine_info()), args.out)  # fmt: skip
+                                vocode_process=args.vocode_process, machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=drive, daemon=True).start()
     flags = ["--model", str(args.model), "--port", str(port), "--max-batch", "128", "--max-queue", "256"]
     flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"]
-    flags += ["--vocode-memory", _budget_arg(args.memory_budget, gb=True)]
+    flags += [
+        "--vocode-memory",
+        _budget_arg(args.memory_budget, gb=True),
+        "--vocode-process",
+        args.vocode_process,
+    ]
     cli.main(["serve", *flags, *(["--voice", str(args.voice)] if args.voice else [])])
     return rows
 

@@ -32,7 +32,7 @@ from .generation.stream import (
     stream_piece,
 )
 from .generation.vc import check_decoder as check_vc_decoder
-from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens
+from .generation.vocode import SAMPLE_RATE, check_cfm_steps, check_tokens, vocode_tokens
 from .generation.voice import (
     REFERENCE_HINT,
     S3_SR,
@@ -346,11 +346,7 @@ class TTS:
             check_tokens(mx.array(ids.astype(np.int32)).reshape(1, -1), self.s3gen.flow.config.vocab_size)
             wav = self.torch_s3gen(ids, self._voice(voice), cfm_steps, seed)
         else:
-            key = None if seed is None else seed_keys(seed)[1]
-            out = self.s3gen(
-                mx.array(ids.astype(np.int32))[None], self._voice(voice), cfm_steps=cfm_steps, key=key
-            )
-            wav = np.array(out[0], dtype=np.float32)
+            wav = vocode_tokens(self.s3gen, ids, self._voice(voice), cfm_steps, seed)
         return self._mark(wav) if watermark else wav
 
     def watermarker(self) -> Watermarker:

@@ -74,14 +74,7 @@ def load_folder(path: str | Path) -> ModelFolder:
         raise FileNotFoundError(
             f"config.json not found in {path}; make the folder with: mlx-chatterbox convert ResembleAI/chatterbox {path}"
         )
-    config = json.loads(config_path.read_text())
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{config_path} is not an mlx-chatterbox config (format {config.get('format')!r})")
-    if config.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path} was converted with format version {config.get('format_version')!r}; this mlx-chatterbox "
-            f"reads version {FORMAT_VERSION}. Convert the checkpoint again."
-        )
+    config = _read_config(path, config_path)
     files = config["files"]
     networks = ModelConfig.from_dict(config["networks"])
     quantization = t3_quantization(config, config_path)
@@ -109,6 +102,33 @@ def load_folder(path: str | Path) -> ModelFolder:
         voice=Voice.load(path / files["voice"]) if "voice" in files else None,
         speech=speech,
     )
+
+
+def load_s3gen(path: str | Path, cfm_dtype: mx.Dtype = mx.float32) -> S3Gen:
+    """The folder's S3Gen alone (the server's vocoding process), its estimator in ``cfm_dtype``."""
+    path = Path(path).expanduser()
+    config = _read_config(path, path / "config.json")
+    networks = ModelConfig.from_dict(config["networks"])
+    flow, cfm, hift = (
+        _load_network(path, config["files"], networks, name) for name in ("flow", "cfm", "hift")
+    )
+    if cfm_dtype != mx.float32:
+        cfm.set_dtype(cfm_dtype)
+        mx.eval(cfm.parameters())
+    return S3Gen(flow, cfm, hift)
+
+
+def _read_config(path: Path, config_path: Path) -> dict:
+    """The folder's config.json, checked to be ours and of this format version."""
+    config = json.loads(config_path.read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{config_path} is not an mlx-chatterbox config (format {config.get('format')!r})")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} was converted with format version {config.get('format_version')!r}; this mlx-chatterbox "
+            f"reads version {FORMAT_VERSION}. Convert the checkpoint again."
+        )
+    return config
 
 
 def t3_quantization(config: dict, config_path: Path) -> tuple[int, int] | None:

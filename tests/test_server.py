@@ -642,6 +642,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--cfm-steps",
         "--stream-context",
         "--vocode-thread",
+        "--vocode-process",
         "--stream-catch-up",
         "--mark-threads",
         "--warm-batches",
@@ -665,6 +666,10 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         main(["serve", "--model", nowhere, "--vocode-thread", "off", "--mark-threads", "2"])
     assert e.value.code == 2
     assert "--mark-threads 2: the marking threads run beside the vocoding thread" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", nowhere, "--vocode-thread", "off", "--vocode-process", "on"])
+    assert e.value.code == 2
+    assert "--vocode-process on moves the vocoding thread's S3Gen into a process" in capsys.readouterr().err
     for bad, says in (("0", "0 is out of range"), ("two", "invalid thread count value: 'two'")):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--mark-threads", bad])
@@ -783,12 +788,14 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         (["--vocode-thread", "--stream-catch-up", "on"], False, True, True, "auto"),
         (["--vocode-thread", "--mark-threads", "3"], False, True, True, 3),
         (["--vocode-thread", "off", "--mark-threads", "1"], False, False, False, 1),
+        (["--vocode-thread", "--vocode-process", "on"], False, True, True, "auto"),
     ],
 )
 def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up, markers):
     """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
     its streams catch up (``--stream-catch-up``, on by default) and its audio is watermarked on
-    ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4). A streamed request is served either way.
+    ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4); ``--vocode-process on`` runs its S3Gen
+    in a process. A streamed request is served either way.
     """
     seen = {}
 
@@ -805,6 +812,7 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main([*args, "--voice", str(tmp_path / "mine.safetensors")]) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
+    assert seen["health"]["vocode_process"] is ("--vocode-process" in flag)
     assert seen["health"]["stream_catch_up"] is catch_up
     assert seen["health"]["mark_threads"] == (2 if markers == "auto" else markers)
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text

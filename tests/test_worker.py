@@ -17,6 +17,7 @@ from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
 from mlx_chatterbox.generation.speech_tokens import traces
 from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server import vocoding
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import IDLE_COLLECT_S, QueueFull, SpeechJob, Worker
 from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
@@ -333,7 +334,7 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
     tickets: list = []
     stepped: list[bool] = []
     calls: list[int] = []
-    real_vocode, real_batch = tts.vocode, tts.s3gen.batch
+    real_vocode, real_batch = vocoding.vocode_tokens, tts.s3gen.batch
 
     took_first = threading.Event()
 
@@ -353,7 +354,7 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
         assert kwargs["bucket"] == bucket
         return real_batch(tokens, voices, **kwargs)
 
-    monkeypatch.setattr(tts, "vocode", slow_vocode)
+    monkeypatch.setattr(vocoding, "vocode_tokens", slow_vocode)
     monkeypatch.setattr(tts.s3gen, "batch", spy)
     with Worker(tts, vocode_frames=frames, vocode_bucket=bucket, vocode_thread=True) as worker:
         real_end_pieces = worker._end_pieces
@@ -404,7 +405,7 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
     tickets: list = []
     stepped: list[bool] = []
     rows: list[int] = []
-    real = worker_module.decode_together
+    real = vocoding.decode_together
 
     def spy(vocoders, **kwargs):
         if not stepped:  # the first decode: hold it until T3 has drawn all of B's tokens
@@ -415,7 +416,7 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
         rows.append(len(vocoders))
         return real(vocoders, **kwargs)
 
-    monkeypatch.setattr(worker_module, "decode_together", spy)
+    monkeypatch.setattr(vocoding, "decode_together", spy)
     with Worker(tts, vocode_thread=True, stream_catch_up=catch_up) as worker:
         hold = worker.run(time.sleep, 0.3)  # both start together
         tickets += [worker.submit(job) for job in (a, b)]
@@ -442,7 +443,7 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
     fine = SpeechJob(
         "Fine.", random_voice(1), SamplingParams(max_new_tokens=20), cfm_steps=2, seed=32, stream=True
     )
-    real = worker_module.decode_together
+    real = vocoding.decode_together
     running = threading.Event()
 
     def spy(vocoders, **kwargs):
@@ -453,7 +454,7 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
             time.sleep(0.2)  # its reader leaves meanwhile
         return real(vocoders, **kwargs)
 
-    monkeypatch.setattr(worker_module, "decode_together", spy)
+    monkeypatch.setattr(vocoding, "decode_together", spy)
     with Worker(tts, vocode_thread=True, stream_catch_up=False) as worker:
         bad = worker.submit(doomed)
         with pytest.raises(RuntimeError, match="no memory left"):
@@ -550,17 +551,44 @@ def test_vocoding_settings_are_checked(tts):
                 Worker(tts, **{name: bad})
     with pytest.raises(ValueError, match="mark_threads=2: marking threads run beside the vocoding thread"):
         Worker(tts, mark_threads=2)
+    with pytest.raises(ValueError, match="pass vocode_thread=True too"):
+        Worker(tts, vocode_process=True)
 
 
-def test_streamed_and_whole_jobs_at_once(tts):
-    """Streamed and whole jobs at once, their S3Gen on the vocoding thread while T3 steps: the streamed chunks
-    are TTS.stream's, cut at the same samples, within SHARED_TOL (decodes that fall due while another call runs
-    share the next one), the whole audio TTS.generate's within SHARED_TOL."""
+def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
+    """The vocoding process loads S3Gen from the model's folder: one it cannot read fails ``start`` with the
+    cause. If the process dies, the jobs it held fail with a clear error, so do later ones that need S3Gen,
+    T3 goes on, and the worker still stops cleanly."""
+    tts = TTS.load(folder)
+    tts.path = tmp_path / "gone"
+    with pytest.raises(RuntimeError, match="the vocoding process could not start: .*config.json"):
+        Worker(tts, vocode_thread=True, vocode_process=True).start()
+    tts.path = folder
+    slow = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=300), cfm_steps=2, seed=1,
+                     stream=True, first_chunk=8)  # fmt: skip
+    whole = dataclasses.replace(slow, stream=False, params=SamplingParams(max_new_tokens=5))
+    with Worker(tts, vocode_thread=True, vocode_process=True) as worker:
+        ticket = worker.submit(slow)
+        next(iter(ticket))  # its first chunk came through the process
+        worker._process._process.kill()
+        with pytest.raises(RuntimeError, match=r"the vocoding process ended \(exit code -9\)"):
+            list(ticket)
+        with pytest.raises(RuntimeError, match="the vocoding process ended"):
+            list(worker.submit(whole))
+        wait_idle(worker)
+        assert worker.metrics()["requests"]["failed"] == 2
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_streamed_and_whole_jobs_at_once(tts, process):
+    """Streamed and whole jobs at once, their S3Gen on the vocoding thread (or in the vocoding process) while T3
+    steps: the streamed chunks are TTS.stream's, cut at the same samples, within SHARED_TOL (decodes that fall
+    due while another call runs share the next one), the whole audio TTS.generate's within SHARED_TOL."""
     specs = [
         dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
         for k, job in enumerate(jobs(False) + jobs(True))
     ]
-    with Worker(tts, max_batch=6, vocode_thread=True, stream_catch_up=False) as worker:
+    with Worker(tts, max_batch=6, vocode_thread=True, vocode_process=process, stream_catch_up=False) as worker:
         hold = worker.run(time.sleep, 0.3)
         tickets = [worker.submit(job) for job in specs]
         hold.result()
@@ -684,16 +712,17 @@ def phases(metrics: dict, thread: str = "worker") -> dict[str, dict]:
     return {p["phase"]: p for p in metrics["phases"] if p["thread"] == thread}
 
 
-@pytest.mark.parametrize("vocode_thread", [False, True])
-def test_metrics_count_where_the_time_goes(tts, vocode_thread):
+@pytest.mark.parametrize("vocoder", ["inline", "thread", "process"])
+def test_metrics_count_where_the_time_goes(tts, vocoder):
     """``Worker.metrics``: after N whole jobs the T3 rows are their tokens, each piece is vocoded once (on the
     vocoding thread when there is one), N jobs finished; a streamed job moves the streamed decodes instead (on
-    the same thread as the pieces), a
+    the same thread as the pieces; the vocoding process's calls count as that thread's), a
     bad voice counts as failed and a cancelled job as cancelled; the worker thread's phases take no more than
     its uptime."""
     specs = [dataclasses.replace(job, seed=50 + k) for k, job in enumerate(jobs(False)[::2])]  # a piece each
     start = time.perf_counter()
-    with Worker(tts, vocode_thread=vocode_thread) as worker:
+    vocode_thread = vocoder != "inline"
+    with Worker(tts, vocode_thread=vocode_thread, vocode_process=vocoder == "process") as worker:
         before = worker.metrics()
         assert before["requests"] == {"finished": 0, "failed": 0, "cancelled": 0}
         assert all(p["calls"] == 0 for p in before["phases"] if p["phase"] not in ("gc", "idle"))

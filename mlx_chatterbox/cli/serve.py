@@ -50,6 +50,15 @@ def add_parser(sub) -> None:
         "requests from 11x to 20x real time on an H200, off elsewhere (no gain on CPUs; not measured on Macs)",
     )
     p.add_argument(
+        "--vocode-process",
+        choices=("on", "off"),
+        default="off",
+        help="with the vocoding thread: run S3Gen in a process of its own (on), where neither MLX's process-wide "
+        "throttles nor Python's GIL hold T3's steps back (an H200 64-row T3 step took 23 ms beside S3Gen in "
+        "another process, 50 ms beside it on a thread), or on the thread (off, the default); the process loads "
+        "its own S3Gen at start",
+    )
+    p.add_argument(
         "--mark-threads",
         type=_mark_threads,
         default="auto",
@@ -233,6 +242,11 @@ def run(args: argparse.Namespace) -> None:
             f"--mark-threads {args.mark_threads}: the marking threads run beside the vocoding thread, which is off "
             "here; add --vocode-thread on, or leave --mark-threads out"
         )
+    if args.vocode_process == "on" and not vocode_thread:
+        raise common.UsageError(
+            "--vocode-process on moves the vocoding thread's S3Gen into a process, and the thread is off here; add "
+            "--vocode-thread on, or leave --vocode-process out"
+        )
     mark_threads = default_mark_threads(vocode_thread) if args.mark_threads == "auto" else args.mark_threads
     keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
     folder = args.voices if args.voices is not None else default_voices_dir()
@@ -268,6 +282,7 @@ def run(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         vocode_batch=args.vocode_batch,
         vocode_thread=vocode_thread,
+        vocode_process=args.vocode_process == "on",
         stream_catch_up=args.stream_catch_up != "off",
         mark_threads=mark_threads,
     ) as worker:

@@ -504,12 +504,13 @@ def stream_piece(
 def finish_stream(vocoder: StreamVocoder, speech: EnglishSpeech) -> np.ndarray:
     """The vocoder's last samples, less what the variant cuts from a piece's end (``speech.cut_samples``:
     Multilingual v3's last token). The vocoder holds back its lookahead tokens until now, so they are here."""
-    return cut_end(vocoder.finish(), vocoder, speech)
+    return cut_end(vocoder.finish(), vocoder.pushed, speech)
 
 
-def cut_end(out: np.ndarray, vocoder: StreamVocoder, speech: EnglishSpeech) -> np.ndarray:
-    """A stream's last samples ``out`` (its final decode's) less what the variant cuts from a piece's end."""
-    cut = speech.cut_samples(vocoder.pushed)
+def cut_end(out: np.ndarray, pushed: int, speech: EnglishSpeech) -> np.ndarray:
+    """A stream's last samples ``out`` (its final decode's, after ``pushed`` tokens) less what the variant cuts
+    from a piece's end."""
+    cut = speech.cut_samples(pushed)
     if cut > out.size:
         raise RuntimeError(f"the stream's last {out.size} samples cannot lose {cut}")
     return out[: out.size - cut]

@@ -20,6 +20,7 @@ import numpy as np
 from ..models.cfm import Estimator, solve, solve_meanflow
 from ..models.flow import Flow
 from ..models.hift import HiFT
+from ..sampling import seed_keys
 from .voice import Voice
 
 SAMPLE_RATE = 24000
@@ -264,6 +265,16 @@ def _solve(
     if estimator.config.meanflow:
         return solve_meanflow(estimator, mu, mask, spks, cond, noise, steps)
     return solve(estimator, mu, mask, spks, cond, noise, steps, estimator.config.cfg_rate)
+
+
+def vocode_tokens(
+    s3gen: S3Gen, tokens: np.ndarray, voice: Voice, cfm_steps: int | None, seed: int | None
+) -> np.ndarray:
+    """One request's speech ids -> its float32 samples (``TTS.vocode`` without the watermark): the seed's S3Gen
+    key, or fresh draws when None."""
+    key = None if seed is None else seed_keys(seed)[1]
+    out = s3gen(mx.array(np.asarray(tokens).astype(np.int32))[None], voice, cfm_steps=cfm_steps, key=key)
+    return np.array(out[0], dtype=np.float32)
 
 
 def check_cfm_steps(cfm_steps: int | None) -> None:

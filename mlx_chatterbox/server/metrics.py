@@ -63,10 +63,18 @@ class Meter:
         finally:
             with self._lock:
                 _, start = self._open.pop(key)
-                tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
-                tally[0] += time.perf_counter() - start
-                tally[1] += 1
-                tally[2] += rows
+                self._count(thread, phase, time.perf_counter() - start, rows)
+
+    def add(self, thread: str, phase: str, seconds: float, rows: int = 0) -> None:
+        """A call timed elsewhere (the vocoding process's): its seconds, one call and ``rows``."""
+        with self._lock:
+            self._count(thread, phase, seconds, rows)
+
+    def _count(self, thread: str, phase: str, seconds: float, rows: int) -> None:
+        tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
+        tally[0] += seconds
+        tally[1] += 1
+        tally[2] += rows
 
     def ended(self, outcome: str) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import os
 import queue
@@ -69,10 +70,22 @@ from ..generation.vocode import check_cfm_steps
 from ..generation.voice import Voice
 from ..sampling import SEED_LIMIT, SamplingParams, TurboParams, seed_keys
 from .metrics import Meter
+from .vocoding import (
+    PieceOrder,
+    ProcessSpec,
+    StreamOrder,
+    Streamed,
+    Vocoded,
+    Vocoding,
+    VocodingProcess,
+    cfm_dtype_name,
+    group,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _END = object()  # a ticket's last item
+_SERIALS = itertools.count()  # jobs' and pieces' numbers: their keys in the vocoding process
 # A warm-up request's tokens: past a stream's first chunk (10 tokens), and no more: on a CPU every warm-up token
 # delays the server's start by most of a second.
 WARM_UP_TOKENS = 12
@@ -189,7 +202,7 @@ class Ticket:
             yield item
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: a key of the vocoding side's streams
 class _Job:
     """A job on the worker thread: its pieces and pauses, the piece in T3 now and its raw tokens, and the
     audio so far."""
@@ -203,58 +216,25 @@ class _Job:
     raw: list[int] = dataclasses.field(default_factory=list)
     wavs: list[np.ndarray] = dataclasses.field(default_factory=list)  # finished pieces (not streamed)
     vocoder: StreamVocoder | None = None  # the piece being streamed, on the worker thread
-    piped: bool = False  # the piece being streamed has its StreamVocoder on the vocoding thread (_Stream)
+    piped: bool = False  # the piece being streamed has its StreamVocoder on the vocoding side (Vocoding)
     joiner: PieceJoiner = dataclasses.field(default_factory=lambda: PieceJoiner(CROSSFADE))  # streamed pieces
     ended: bool = False  # its reader has had the end or an error (_done)
     lane: int = 0  # the marking thread that watermarks all it hands over, in order
+    serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
 
     def seed(self) -> int | None:
         """Piece i is spoken with seed + i, as ``TTS.generate`` does."""
         return None if self.job.seed is None else self.job.seed + self.piece
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity (the queue removes pieces)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: a key of the vocoding side's pieces
 class _Piece:
-    """A whole piece T3 has finished, to be vocoded."""
+    """A whole piece T3 has finished, sent to be vocoded: its job, and the samples to drop from the end of its
+    audio (TTS.speech.cut_samples)."""
 
     j: _Job
-    tokens: np.ndarray  # (N,) int32 speech ids, the variant's tail included
-    seed: int  # S3Gen's (an unseeded job's drawn here: the vocoding thread never uses MLX's global generator)
-    cut: int  # samples to drop from the end of its audio (TTS.speech.cut_samples)
-
-    def row_tokens(self) -> int:
-        """Its row's length in S3Gen's batch: the voice's prompt tokens and its own."""
-        return self.j.job.voice.s3gen_prompt_tokens.shape[1] + len(self.tokens)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Vocoded:
-    """The vocoding thread's answer for some pieces: their unmarked audio, or the error that lost them."""
-
-    pieces: list[_Piece]
-    wavs: list[np.ndarray] | None
-    error: BaseException | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _Stream:
-    """A streamed piece on the vocoding thread: its vocoder, and what the worker sent it that it has not taken
-    (token lists, each taken at once as ``TTS.stream`` pushes it, then None: the piece's end)."""
-
-    j: _Job
-    vocoder: StreamVocoder
-    held: deque = dataclasses.field(default_factory=deque)
-    final: bool = False  # the decode due is the piece's last
-    started: bool = False  # its first decode has run
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Streamed:
-    """The vocoding thread's answer for some streams' decodes: per job its samples and whether they end its
-    piece, or (error set) the error that lost them."""
-
-    chunks: list[tuple[_Job, np.ndarray | None, bool]]
-    error: BaseException | None = None
+    cut: int
+    serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
 
 
 class Worker:
@@ -280,6 +260,7 @@ class Worker:
         vocode_frames: int | None = None,
         vocode_bucket: int = VOCODE_BUCKET,
         vocode_thread: bool = False,
+        vocode_process: bool = False,
         stream_catch_up: bool = True,
         mark_threads: int = 1,
     ):
@@ -309,7 +290,16 @@ class Worker:
                 f"mark_threads={mark_threads}: marking threads run beside the vocoding thread, which is off; "
                 "pass vocode_thread=True, or mark_threads=1"
             )
-        self.mark_threads = mark_threads
+        if vocode_process and not vocode_thread:
+            raise ValueError(
+                "vocode_process=True moves the vocoding thread's S3Gen work into a process, and the thread is off; "
+                "pass vocode_thread=True too"
+            )
+        if vocode_process and tts.torch_s3gen is not None:
+            raise ValueError(
+                "vocode_process=True runs our S3Gen; this model vocodes with upstream's (hybrid mode)"
+            )
+        self.mark_threads, self.vocode_process = mark_threads, vocode_process
         self.sample_rate = tts.sample_rate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
         self._jobs = 0  # submitted and not finished (under _lock)
@@ -317,16 +307,35 @@ class Worker:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._device = mx.default_device()  # MLX streams belong to a thread: the worker makes its own
-        # Whole pieces waiting for S3Gen, oldest first; the vocoding thread takes them under _ready.
-        self._pending: deque[_Piece] = deque()
+        # S3Gen's side: on the worker thread (whole pieces; streams decode through their own vocoders there), on
+        # the vocoding thread, or in the vocoding process (``_remote``: what was sent there and not answered, by
+        # serial; ``_lost``: the error that ended it). The worker's messages for it, oldest first, under _ready
+        # (``Vocoding``'s: ("piece", _Piece, order), ("open", job, order), ("take"/"end", job, tokens), ("drop",
+        # job)); ``_outbox``: those not yet sent (``_send``).
+        one = None
+        if tts.torch_s3gen is not None:  # hybrid mode: upstream's S3Gen, one piece at a time
+            one = lambda o: tts.vocode(
+                o.tokens, o.voice, cfm_steps=o.cfm_steps, seed=o.seed, watermark=False
+            )  # noqa: E731
+        self._engine = Vocoding(
+            tts.s3gen,
+            batch=vocode_batch,
+            frames=vocode_frames,
+            bucket=vocode_bucket,
+            catch_up=stream_catch_up,
+            timed=self._timed,
+            vocode_one=one,
+        )
+        self._process: VocodingProcess | None = None
+        self._remote: dict[int, _Job | _Piece] = {}
+        self._remote_lock = threading.Lock()
+        self._lost: BaseException | None = None
+        self._pieces_out = 0  # whole pieces sent to be vocoded, not yet back
         self._ready = threading.Condition()
         self._vocoder: threading.Thread | None = None
         self._vocoder_stop = False
-        # What the worker tells the vocoding thread of streamed pieces, oldest first, under _ready: ("open", job,
-        # seed), ("take", job, tokens), ("end", job, tail tokens), ("drop", job). Its streams, by id(job).
         self._messages: list[tuple] = []
-        self._outbox: list[tuple] = []  # the worker thread's messages not yet sent (``_send``)
-        self._streams: dict[int, _Stream] = {}
+        self._outbox: list[tuple] = []
         # What readers get, oldest first, per marking thread when they run (vocode_thread=True): (ticket, item,
         # how to watermark it or None), watermarked there and handed over in order (``_deliver``); None stops it.
         # Perth's host work (resampling, FFTs) releases the GIL: several threads mark several jobs at once.
@@ -353,13 +362,14 @@ class Worker:
         """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
         rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs``
         (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch), ``vocode_pending`` (whole
-        pieces waiting for S3Gen) and ``t3_traces`` (``speech_tokens.traces``: T3's compiled steps traced in
+        pieces T3 has finished and S3Gen not yet: waiting or in its running call) and ``t3_traces`` (``speech_tokens.traces``: T3's compiled steps traced in
         this process). Read from any thread, without waiting for the worker."""
         gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running, t3_traces=traces())
-        return {**self._meter.snapshot(), **gauges, "vocode_pending": len(self._pending)}
+        return {**self._meter.snapshot(), **gauges, "vocode_pending": self._pieces_out}
 
     def start(self) -> None:
-        """Start the worker thread. While it runs, Python's automatic garbage collection is off and the worker
+        """Start the worker thread (and, ``vocode_process``, the vocoding process: its S3Gen loaded from the
+        model's folder, which takes seconds; an error there is raised here). While it runs, Python's automatic garbage collection is off and the worker
         thread collects instead (``_collect_garbage``): a collection frees the MLX arrays in the cycles it
         breaks, and MLX-CUDA frees can make CUDA calls, which break a CUDA-graph capture running on the worker
         thread meanwhile and abort the process ("cudaStreamEndCapture failed"; H200 runs of 1 to 8 requests,
@@ -380,9 +390,13 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
         self._thread.start()
         if self.vocode_thread:
-            self._vocoder_stop = False
+            self._vocoder_stop, self._lost = False, None
+            if self.vocode_process:
+                self._process = self._start_process()
             self._vocoder = threading.Thread(
-                target=self._vocode_loop, name="mlx-chatterbox-vocoder", daemon=True
+                target=self._send_loop if self.vocode_process else self._vocode_loop,
+                name="mlx-chatterbox-vocoder",
+                daemon=True,
             )
             self._vocoder.start()
             self._markers = [
@@ -546,9 +560,9 @@ class Worker:
                     return
                 if isinstance(item, _Job):
                     self._receive(item, waiting)
-                elif isinstance(item, _Vocoded):
+                elif isinstance(item, Vocoded):
                     waiting.extendleft(reversed(self._vocoded(item)))  # their next pieces go in first
-                elif isinstance(item, _Streamed):
+                elif isinstance(item, Streamed):
                     waiting.extendleft(reversed(self._streamed(item, running, batch)))
                 else:
                     self._call(*item)
@@ -598,8 +612,8 @@ class Worker:
                 batch.cancel(j.uid)
             waiting.extendleft(reversed(self._end_pieces(ended)))  # their next pieces go in first
             if not self.vocode_thread:
-                while self._pending:  # T3 waits for S3Gen here
-                    waiting.extendleft(reversed(self._vocoded(self._vocode_ready())))
+                while self._engine.pending:  # T3 waits for S3Gen here
+                    waiting.extendleft(reversed(self._vocoded(self._engine.vocode_ready())))
 
     def _receive(self, j: _Job, waiting: deque[_Job]) -> None:
         """A new job: queued for T3, or answered at once when its text is pause tags alone."""
@@ -646,9 +660,11 @@ class Worker:
         if job.stream:
             if j.piece == 0 and j.plan.pauses[0]:
                 self._emit_silence(j, j.plan.pauses[0])
-            if self.vocode_thread:  # the vocoding thread makes its vocoder (its arrays are that thread's)
+            if self.vocode_thread:  # the vocoding side makes its vocoder (its arrays are that thread's)
                 j.piped = True
-                self._post("open", j, secrets.randbelow(SEED_LIMIT) if seed is None else seed)
+                drawn = secrets.randbelow(SEED_LIMIT) if seed is None else seed
+                order = StreamOrder(job.voice, drawn, job.cfm_steps, job.first_chunk, job.stream_context)
+                self._post("open", j, order)
             else:
                 j.vocoder = self._stream_vocoder(j, None if seed is None else seed_keys(seed)[1])
 
@@ -705,46 +721,53 @@ class Worker:
         """After a step: the whole (not streamed) pieces T3 finished in it go to the vocoder; streamed jobs
         move on to their next piece or end (those streamed through the vocoding thread once their last audio is
         back: ``_streamed``). Returns the jobs that have a next piece now."""
-        whole = [j for j in ended if not j.job.stream]
-        if whole:
-            pieces = [self._piece(j) for j in whole]
-            with self._ready:
-                self._pending.extend(pieces)
-                self._ready.notify()
+        for j in ended:
+            if not j.job.stream:
+                seed = (
+                    j.seed()
+                )  # an unseeded job's drawn here: the vocoding side never uses MLX's global generator
+                piece = _Piece(j, self.tts.speech.cut_samples(len(j.raw)))
+                order = PieceOrder(
+                    piece,
+                    np.array(j.raw, dtype=np.int32),
+                    j.job.voice,
+                    secrets.randbelow(SEED_LIMIT) if seed is None else seed,
+                    j.job.cfm_steps,
+                )
+                self._pieces_out += 1
+                if self.vocode_thread:
+                    self._post("piece", piece, order)
+                else:
+                    self._engine.pending.append(order)
+        self._send()  # now: the vocoding side may be idle
         return self._next_pieces([j for j in ended if j.job.stream and not j.piped])
 
-    def _piece(self, j: _Job) -> _Piece:
-        seed = j.seed()
-        return _Piece(
-            j,
-            np.array(j.raw, dtype=np.int32),
-            secrets.randbelow(SEED_LIMIT) if seed is None else seed,
-            self.tts.speech.cut_samples(len(j.raw)),
-        )
-
-    def _vocoded(self, answer: _Vocoded) -> list[_Job]:
-        """The vocoder's audio for some whole pieces (or the error that lost them, and their jobs): each job
-        moves on to its next piece or hands over its audio. Returns the jobs that have a next piece."""
+    def _vocoded(self, answer: Vocoded) -> list[_Job]:
+        """The vocoder's audio for some whole pieces (``answer.keys``: ``_Piece``), or the error that lost them
+        and their jobs: each job moves on to its next piece or hands over its audio. Returns the jobs that have a
+        next piece."""
+        self._pieces_out -= len(answer.keys)
         if answer.error is not None:
-            for piece in answer.pieces:
+            for piece in answer.keys:
                 self._done(piece.j, answer.error)
             return []
-        for piece, wav in zip(answer.pieces, answer.wavs):
+        for piece, wav in zip(answer.keys, answer.wavs):
             piece.j.wavs.append(wav[: len(wav) - piece.cut])
-        return self._next_pieces([piece.j for piece in answer.pieces])
+        return self._next_pieces([piece.j for piece in answer.keys])
 
     def _streamed(
-        self, answer: _Streamed, running: dict[int, _Job], batch: SpeechTokenBatch | TurboTokenBatch
+        self, answer: Streamed, running: dict[int, _Job], batch: SpeechTokenBatch | TurboTokenBatch
     ) -> list[_Job]:
-        """The vocoding thread's audio for some streams: emitted; a piece's last moves its job on. An error ends
-        the jobs it lost (and their T3 rows). Returns the jobs that have a next piece."""
+        """The vocoding side's audio for some streams (``answer.chunks``' keys: ``_Job``): emitted, a piece's
+        last less the variant's end cut; a piece's last moves its job on. An error ends the jobs it lost (and
+        their T3 rows). Returns the jobs that have a next piece."""
         more = []
-        for j, samples, end in answer.chunks:
+        for j, samples, end, pushed in answer.chunks:
             if j.ended:  # cancelled or failed while its decode ran
                 continue
             if answer.error is not None:
                 self._done(j, answer.error)
-            elif self._guard(j, self._emit, j, samples, end):
+            elif self._guard(j, self._emit_streamed, j, samples, end, pushed):
                 if end:
                     j.piped = False
                     more += self._next_pieces([j])
@@ -753,6 +776,9 @@ class Worker:
                 del running[j.uid]
                 batch.cancel(j.uid)
         return more
+
+    def _emit_streamed(self, j: _Job, samples: np.ndarray, end: bool, pushed: int) -> None:
+        self._emit(j, cut_end(samples, pushed, self.tts.speech) if end else samples, end)
 
     def _next_pieces(self, jobs: list[_Job]) -> list[_Job]:
         """Jobs whose piece is finished (vocoded, or streamed to its end): on to the next piece, or, after the
@@ -813,7 +839,9 @@ class Worker:
             mx.synchronize()
             mx.clear_streams()
 
-    # Vocoding: on the vocoding thread (vocode_thread=True), or on the worker's after each step.
+    # The vocoding side (vocode_thread=True): T3 keeps stepping while S3Gen runs, on the vocoding thread or in the
+    # vocoding process. The worker sends it whole pieces and each streamed piece's tokens (``_post``), and it answers
+    # through the inbox (``Vocoding``: a call a turn, streams' due decodes first).
 
     def _vocode_loop(self) -> None:
         mx.set_default_device(self._device)
@@ -821,65 +849,138 @@ class Worker:
         try:
             while True:
                 with self._ready, self._timed("idle"):
-                    while not (self._pending or self._messages or self._due()) and not self._vocoder_stop:
+                    while not (self._messages or self._engine.busy()) and not self._vocoder_stop:
                         self._ready.wait()
                     if self._vocoder_stop:
                         return
                     messages, self._messages = self._messages, []
-                # Before and after each call the streams take what they hold up to their next due decode, so
-                # that what a stream holds waits only for new messages or a call. Streams go first: a listener
-                # may be waiting for their audio.
-                answers = self._apply(messages) + self._feed()
-                due = self._due()
-                if due:
-                    answers.append(self._decode_due(due))
-                elif self._pending:
-                    answers.append(self._vocode_ready())
-                for answer in answers + self._feed():
+                for answer in self._engine.turn(messages):
                     self._inbox.put(answer)
         finally:
             mx.synchronize()
             mx.clear_streams()
 
+    def _start_process(self) -> VocodingProcess:
+        spec = ProcessSpec(
+            model=str(self.tts.path),
+            cfm_dtype=cfm_dtype_name(self.tts.s3gen),
+            memory_budget=self.tts.s3gen.memory_budget,
+            device="cpu" if self._device == mx.cpu else "gpu",
+            batch=self.vocode_batch,
+            frames=self.vocode_frames,
+            bucket=self.vocode_bucket,
+            catch_up=self.stream_catch_up,
+        )
+        return VocodingProcess(spec, self._answered, self._process_lost)
+
+    def _send_loop(self) -> None:
+        """The vocoding thread with ``vocode_process``: it sends the worker's messages to the process, each key
+        as its serial (what the process answers by, ``_answered``)."""
+        while True:
+            with self._ready:
+                while not self._messages and not self._vocoder_stop:
+                    self._ready.wait()
+                if self._vocoder_stop:
+                    return
+                messages, self._messages = self._messages, []
+            with self._remote_lock:
+                lost = self._lost
+                if lost is None:
+                    self._remote.update(
+                        (key.serial, key) for kind, key, _ in messages if kind in ("piece", "open")
+                    )
+            if lost is None:
+                try:
+                    self._process.send([(kind, key.serial, value) for kind, key, value in messages])
+                    continue
+                except OSError:  # the process has died: _process_lost fails what was sent
+                    continue
+                except (
+                    Exception
+                ) as error:  # e.g. a message that does not pickle: its jobs fail, not the thread
+                    logger.exception("sending to the vocoding process failed")
+                    lost = error
+            for kind, key, _ in messages:  # what needs the process fails at once
+                with self._remote_lock:
+                    self._remote.pop(key.serial, None)
+                if kind == "piece":
+                    self._inbox.put(Vocoded([key], None, lost))
+                elif kind == "open":
+                    self._inbox.put(Streamed([(key, None, False, 0)], lost))
+
+    def _answered(self, answers: list[Vocoded | Streamed], times: list[tuple[str, float, int]]) -> None:
+        """A turn of the process (on its reader thread): its calls' times metered (before any reader gets their
+        audio), its answers' serials made the worker's keys again and put in the inbox; a stream dropped
+        meanwhile (its job ended) left out."""
+        for phase, seconds, rows in times:
+            self._meter.add("vocoder", phase, seconds, rows)
+        for answer in answers:
+            with self._remote_lock:
+                if isinstance(answer, Vocoded):
+                    keys = [self._remote.pop(k) for k in answer.keys]
+                    self._inbox.put(Vocoded(keys, answer.wavs, answer.error))
+                    continue
+                chunks = []
+                for k, samples, end, pushed in answer.chunks:
+                    j = self._remote.pop(k, None) if end or answer.error is not None else self._remote.get(k)
+                    if j is not None:
+                        chunks.append((j, samples, end, pushed))
+            if chunks:
+                self._inbox.put(Streamed(chunks, answer.error))
+
+    def _process_lost(self, error: BaseException) -> None:
+        """The vocoding process died: what it held fails with ``error``, and so does what needs it later."""
+        logger.error(
+            "the vocoding process died: %s; requests that need S3Gen fail until the server restarts", error
+        )
+        with self._remote_lock:
+            self._lost = error
+            held, self._remote = list(self._remote.values()), {}
+        pieces = [key for key in held if isinstance(key, _Piece)]
+        jobs = [key for key in held if isinstance(key, _Job)]
+        if pieces:
+            self._inbox.put(Vocoded(pieces, None, error))
+        if jobs:
+            self._inbox.put(Streamed([(j, None, False, 0) for j in jobs], error))
+
     def _stop_vocoder(self) -> list[_Job]:
-        """Stop the vocoding thread after its running call; the jobs whose pieces wait for it or were vocoded
-        after the worker stopped reading its answers."""
+        """Stop the vocoding thread (and process) after its running call; the jobs whose pieces or streams it
+        held, or whose answers came after the worker stopped reading them."""
         if self._vocoder is not None:
             with self._ready:
                 self._vocoder_stop = True
                 self._ready.notify()
             self._vocoder.join()
             self._vocoder = None
-        jobs = [piece.j for piece in self._pending] + [s.j for s in self._streams.values()]
-        jobs += [message[1] for message in self._messages + self._outbox]
-        self._pending.clear()
-        self._streams.clear()
+        if self._process is not None:
+            self._process.close()  # its last answers reach the inbox
+            self._process = None
+        keys = self._engine.keys() + list(self._remote.values())
+        keys += [message[1] for message in self._messages + self._outbox]
+        self._engine.pending.clear()
+        self._engine.streams.clear()
+        self._remote.clear()
         self._messages.clear()
         self._outbox.clear()
+        jobs = [key.j if isinstance(key, _Piece) else key for key in keys]
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return jobs
-            if isinstance(item, _Vocoded):
-                jobs.extend(piece.j for piece in item.pieces)
-            elif isinstance(item, _Streamed):
-                jobs.extend(j for j, _, _ in item.chunks)
+            if isinstance(item, Vocoded):
+                jobs.extend(piece.j for piece in item.keys)
+            elif isinstance(item, Streamed):
+                jobs.extend(j for j, _, _, _ in item.chunks)
             elif isinstance(item, _Job):  # submitted while the worker stopped
                 jobs.append(item)
             elif isinstance(item, tuple):
                 item[2].cancel()
 
-    # Streamed pieces on the vocoding thread (vocode_thread=True): T3 keeps stepping while their decodes run, and
-    # the decodes that fall due meanwhile run together in the next call. The worker sends each piece's tokens
-    # (``_post``); this thread takes them into the piece's vocoder up to its next due decode (``_feed``): one
-    # push at a time, so that every stream decodes at TTS.stream's boundaries, or with ``stream_catch_up`` all
-    # that waited at once.
-
-    def _post(self, kind: str, j: _Job, value: Any = None) -> None:
-        """From the worker thread: a message about a streamed piece for the vocoding thread, sent with the turn's
-        others (``_send``: one lock and one wake-up a step, not one a token)."""
-        self._outbox.append((kind, j, value))
+    def _post(self, kind: str, key: _Job | _Piece, value: Any = None) -> None:
+        """From the worker thread: a message for the vocoding side, sent with the turn's others (``_send``: one
+        lock and one wake-up a step, not one a token)."""
+        self._outbox.append((kind, key, value))
 
     def _send(self) -> None:
         if self._outbox:
@@ -888,106 +989,6 @@ class Worker:
                 self._ready.notify()
             self._outbox = []
 
-    def _apply(self, messages: list[tuple]) -> list[_Streamed]:
-        """The worker's messages: streams opened and dropped, tokens and ends held for them. Returns the answers
-        for streams that could not open."""
-        failed = []
-        for kind, j, value in messages:
-            if kind == "open":
-                try:
-                    self._streams[id(j)] = _Stream(j, self._stream_vocoder(j, seed_keys(value)[1]))
-                except Exception as error:
-                    failed.append(_Streamed([(j, None, False)], error))
-            elif kind == "drop":
-                self._streams.pop(id(j), None)
-            elif id(j) in self._streams:  # else dropped: the job has ended
-                held = self._streams[id(j)].held
-                if value:
-                    held.append(value)
-                if kind == "end":
-                    held.append(None)
-        return failed
-
-    def _feed(self) -> list[_Streamed]:
-        """Each stream takes what it holds up to its next due decode: token lists one at a time, as
-        ``TTS.stream`` pushes them, or (``stream_catch_up``) all it holds at once, so that a stream whose
-        decode waited for S3Gen makes up for it in one longer decode instead of several. Returns the answers
-        for streams that failed."""
-        failed = []
-        for stream in list(self._streams.values()):
-            held, vocoder = stream.held, stream.vocoder
-            try:
-                while held and not vocoder.due and not stream.final:
-                    tokens = []
-                    while held and held[0] is not None and (self.stream_catch_up or not tokens):
-                        tokens += held.popleft()
-                    if held and held[0] is None and (self.stream_catch_up or not tokens):
-                        held.popleft()
-                        vocoder.end(tokens)
-                        stream.final = True
-                    else:
-                        vocoder.take(tokens)
-            except Exception as error:
-                del self._streams[id(stream.j)]
-                failed.append(_Streamed([(stream.j, None, False)], error))
-        return failed
-
-    def _due(self) -> list[_Stream]:
-        """The streams with a decode due, those yet to give their first audio first (time to first audio)."""
-        return sorted((s for s in self._streams.values() if s.vocoder.due), key=lambda s: s.started)
-
-    def _decode_due(self, due: list[_Stream]) -> _Streamed:
-        """The due decodes (``_due``'s order) that fit in one S3Gen call (``_group``), run together; their samples
-        (a piece's last less what the variant cuts from its end, ``finish_stream``)."""
-        group = self._group(due, [s.vocoder.due for s in due], [s.j.job.cfm_steps for s in due])
-        try:
-            with self._timed("stream_decode", len(group)):
-                outs = decode_together([s.vocoder for s in group], bucket=self.vocode_bucket)
-                chunks = []
-                for stream, out in zip(group, outs):
-                    stream.started = True
-                    if stream.final:
-                        out = cut_end(out, stream.vocoder, self.tts.speech)
-                        del self._streams[id(stream.j)]
-                    chunks.append((stream.j, out, stream.final))
-            return _Streamed(chunks)
-        except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
-            logger.exception("streamed decodes failed")
-            for stream in group:
-                self._streams.pop(id(stream.j), None)
-            return _Streamed([(stream.j, None, False) for stream in group], error)
-
-    def _vocode_ready(self) -> _Vocoded:
-        """Vocode the oldest pending piece together with the later ones of the same ``cfm_steps`` that fit
-        (``vocode_batch`` rows, ``vocode_frames`` padded mel frames), and take them off the queue."""
-        with self._ready:
-            pending = list(self._pending)
-            steps = [p.j.job.cfm_steps for p in pending]
-            group = self._group(pending, [p.row_tokens() for p in pending], steps)
-            for piece in group:
-                self._pending.remove(piece)
-        try:
-            with self._timed("vocode", len(group)):
-                wavs = self._vocode(group, group[0].j.job.cfm_steps)
-            return _Vocoded(group, wavs)
-        except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
-            logger.exception("vocoding failed")
-            return _Vocoded(group, None, error)
-
-    def _group(self, items: list[T], rows: list[int], steps: list[int | None]) -> list[T]:
-        """The first item and the later ones of its cfm_steps (``steps[i]``) that fit with it in one S3Gen
-        call: ``vocode_batch`` rows of ``rows[i]`` tokens, ``vocode_frames`` padded mel frames."""
-        group, width = [items[0]], self._bucketed(rows[0])
-        for item, tokens, step in zip(items[1:], rows[1:], steps[1:]):
-            if len(group) == self.vocode_batch:
-                break
-            wider = max(width, self._bucketed(tokens))
-            frames = 2 * wider * (len(group) + 1)  # 2 mel frames a token
-            if step == steps[0] and frames <= self.vocode_frames:
-                group.append(item)
-                width = wider
-        return group
-
     def _decode_streams(self, jobs: list[_Job]) -> list[_Job]:
         """The streamed jobs' decodes that fell due in a step, run together (``decode_together``, grouped as
         whole pieces are), each job's audio emitted. Returns the jobs that failed (ended with their error): a
@@ -995,19 +996,25 @@ class Worker:
         due = [j for j in jobs if j.vocoder.due]
         failed = []
         while due:
-            group = self._group(due, [j.vocoder.due for j in due], [j.job.cfm_steps for j in due])
-            taken = {id(j) for j in group}
-            due = [j for j in due if id(j) not in taken]
+            chosen = group(
+                due,
+                [j.vocoder.due for j in due],
+                [j.job.cfm_steps for j in due],
+                self.vocode_batch,
+                self.vocode_frames,
+                self.vocode_bucket,
+            )
+            due = [j for j in due if j not in chosen]
             try:
-                with self._timed("stream_decode", len(group)):
-                    outs = decode_together([j.vocoder for j in group], bucket=self.vocode_bucket)
+                with self._timed("stream_decode", len(chosen)):
+                    outs = decode_together([j.vocoder for j in chosen], bucket=self.vocode_bucket)
             except Exception as error:
                 logger.exception("streamed decodes failed")
-                for j in group:
+                for j in chosen:
                     self._done(j, error)
-                failed += group
+                failed += chosen
                 continue
-            failed += [j for j, out in zip(group, outs) if not self._guard(j, self._emit, j, out)]
+            failed += [j for j, out in zip(chosen, outs) if not self._guard(j, self._emit, j, out)]
         return failed
 
     def _decode_alone(self, vocoder: StreamVocoder) -> np.ndarray:
@@ -1016,29 +1023,6 @@ class Worker:
             return np.zeros(0, np.float32)
         with self._timed("stream_decode", 1):
             return decode_together([vocoder])[0]
-
-    def _bucketed(self, tokens: int) -> int:
-        return -(-tokens // self.vocode_bucket) * self.vocode_bucket
-
-    def _vocode(self, pieces: list[_Piece], cfm_steps: int | None) -> list[np.ndarray]:
-        """The unmarked audio of each piece: ``TTS.vocode`` for one (exactly what ``TTS.generate`` gives),
-        ``S3Gen.batch`` for several (the same up to float error, in one flow-encoder pass and one CFM solve).
-        """
-        tts = self.tts
-        if len(pieces) == 1 or tts.torch_s3gen is not None:  # hybrid mode: upstream's S3Gen, one at a time
-            return [
-                tts.vocode(p.tokens, p.j.job.voice, cfm_steps=cfm_steps, seed=p.seed, watermark=False)
-                for p in pieces
-            ]
-        keys = [seed_keys(p.seed)[1] for p in pieces]
-        wavs = tts.s3gen.batch(
-            [p.tokens for p in pieces],
-            [p.j.job.voice for p in pieces],
-            cfm_steps=cfm_steps,
-            keys=keys,
-            bucket=self.vocode_bucket,
-        )
-        return [np.array(w[0], dtype=np.float32) for w in wavs]
 
     def _emit(self, j: _Job, samples: np.ndarray, end: bool = False) -> None:
         """Hand a streamed job's samples to its reader, the pieces joined and each chunk watermarked exactly as
