@@ -861,7 +861,16 @@ class Worker:
             mx.clear_streams()
 
     def _start_process(self) -> VocodingProcess:
+        # Two processes on one device: each MLX would take the whole memory limit and keep freed buffers in its
+        # cache (the server's T3 peaked at 52 GB on an H200, and the process ran out of memory: run R). Each gets
+        # half the limit, and a quarter of that for its cache, so that what one frees the other can use.
+        limit = mx.set_memory_limit(1 << 62)
+        share = limit // 2
+        mx.set_memory_limit(share)
+        self._limits = (limit, mx.set_cache_limit(share // 4))  # restored at close
+        mx.set_cache_limit(min(self._limits[1], share // 4))
         spec = ProcessSpec(
+            memory_limit=share,
             model=str(self.tts.path),
             cfm_dtype=cfm_dtype_name(self.tts.s3gen),
             memory_budget=self.tts.s3gen.memory_budget,
@@ -955,6 +964,8 @@ class Worker:
         if self._process is not None:
             self._process.close()  # its last answers reach the inbox
             self._process = None
+            mx.set_memory_limit(self._limits[0])
+            mx.set_cache_limit(self._limits[1])
         keys = self._engine.keys() + list(self._remote.values())
         keys += [message[1] for message in self._messages + self._outbox]
         self._engine.pending.clear()
