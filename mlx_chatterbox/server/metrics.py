@@ -158,7 +158,11 @@ def prometheus(metrics: dict) -> str:
         ("mlx_chatterbox_jobs", "jobs", "Speech jobs submitted and not ended (waiting, in T3 or vocoding)."),
         ("mlx_chatterbox_jobs_waiting", "waiting", "Jobs waiting for a row in T3's batch (max_batch)."),
         ("mlx_chatterbox_jobs_running", "running", "Jobs in T3's batch."),
-        ("mlx_chatterbox_vocode_pending", "vocode_pending", "Whole pieces T3 finished, waiting for S3Gen."),
+        (
+            "mlx_chatterbox_vocode_pending",
+            "vocode_pending",
+            "Whole pieces T3 finished and S3Gen not yet (waiting or in its running call).",
+        ),
     ):
         family(name, "gauge", help_, [("", metrics[key])])
     return "\n".join(lines) + "\n"
