@@ -410,8 +410,9 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
     threading.Thread(target=receive, daemon=True).start()
     conn.send("ready")
     while True:
-        with timed("idle") if not engine.busy() else contextlib.nullcontext():
-            batches = [inbox.get()] if not engine.busy() else []
+        idle = not engine.busy()
+        with timed("idle") if idle else contextlib.nullcontext():
+            batches = [inbox.get()] if idle else []
         while not inbox.empty():
             batches.append(inbox.get())
         if any(b is None for b in batches):

@@ -894,10 +894,11 @@ class Worker:
                 messages, self._messages = self._messages, []
             with self._remote_lock:
                 lost = self._lost
-                if lost is None:
-                    self._remote.update(
-                        (key.serial, key) for kind, key, _ in messages if kind in ("piece", "open")
-                    )
+                for kind, key, _ in messages if lost is None else ():
+                    if kind in ("piece", "open"):
+                        self._remote[key.serial] = key
+                    elif kind == "drop":  # its job has ended: no answer for it will be read
+                        self._remote.pop(key.serial, None)
             if lost is None:
                 try:
                     self._process.send([(kind, key.serial, value) for kind, key, value in messages])
