@@ -46,7 +46,8 @@ ALLOWED = {
     },
     # Bulk synthesis sits beside the server: it drives the server's engine (server.worker) over many items.
     "bulk": {"api", "generation", "sampling", "server"},
-    "server": {"api", "generation", "sampling", "audio", "_backend", "server", "__version__"},
+    # The vocoding process loads S3Gen alone (weights.load_s3gen), without a whole TTS.
+    "server": {"api", "generation", "sampling", "audio", "_backend", "server", "weights", "__version__"},
     "hybrid": {"generation"},
     "__init__": {"_backend", "api", "convert", "sampling"},
     "__main__": {"cli"},
