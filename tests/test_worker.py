@@ -557,17 +557,28 @@ def test_vocoding_settings_are_checked(tts):
 
 def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
     """The vocoding process loads S3Gen from the model's folder: one it cannot read fails ``start`` with the
-    cause. If the process dies, the jobs it held fail with a clear error, so do later ones that need S3Gen,
-    T3 goes on, and the worker still stops cleanly."""
+    cause, and leaves no thread running and MLX's memory limit as it was. While it runs, the server and the
+    process each have half the limit. If the process dies, the jobs it held fail with a clear error, so do
+    later ones that need S3Gen, T3 goes on, and the worker still stops cleanly."""
+
+    def memory_limit() -> int:
+        limit = mx.set_memory_limit(0)
+        mx.set_memory_limit(limit)
+        return limit
+
+    limit = memory_limit()
     tts = TTS.load(folder)
     tts.path = tmp_path / "gone"
     with pytest.raises(RuntimeError, match="the vocoding process could not start: .*config.json"):
         Worker(tts, vocode_thread=True, vocode_process=True).start()
+    assert memory_limit() == limit
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("mlx-chatterbox")]
     tts.path = folder
     slow = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=300), cfm_steps=2, seed=1,
                      stream=True, first_chunk=8)  # fmt: skip
     whole = dataclasses.replace(slow, stream=False, params=SamplingParams(max_new_tokens=5))
     with Worker(tts, vocode_thread=True, vocode_process=True) as worker:
+        assert memory_limit() == limit // 2
         ticket = worker.submit(slow)
         next(iter(ticket))  # its first chunk came through the process
         worker._process._process.kill()
@@ -577,6 +588,7 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
             list(worker.submit(whole))
         wait_idle(worker)
         assert worker.metrics()["requests"]["failed"] == 2
+    assert memory_limit() == limit
 
 
 @pytest.mark.parametrize("process", [False, True])
@@ -588,7 +600,9 @@ def test_streamed_and_whole_jobs_at_once(tts, process):
         dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
         for k, job in enumerate(jobs(False) + jobs(True))
     ]
-    with Worker(tts, max_batch=6, vocode_thread=True, vocode_process=process, stream_catch_up=False) as worker:
+    with Worker(
+        tts, max_batch=6, vocode_thread=True, vocode_process=process, stream_catch_up=False
+    ) as worker:
         hold = worker.run(time.sleep, 0.3)
         tickets = [worker.submit(job) for job in specs]
         hold.result()

@@ -292,7 +292,7 @@ def _from_wire(message: tuple) -> tuple:
 class ProcessSpec:
     """What the vocoding process loads and how it groups calls."""
 
-    memory_limit: int  # MLX's memory limit there (bytes; a quarter of it for its buffer cache)
+    memory_limit: int  # MLX's memory limit there (bytes)
     model: str  # the converted model folder
     cfm_dtype: str  # the estimator's ("float32" or "bfloat16")
     memory_budget: int | str | None  # S3Gen.memory_budget
@@ -376,7 +376,6 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
 
         mx.set_default_device(mx.gpu if spec.device == "gpu" else mx.cpu)
         mx.set_memory_limit(spec.memory_limit)
-        mx.set_cache_limit(spec.memory_limit // 4)
         s3gen = load_s3gen(spec.model, CFM_DTYPES[spec.cfm_dtype])
         s3gen.memory_budget = spec.memory_budget
     except BaseException as error:

@@ -368,9 +368,9 @@ class Worker:
         return {**self._meter.snapshot(), **gauges, "vocode_pending": self._pieces_out}
 
     def start(self) -> None:
-        """Start the worker thread (and, ``vocode_process``, the vocoding process: its S3Gen loaded from the
-        model's folder, which takes seconds; an error there is raised here). While it runs, Python's automatic garbage collection is off and the worker
-        thread collects instead (``_collect_garbage``): a collection frees the MLX arrays in the cycles it
+        """Start the worker thread (and, ``vocode_process``, first the vocoding process: its S3Gen loaded from
+        the model's folder, which takes seconds; an error there is raised here, with nothing left running).
+        While it runs, Python's automatic garbage collection is off and the worker thread collects instead (``_collect_garbage``): a collection frees the MLX arrays in the cycles it
         breaks, and MLX-CUDA frees can make CUDA calls, which break a CUDA-graph capture running on the worker
         thread meanwhile and abort the process ("cudaStreamEndCapture failed"; H200 runs of 1 to 8 requests,
         whose readers' threads collected). For the same reason, do MLX work only through ``run`` while a
@@ -385,14 +385,14 @@ class Worker:
             raise RuntimeError("the worker has already been started")
         if self.vocode_thread:
             self.tts.watermarker()  # loaded here, once: the marking threads would each load it on first use
+            self._vocoder_stop, self._lost = False, None
+            if self.vocode_process:
+                self._process = self._start_process()
         mx.synchronize()
         _pause_automatic_gc()
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
         self._thread.start()
         if self.vocode_thread:
-            self._vocoder_stop, self._lost = False, None
-            if self.vocode_process:
-                self._process = self._start_process()
             self._vocoder = threading.Thread(
                 target=self._send_loop if self.vocode_process else self._vocode_loop,
                 name="mlx-chatterbox-vocoder",
@@ -863,12 +863,13 @@ class Worker:
     def _start_process(self) -> VocodingProcess:
         # Two processes on one device: each MLX would take the whole memory limit and keep freed buffers in its
         # cache (the server's T3 peaked at 52 GB on an H200, and the process ran out of memory: run R). Each gets
-        # half the limit, and a quarter of that for its cache, so that what one frees the other can use.
-        limit = mx.set_memory_limit(1 << 62)
-        share = limit // 2
+        # half the limit: MLX gives cached buffers back to the device whenever its active and cached memory
+        # together would pass its limit, so what one frees the other can use. No lower cache limit: with a
+        # quarter of the share (run S) the server's cache sat at it (17.8 GB) and T3's p90 step was 32 ms
+        # against 21 on a thread, likely buffers given back and allocated again each step.
+        self._memory_limit = mx.set_memory_limit(1 << 62)  # restored at close
+        share = self._memory_limit // 2
         mx.set_memory_limit(share)
-        self._limits = (limit, mx.set_cache_limit(share // 4))  # restored at close
-        mx.set_cache_limit(min(self._limits[1], share // 4))
         spec = ProcessSpec(
             memory_limit=share,
             model=str(self.tts.path),
@@ -880,7 +881,11 @@ class Worker:
             bucket=self.vocode_bucket,
             catch_up=self.stream_catch_up,
         )
-        return VocodingProcess(spec, self._answered, self._process_lost)
+        try:
+            return VocodingProcess(spec, self._answered, self._process_lost)
+        except BaseException:
+            mx.set_memory_limit(self._memory_limit)
+            raise
 
     def _send_loop(self) -> None:
         """The vocoding thread with ``vocode_process``: it sends the worker's messages to the process, each key
@@ -965,8 +970,7 @@ class Worker:
         if self._process is not None:
             self._process.close()  # its last answers reach the inbox
             self._process = None
-            mx.set_memory_limit(self._limits[0])
-            mx.set_cache_limit(self._limits[1])
+            mx.set_memory_limit(self._memory_limit)
         keys = self._engine.keys() + list(self._remote.values())
         keys += [message[1] for message in self._messages + self._outbox]
         self._engine.pending.clear()
