@@ -51,7 +51,7 @@ from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models import cfm
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
-from mlx_chatterbox.server.worker import SpeechJob, Worker
+from mlx_chatterbox.server.worker import VOCODINGS, SpeechJob, Worker
 
 HERE = Path(__file__).resolve().parent
 STEPS: list[tuple[float, int]] = []  # (seconds, rows) of every ContinuousBatch.step while a path runs
@@ -163,10 +163,16 @@ def worker(
     over: float = 0.0,
     mark_threads: int = 1,
     vocode_batch: int = 32,
+    vocoding: str = "thread",
 ) -> dict:
     """n jobs through a Worker, submitted at once or one every over/n seconds (as HTTP requests trickle in)."""
     with Worker(
-        tts, max_batch=n, vocode_batch=vocode_batch, vocode_thread=True, mark_threads=mark_threads
+        tts,
+        max_batch=n,
+        vocode_batch=vocode_batch,
+        vocode_thread=True,
+        mark_threads=mark_threads,
+        vocoding=vocoding,
     ) as w:
         readers = []
         for i in range(n):
@@ -272,10 +278,11 @@ def main() -> None:
         help="T3's KV capacity grows this many positions at a time (default 256, the library's)",
     )
     p.add_argument(
-        "--vocode-process",
-        choices=("on", "off"),
-        default="off",
-        help="--paths serve: serve --vocode-process (S3Gen in a process of its own)",
+        "--vocoding",
+        choices=VOCODINGS,
+        default="thread",
+        help="where the vocoding thread's S3Gen work runs: the Worker's vocoding (worker paths), serve --vocoding "
+        "(--paths serve)",
     )
     p.add_argument(
         "--step-waits",
@@ -294,7 +301,7 @@ def main() -> None:
     if args.step_waits is not None:
         if args.step_waits < 1:
             p.error(f"--step-waits {args.step_waits}: give a number of steps >= 1")
-        vocode.solve = functools.partial(cfm.solve, in_flight=args.step_waits)
+        vocode.solve_steps = functools.partial(cfm.solve_steps, in_flight=args.step_waits)
     if args.device_copy and args.model is None:
         p.error("--device-copy: the built model's weights are made on the GPU already; give --model")
     if args.layout == "pow2":
@@ -527,11 +534,12 @@ def in_process(args: argparse.Namespace) -> list[dict]:
             also = f", {m} marking, vocode batch {b}" if m is not None else ""
             runs.append({
                 "batch": ("batch alone, thread", lambda k: on_a_thread(batch_alone, tts, voice, n, k)),
-                "whole": (f"worker, whole{also}", lambda k, m=m, b=b: worker(tts, voice, n, k, False, 0, m, b)),
+                "whole": (f"worker, whole{also}",
+                          lambda k, m=m, b=b: worker(tts, voice, n, k, False, 0, m, b, args.vocoding)),
                 "trickled": (f"worker, whole, arriving over {over:g} s{also}",
-                             lambda k, m=m, b=b: worker(tts, voice, n, k, False, over, m, b)),
+                             lambda k, m=m, b=b: worker(tts, voice, n, k, False, over, m, b, args.vocoding)),
                 "streamed": (f"worker, {args.streams} streamed{also}",
-                             lambda k, m=m, b=b: worker(tts, voice, args.streams, k, True, 0, m, b)),
+                             lambda k, m=m, b=b: worker(tts, voice, args.streams, k, True, 0, m, b, args.vocoding)),
             }[name])  # fmt: skip
     info, rows, default_interval = machine_info(), [], sys.getswitchinterval()
     for name, run in runs:
@@ -545,7 +553,7 @@ def in_process(args: argparse.Namespace) -> list[dict]:
             write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
                             layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                             memory_budget=tts.s3gen.memory_budget, switch_ms=ms, cache_step=args.cache_step,
-                            machine=info), args.out)  # fmt: skip
+                            vocoding=args.vocoding, machine=info), args.out)  # fmt: skip
     sys.setswitchinterval(default_interval)
     return rows
 
@@ -574,7 +582,7 @@ def served(args: argparse.Namespace) -> list[dict]:
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
                                 layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                                 memory_budget=args.memory_budget, step_waits=args.step_waits,
-                                vocode_process=args.vocode_process, machine=machine_info()), args.out)  # fmt: skip
+                                vocoding=args.vocoding, machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -584,8 +592,8 @@ def served(args: argparse.Namespace) -> list[dict]:
     flags += [
         "--vocode-memory",
         _budget_arg(args.memory_budget, gb=True),
-        "--vocode-process",
-        args.vocode_process,
+        "--vocoding",
+        args.vocoding,
     ]
     cli.main(["serve", *flags, *(["--voice", str(args.voice)] if args.voice else [])])
     return rows

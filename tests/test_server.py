@@ -31,6 +31,7 @@ from mlx_chatterbox.convert import convert
 from mlx_chatterbox.generation import speech_tokens
 from mlx_chatterbox.generation.stream import CONTEXT, StreamVocoder
 from mlx_chatterbox.server import run as run_module
+from mlx_chatterbox.server import vocoding
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.app import create_app
 from mlx_chatterbox.server.encode import StreamEncoder, encode, wav_header
@@ -265,11 +266,11 @@ def test_concurrent_whole_requests_share_s3gen_and_match_alone(tts, tmp_path, mo
 def _share_s3gen_and_match_alone(server, tts, monkeypatch) -> None:
     url, worker, voices = server
     requests = [("default", 6, 21), ("default", 12, 22), ("other", 16, 23), ("other", 20, 24)]
-    calls, real_vocode, real_batch = [], tts.vocode, tts.s3gen.batch
+    calls, real_vocode, real_batch = [], vocoding.vocode_tokens, tts.s3gen.batch_steps
 
-    def slow_vocode(*args, **kwargs):  # the first piece: S3Gen waits until the other three are ready
+    def slow_vocode(*args, **kwargs):  # the first piece: S3Gen waits until the other three are sent to it
         end = time.monotonic() + 30
-        while len(worker._pending) < 3 and time.monotonic() < end:
+        while sum(kind == "piece" for kind, _, _ in list(worker._messages)) < 3 and time.monotonic() < end:
             time.sleep(0.01)
         return real_vocode(*args, **kwargs)
 
@@ -277,8 +278,8 @@ def _share_s3gen_and_match_alone(server, tts, monkeypatch) -> None:
         calls.append(len(tokens))
         return real_batch(tokens, voices, **kwargs)
 
-    monkeypatch.setattr(tts, "vocode", slow_vocode)
-    monkeypatch.setattr(tts.s3gen, "batch", spy)
+    monkeypatch.setattr(vocoding, "vocode_tokens", slow_vocode)
+    monkeypatch.setattr(tts.s3gen, "batch_steps", spy)
     out = {}
 
     def one(voice, tokens, seed):
@@ -642,7 +643,7 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
         "--cfm-steps",
         "--stream-context",
         "--vocode-thread",
-        "--vocode-process",
+        "--vocoding",
         "--stream-catch-up",
         "--mark-threads",
         "--warm-batches",
@@ -667,9 +668,12 @@ def test_serve_help_and_argument_errors(capsys, tmp_path, monkeypatch):
     assert e.value.code == 2
     assert "--mark-threads 2: the marking threads run beside the vocoding thread" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--model", nowhere, "--vocode-thread", "off", "--vocode-process", "on"])
+        main(["serve", "--model", nowhere, "--vocode-thread", "off", "--vocoding", "process"])
     assert e.value.code == 2
-    assert "--vocode-process on moves the vocoding thread's S3Gen into a process" in capsys.readouterr().err
+    assert "--vocoding process places the vocoding thread's S3Gen work" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--vocoding", "elsewhere"])
+    assert e.value.code == 2 and "invalid choice: 'elsewhere'" in capsys.readouterr().err
     for bad, says in (("0", "0 is out of range"), ("two", "invalid thread count value: 'two'")):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--mark-threads", bad])
@@ -788,14 +792,15 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         (["--vocode-thread", "--stream-catch-up", "on"], False, True, True, "auto"),
         (["--vocode-thread", "--mark-threads", "3"], False, True, True, 3),
         (["--vocode-thread", "off", "--mark-threads", "1"], False, False, False, 1),
-        (["--vocode-thread", "--vocode-process", "on"], False, True, True, "auto"),
+        (["--vocode-thread", "--vocoding", "process"], False, True, True, "auto"),
+        (["--vocode-thread", "--vocoding", "interleaved"], False, True, True, "auto"),
     ],
 )
 def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up, markers):
     """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
     its streams catch up (``--stream-catch-up``, on by default) and its audio is watermarked on
-    ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4); ``--vocode-process on`` runs its S3Gen
-    in a process. A streamed request is served either way.
+    ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4); ``--vocoding`` places its S3Gen work
+    (thread by default, a process, or interleaved with T3's steps). A streamed request is served either way.
     """
     seen = {}
 
@@ -812,7 +817,8 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main([*args, "--voice", str(tmp_path / "mine.safetensors")]) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
-    assert seen["health"]["vocode_process"] is ("--vocode-process" in flag)
+    placed = flag[flag.index("--vocoding") + 1] if "--vocoding" in flag else "thread"
+    assert seen["health"]["vocoding"] == (placed if threaded else None)
     assert seen["health"]["stream_catch_up"] is catch_up
     assert seen["health"]["mark_threads"] == (2 if markers == "auto" else markers)
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text

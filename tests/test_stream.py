@@ -510,7 +510,7 @@ def test_streams_decoded_together_equal_their_own_decodes(voiced, monkeypatch):
     tts = voiced
     expected = [[v.push(g) for g in groups] + [v.finish()] for v, groups in together_streams(tts.s3gen)]
     estimator_calls, hift_calls, rows = [], [], []
-    real_call, real_decode, real_batch_mel = Estimator.__call__, HiFT.decode, tts.s3gen.batch_mel
+    real_call, real_decode, real_batch_mel = Estimator.__call__, HiFT.decode, tts.s3gen.batch_mel_steps
 
     def counted(self, *args, **kwargs):
         estimator_calls.append(args[0].shape[0])  # the rows of one call (CFG doubles them)
@@ -526,7 +526,7 @@ def test_streams_decoded_together_equal_their_own_decodes(voiced, monkeypatch):
 
     monkeypatch.setattr(Estimator, "__call__", counted)
     monkeypatch.setattr(HiFT, "decode", decode)
-    monkeypatch.setattr(tts.s3gen, "batch_mel", spy)
+    monkeypatch.setattr(tts.s3gen, "batch_mel_steps", spy)
     streams = together_streams(tts.s3gen)
     got: list[list[np.ndarray]] = [[] for _ in streams]
     cut = []  # the streams whose window left tokens out, per decode

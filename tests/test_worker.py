@@ -4,6 +4,7 @@ alone through ``TTS.generate`` / ``TTS.stream``; cancel, queue limit, errors, as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import threading
@@ -15,7 +16,9 @@ import pytest
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation.batch import ContinuousBatch
 from mlx_chatterbox.generation.speech_tokens import traces
+from mlx_chatterbox.models.cfm import Estimator
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server import vocoding
 from mlx_chatterbox.server import worker as worker_module
@@ -242,13 +245,13 @@ def test_pieces_finished_together_are_vocoded_together(tts, monkeypatch, vocode_
     goes through ``TTS.vocode``, exactly.
     """
     calls = []
-    batch = tts.s3gen.batch
+    batch = tts.s3gen.batch_steps
 
     def spy(tokens, voices, **kwargs):
         calls.append(len(tokens))
         return batch(tokens, voices, **kwargs)
 
-    monkeypatch.setattr(tts.s3gen, "batch", spy)
+    monkeypatch.setattr(tts.s3gen, "batch_steps", spy)
     specs = [
         SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=11), cfm_steps=2, seed=s,
                   watermark=s != 5)
@@ -334,7 +337,7 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
     tickets: list = []
     stepped: list[bool] = []
     calls: list[int] = []
-    real_vocode, real_batch = vocoding.vocode_tokens, tts.s3gen.batch
+    real_vocode, real_batch = vocoding.vocode_tokens, tts.s3gen.batch_steps
 
     took_first = threading.Event()
 
@@ -355,7 +358,7 @@ def test_t3_steps_while_s3gen_runs_and_ready_pieces_share_a_call(tts, monkeypatc
         return real_batch(tokens, voices, **kwargs)
 
     monkeypatch.setattr(vocoding, "vocode_tokens", slow_vocode)
-    monkeypatch.setattr(tts.s3gen, "batch", spy)
+    monkeypatch.setattr(tts.s3gen, "batch_steps", spy)
     with Worker(tts, vocode_frames=frames, vocode_bucket=bucket, vocode_thread=True) as worker:
         real_end_pieces = worker._end_pieces
 
@@ -405,7 +408,7 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
     tickets: list = []
     stepped: list[bool] = []
     rows: list[int] = []
-    real = vocoding.decode_together
+    real = vocoding.decode_together_steps
 
     def spy(vocoders, **kwargs):
         if not stepped:  # the first decode: hold it until T3 has drawn all of B's tokens
@@ -416,7 +419,7 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
         rows.append(len(vocoders))
         return real(vocoders, **kwargs)
 
-    monkeypatch.setattr(vocoding, "decode_together", spy)
+    monkeypatch.setattr(vocoding, "decode_together_steps", spy)
     with Worker(tts, vocode_thread=True, stream_catch_up=catch_up) as worker:
         hold = worker.run(time.sleep, 0.3)  # both start together
         tickets += [worker.submit(job) for job in (a, b)]
@@ -443,7 +446,7 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
     fine = SpeechJob(
         "Fine.", random_voice(1), SamplingParams(max_new_tokens=20), cfm_steps=2, seed=32, stream=True
     )
-    real = vocoding.decode_together
+    real = vocoding.decode_together_steps
     running = threading.Event()
 
     def spy(vocoders, **kwargs):
@@ -454,7 +457,7 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
             time.sleep(0.2)  # its reader leaves meanwhile
         return real(vocoders, **kwargs)
 
-    monkeypatch.setattr(vocoding, "decode_together", spy)
+    monkeypatch.setattr(vocoding, "decode_together_steps", spy)
     with Worker(tts, vocode_thread=True, stream_catch_up=False) as worker:
         bad = worker.submit(doomed)
         with pytest.raises(RuntimeError, match="no memory left"):
@@ -541,6 +544,71 @@ def test_marking_threads_mark_jobs_at_once_each_in_order(tts, monkeypatch):
         assert np.linalg.norm(wav - ref) / np.linalg.norm(ref) < SHARED_TOL
 
 
+def test_a_sliced_call_gives_the_whole_call_a_part_a_turn(tts):
+    """``Vocoding(sliced=True)`` queues a call a part a turn (the flow encoder, each CFM step, HiFT) and answers
+    in the turn after its last part, exactly (bitwise) what the same call run in one turn gives: whole pieces
+    batched, and streams' decodes batched."""
+    voices = [random_voice(1), random_voice(2, gen_tokens=13)]
+    rng = np.random.default_rng(0)
+    pieces = [("piece", k, vocoding.PieceOrder(k, rng.integers(0, 6561, 20 + 7 * k).astype(np.int32), voices[k],
+                                               60 + k, 2)) for k in range(2)]  # fmt: skip
+    streams = [("open", k, vocoding.StreamOrder(voices[k], 70 + k, 2, 12, 50)) for k in range(2)]
+    streams += [("end", k, rng.integers(0, 6561, 16 + 3 * k).tolist()) for k in range(2)]
+
+    def run(messages: list[tuple], sliced: bool) -> tuple[list, int]:
+        engine = vocoding.Vocoding(tts.s3gen, batch=8, frames=10**6, bucket=1, catch_up=True, sliced=sliced,
+                                   timed=lambda *args: contextlib.nullcontext())  # fmt: skip
+        turns, answers = 0, []
+        while not answers:
+            answers = engine.turn(messages if turns == 0 else [])
+            turns += 1
+        assert not engine.busy()
+        return answers, turns
+
+    parts = 1 + 2 + 1  # the flow encoder, two CFM steps, HiFT
+    for messages in (pieces, streams):
+        (whole,), turns = run(messages, sliced=False)
+        (sliced,), sliced_turns = run(messages, sliced=True)
+        assert turns == 1 and sliced_turns == parts + 1
+        if isinstance(whole, vocoding.Vocoded):
+            assert whole.keys == sliced.keys == [0, 1] and whole.error is sliced.error is None
+            wavs = zip(whole.wavs, sliced.wavs)
+        else:
+            assert [c[0] for c in whole.chunks] == [c[0] for c in sliced.chunks] == [0, 1]
+            wavs = ((a[1], b[1]) for a, b in zip(whole.chunks, sliced.chunks))
+        for a, b in wavs:
+            assert len(a) > 0 and np.array_equal(a, b)
+
+
+def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, monkeypatch):
+    """``vocoding="interleaved"``: S3Gen's calls run on the worker thread, and T3 steps (a long job's) between
+    two CFM steps of one call (two short jobs' pieces; a lone piece is one part)."""
+    events: list[str] = []
+    real_step, real_estimator = ContinuousBatch.step, Estimator.__call__
+
+    def step(self, *args, **kwargs):
+        events.append("t3")
+        return real_step(self, *args, **kwargs)
+
+    def estimator(self, *args, **kwargs):
+        events.append("cfm" if threading.current_thread().name == "mlx-chatterbox-worker" else "elsewhere")
+        return real_estimator(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousBatch, "step", step)
+    monkeypatch.setattr(Estimator, "__call__", estimator)
+    long = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=60), cfm_steps=3, seed=1)
+    short = dataclasses.replace(long, params=SamplingParams(max_new_tokens=5), seed=2)
+    with Worker(tts, vocode_thread=True, vocoding="interleaved") as worker:
+        hold = worker.run(time.sleep, 0.3)  # both start together
+        tickets = [worker.submit(job) for job in (long, short, dataclasses.replace(short, seed=3))]
+        hold.result()
+        for ticket in tickets:
+            assert len(np.concatenate(list(ticket))) > 0
+    assert "elsewhere" not in events
+    first = events.index("cfm")
+    assert events[first : first + 5] == ["cfm", "t3", "cfm", "t3", "cfm"], events
+
+
 def test_vocoding_settings_are_checked(tts):
     assert (
         Worker(tts, vocode_batch=3).vocode_frames == 3 * worker_module.VOCODE_FRAMES_PER_ROW
@@ -552,7 +620,9 @@ def test_vocoding_settings_are_checked(tts):
     with pytest.raises(ValueError, match="mark_threads=2: marking threads run beside the vocoding thread"):
         Worker(tts, mark_threads=2)
     with pytest.raises(ValueError, match="pass vocode_thread=True too"):
-        Worker(tts, vocode_process=True)
+        Worker(tts, vocoding="process")
+    with pytest.raises(ValueError, match="vocoding='elsewhere': choose one of thread, process, interleaved"):
+        Worker(tts, vocode_thread=True, vocoding="elsewhere")
 
 
 def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
@@ -570,14 +640,14 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
     tts = TTS.load(folder)
     tts.path = tmp_path / "gone"
     with pytest.raises(RuntimeError, match="the vocoding process could not start: .*config.json"):
-        Worker(tts, vocode_thread=True, vocode_process=True).start()
+        Worker(tts, vocode_thread=True, vocoding="process").start()
     assert memory_limit() == limit
     assert not [t.name for t in threading.enumerate() if t.name.startswith("mlx-chatterbox")]
     tts.path = folder
     slow = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=300), cfm_steps=2, seed=1,
                      stream=True, first_chunk=8)  # fmt: skip
     whole = dataclasses.replace(slow, stream=False, params=SamplingParams(max_new_tokens=5))
-    with Worker(tts, vocode_thread=True, vocode_process=True) as worker:
+    with Worker(tts, vocode_thread=True, vocoding="process") as worker:
         assert memory_limit() == limit // 2
         ticket = worker.submit(slow)
         next(iter(ticket))  # its first chunk came through the process
@@ -591,18 +661,16 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
     assert memory_limit() == limit
 
 
-@pytest.mark.parametrize("process", [False, True])
-def test_streamed_and_whole_jobs_at_once(tts, process):
-    """Streamed and whole jobs at once, their S3Gen on the vocoding thread (or in the vocoding process) while T3
-    steps: the streamed chunks are TTS.stream's, cut at the same samples, within SHARED_TOL (decodes that fall
+@pytest.mark.parametrize("vocoding", ["thread", "process", "interleaved"])
+def test_streamed_and_whole_jobs_at_once(tts, vocoding):
+    """Streamed and whole jobs at once, their S3Gen on the vocoding thread (or in the vocoding process, or in
+    parts between T3's steps) while T3 steps: the streamed chunks are TTS.stream's, cut at the same samples, within SHARED_TOL (decodes that fall
     due while another call runs share the next one), the whole audio TTS.generate's within SHARED_TOL."""
     specs = [
         dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
         for k, job in enumerate(jobs(False) + jobs(True))
     ]
-    with Worker(
-        tts, max_batch=6, vocode_thread=True, vocode_process=process, stream_catch_up=False
-    ) as worker:
+    with Worker(tts, max_batch=6, vocode_thread=True, vocoding=vocoding, stream_catch_up=False) as worker:
         hold = worker.run(time.sleep, 0.3)
         tickets = [worker.submit(job) for job in specs]
         hold.result()
@@ -648,7 +716,7 @@ def test_streamed_decodes_due_in_one_step_share_an_s3gen_call(tts, monkeypatch, 
     vocode_batch rows a call): one S3Gen call for them, not one each; each job's chunks equal TTS.stream's
     within STREAM_SHARED_TOL, chunk for chunk."""
     rows, singles = [], []
-    real_batch_mel, real_mel = tts.s3gen.batch_mel, tts.s3gen.mel
+    real_batch_mel, real_mel = tts.s3gen.batch_mel_steps, tts.s3gen.mel
 
     def batch_spy(tokens, voices, **kwargs):
         rows.append(len(tokens))
@@ -658,7 +726,7 @@ def test_streamed_decodes_due_in_one_step_share_an_s3gen_call(tts, monkeypatch, 
         singles.append(threading.current_thread().name)
         return real_mel(*args, **kwargs)
 
-    monkeypatch.setattr(tts.s3gen, "batch_mel", batch_spy)
+    monkeypatch.setattr(tts.s3gen, "batch_mel_steps", batch_spy)
     monkeypatch.setattr(tts.s3gen, "mel", mel_spy)
     specs = same_tokens_jobs()
     with Worker(tts, vocode_batch=vocode_batch) as worker:
@@ -726,17 +794,19 @@ def phases(metrics: dict, thread: str = "worker") -> dict[str, dict]:
     return {p["phase"]: p for p in metrics["phases"] if p["thread"] == thread}
 
 
-@pytest.mark.parametrize("vocoder", ["inline", "thread", "process"])
+@pytest.mark.parametrize("vocoder", ["inline", "thread", "process", "interleaved"])
 def test_metrics_count_where_the_time_goes(tts, vocoder):
     """``Worker.metrics``: after N whole jobs the T3 rows are their tokens, each piece is vocoded once (on the
     vocoding thread when there is one), N jobs finished; a streamed job moves the streamed decodes instead (on
-    the same thread as the pieces; the vocoding process's calls count as that thread's), a
+    the same thread as the pieces; the vocoding process's calls count as that thread's, interleaved calls as
+    the worker thread's, each call once however many parts it ran in), a
     bad voice counts as failed and a cancelled job as cancelled; the worker thread's phases take no more than
     its uptime."""
     specs = [dataclasses.replace(job, seed=50 + k) for k, job in enumerate(jobs(False)[::2])]  # a piece each
     start = time.perf_counter()
     vocode_thread = vocoder != "inline"
-    with Worker(tts, vocode_thread=vocode_thread, vocode_process=vocoder == "process") as worker:
+    vocoding = "thread" if vocoder == "inline" else vocoder
+    with Worker(tts, vocode_thread=vocode_thread, vocoding=vocoding) as worker:
         before = worker.metrics()
         assert before["requests"] == {"finished": 0, "failed": 0, "cancelled": 0}
         assert all(p["calls"] == 0 for p in before["phases"] if p["phase"] not in ("gc", "idle"))
@@ -762,10 +832,13 @@ def test_metrics_count_where_the_time_goes(tts, vocoder):
         wait_idle(worker)
         after = worker.metrics()
     wall = time.perf_counter() - start
-    on = "vocoder" if vocode_thread else "worker"
+    on = "vocoder" if vocoder in ("thread", "process") else "worker"
 
     w = phases(whole)
-    assert whole["threads"] == ({"worker": 1, "vocoder": 1, "marker": 1} if vocode_thread else {"worker": 1})
+    threads = {"worker": 1, "vocoder": 1, "marker": 1} if vocode_thread else {"worker": 1}
+    if vocoder == "interleaved":
+        del threads["vocoder"]
+    assert whole["threads"] == threads
     assert whole["requests"] == {"finished": 2, "failed": 0, "cancelled": 0}
     tokens = [j.params.max_new_tokens for j in specs]
     assert w["t3_step"]["rows"] == sum(t.speech_tokens for t in tickets) == sum(tokens)
@@ -777,8 +850,9 @@ def test_metrics_count_where_the_time_goes(tts, vocoder):
     for phase in ("t3_step", "admit", "hand_over"):
         assert w[phase]["seconds"] > 0, phase
     assert v["seconds"] > 0
-    if vocode_thread:
+    if on == "vocoder":
         assert w["vocode"]["calls"] == 0 and phases(whole, "vocoder")["idle"]["seconds"] > 0
+    if vocode_thread:
         marker = phases(
             whole, "marker"
         )  # what readers get goes through it; one of the two jobs is watermarked

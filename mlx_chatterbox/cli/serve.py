@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..api import FIRST_CHUNK, MAX_FIRST_CHUNK, STREAM_CONTEXT, TTS, check_chunks
+from ..server.worker import VOCODINGS
 from . import common
 
 
@@ -50,13 +51,14 @@ def add_parser(sub) -> None:
         "requests from 11x to 20x real time on an H200, off elsewhere (no gain on CPUs; not measured on Macs)",
     )
     p.add_argument(
-        "--vocode-process",
-        choices=("on", "off"),
-        default="off",
-        help="with the vocoding thread: run S3Gen in a process of its own (on), where neither MLX's process-wide "
-        "throttles nor Python's GIL hold T3's steps back (an H200 64-row T3 step took 23 ms beside S3Gen in "
-        "another process, 50 ms beside it on a thread), or on the thread (off, the default); the process loads "
-        "its own S3Gen at start",
+        "--vocoding",
+        choices=VOCODINGS,
+        default="thread",
+        help="with the vocoding thread: where its S3Gen work runs: on that thread (the default); in a process of "
+        "its own, which loads its own S3Gen at start and shares neither MLX's process-wide throttles nor Python's "
+        "GIL with T3 (an H200 64-row T3 step took 23 ms beside S3Gen in another process, 50 ms beside it on a "
+        "thread); or interleaved: on the model thread, a part of each S3Gen call (a flow-matching step) between "
+        "two T3 steps, so that the GPU runs them one after the other instead of side by side",
     )
     p.add_argument(
         "--mark-threads",
@@ -242,10 +244,10 @@ def run(args: argparse.Namespace) -> None:
             f"--mark-threads {args.mark_threads}: the marking threads run beside the vocoding thread, which is off "
             "here; add --vocode-thread on, or leave --mark-threads out"
         )
-    if args.vocode_process == "on" and not vocode_thread:
+    if args.vocoding != "thread" and not vocode_thread:
         raise common.UsageError(
-            "--vocode-process on moves the vocoding thread's S3Gen into a process, and the thread is off here; add "
-            "--vocode-thread on, or leave --vocode-process out"
+            f"--vocoding {args.vocoding} places the vocoding thread's S3Gen work, and the thread is off here; add "
+            "--vocode-thread on, or leave --vocoding out"
         )
     mark_threads = default_mark_threads(vocode_thread) if args.mark_threads == "auto" else args.mark_threads
     keys, origins = gate.api_keys(args.api_key), gate.allowed_origins(args.allowed_origins)
@@ -282,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         vocode_batch=args.vocode_batch,
         vocode_thread=vocode_thread,
-        vocode_process=args.vocode_process == "on",
+        vocoding=args.vocoding,
         stream_catch_up=args.stream_catch_up != "off",
         mark_threads=mark_threads,
     ) as worker:

@@ -19,6 +19,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from ..models.cfm import Steps, drain
 from ..sampling import SamplingParams
 from .speech_tokens import EnglishSpeech
 from .vocode import (
@@ -412,6 +413,12 @@ def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> li
     float32 samples its ``push``/``finish`` would have returned (empty where no decode is due), equal up to
     float error; a single due decode runs as ``push`` runs it, exactly. The vocoders share one S3Gen and
     cfm_steps, as one batched call needs."""
+    return drain(decode_together_steps(vocoders, bucket=bucket))
+
+
+def decode_together_steps(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> Steps[list[np.ndarray]]:
+    """``decode_together`` queued a part at a time (``Steps``: S3Gen's parts, then HiFT; a single due decode
+    in one part)."""
     if len({id(v) for v in vocoders}) != len(vocoders):
         raise ValueError("a vocoder is given twice; it has one decode due at most: pass each once")
     due = [v for v in vocoders if v._due is not None]
@@ -423,7 +430,7 @@ def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> li
     decodes = [v._due for v in due]
     for v in due:
         v._due = None
-    mels = s3gen.batch_mel(
+    mels = yield from s3gen.batch_mel_steps(
         [d.tokens for d in decodes],
         [v.voice for v in due],
         cfm_steps=steps,
@@ -433,6 +440,7 @@ def decode_together(vocoders: Sequence[StreamVocoder], *, bucket: int = 1) -> li
     )
     vocoded = _vocode(due, decodes, mels)
     mx.async_eval(vocoded)
+    yield
     audio = {id(v): v._settle(d, *out) for v, d, out in zip(due, decodes, vocoded)}
     return [audio.get(id(v), np.zeros(0, np.float32)) for v in vocoders]
 

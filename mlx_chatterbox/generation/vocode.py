@@ -17,7 +17,7 @@ from typing import Callable, Literal, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from ..models.cfm import Estimator, solve, solve_meanflow
+from ..models.cfm import Estimator, Steps, drain, meanflow_steps, solve_steps
 from ..models.flow import Flow
 from ..models.hift import HiFT
 from ..sampling import seed_keys
@@ -81,6 +81,26 @@ def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
         return out
 
     return run
+
+
+def bounded_steps(s3gen: S3Gen, requests: int, steps: Steps[R]) -> Steps[R]:
+    """``steps`` (a call of ``requests`` requests queued in parts) with each part queued under the call's bound,
+    as ``bounded_memory``'s: the memory in use when the call starts plus its budget. Between parts the caller's
+    limit is back, for whatever runs in between."""
+    budget = resolve_memory_budget(s3gen.memory_budget, requests)
+    if budget is None:
+        return (yield from steps)
+    limit = mx.get_active_memory() + budget
+    while True:
+        _raise_memory_limit(limit)
+        try:
+            next(steps)
+        except StopIteration as stop:
+            mx.async_eval(stop.value)  # queued under the limit, as bounded_memory's result
+            return stop.value
+        finally:
+            _lower_memory_limit()
+        yield
 
 
 # MLX's memory limit is process-wide, and bounded calls may run on two threads at once (the server's worker and
@@ -177,7 +197,7 @@ class S3Gen:
             raise ValueError(f"cfm_noise has shape {cfm_noise.shape}, expected {mu.shape}")
         spks = self.flow.embed_speaker(voice.xvector)
         # One utterance has no padded frame: no mask (the same numbers; fused attention on GPUs).
-        mel = _solve(self.estimator, mu, None, spks, cond, cfm_noise, cfm_steps)
+        mel = drain(_solve_steps(self.estimator, mu, None, spks, cond, cfm_noise, cfm_steps))
         return mel[:, prompt_frames:]
 
     @bounded_memory
@@ -211,7 +231,6 @@ class S3Gen:
             wav = self.hift(mel, phases=draws.phases, noise=draws.source_noise)
         return fade_in(wav)
 
-    @bounded_memory
     def batch_mel(
         self,
         tokens: list[mx.array | np.ndarray],
@@ -232,9 +251,28 @@ class S3Gen:
         included) are right-padded to a multiple of this many tokens, so that calls of similar lengths share
         shapes (GPU kernel plans and graphs are per shape); the padding is masked and changes no row beyond
         float error."""
-        return _batch_mel(self, tokens, voices, cfm_steps, keys, bucket, cfm_noises, finalize)
+        return drain(self.batch_mel_steps(tokens, voices, cfm_steps=cfm_steps, keys=keys, bucket=bucket,
+                                          cfm_noises=cfm_noises, finalize=finalize))  # fmt: skip
 
-    @bounded_memory
+    def batch_mel_steps(
+        self,
+        tokens: list[mx.array | np.ndarray],
+        voices: list[Voice],
+        *,
+        cfm_steps: int | None = None,
+        keys: list[mx.array | None] | None = None,
+        bucket: int = 1,
+        cfm_noises: list[mx.array | None] | None = None,
+        finalize: list[bool] | None = None,
+    ) -> Steps[list[mx.array]]:
+        """``batch_mel`` queued a part at a time (``Steps``: the flow encoder, then each CFM step), each part
+        under the call's memory bound."""
+        return bounded_steps(
+            self,
+            len(tokens),
+            _batch_mel_steps(self, tokens, voices, cfm_steps, keys, bucket, cfm_noises, finalize),
+        )
+
     def batch(
         self,
         tokens: list[mx.array | np.ndarray],
@@ -249,10 +287,25 @@ class S3Gen:
         float error. Token counts and voices (prompt lengths) may differ between requests; ``bucket`` as
         for ``batch_mel``. HiFT runs once for all of them too (``vocode_rows``: shorter rows padded and
         masked)."""
-        return _batch_wav(self, tokens, voices, cfm_steps, keys, bucket)
+        return drain(self.batch_steps(tokens, voices, cfm_steps=cfm_steps, keys=keys, bucket=bucket))
+
+    def batch_steps(
+        self,
+        tokens: list[mx.array | np.ndarray],
+        voices: list[Voice],
+        *,
+        cfm_steps: int | None = None,
+        keys: list[mx.array | None] | None = None,
+        bucket: int = 1,
+    ) -> Steps[list[mx.array]]:
+        """``batch`` queued a part at a time (``Steps``: the flow encoder, each CFM step, HiFT), each part under
+        the call's memory bound."""
+        return bounded_steps(
+            self, len(tokens), _batch_wav_steps(self, tokens, voices, cfm_steps, keys, bucket)
+        )
 
 
-def _solve(
+def _solve_steps(
     estimator: Estimator,
     mu: mx.array,
     mask: mx.array | None,
@@ -260,11 +313,11 @@ def _solve(
     cond: mx.array,
     noise: mx.array,
     steps: int,
-) -> mx.array:
+) -> Steps[mx.array]:
     """The CFM solve of the estimator's kind: meanflow (Turbo/Nano) or Euler with the config's guidance."""
     if estimator.config.meanflow:
-        return solve_meanflow(estimator, mu, mask, spks, cond, noise, steps)
-    return solve(estimator, mu, mask, spks, cond, noise, steps, estimator.config.cfg_rate)
+        return meanflow_steps(estimator, mu, mask, spks, cond, noise, steps)
+    return solve_steps(estimator, mu, mask, spks, cond, noise, steps, estimator.config.cfg_rate)
 
 
 def vocode_tokens(
@@ -328,7 +381,7 @@ def crossfade_join(wavs: list[np.ndarray], overlap: int) -> np.ndarray:
 # --- batched vocoding ---
 
 
-def _batch_mel(
+def _batch_mel_steps(
     s3gen: S3Gen,
     tokens: list[mx.array | np.ndarray],
     voices: list[Voice],
@@ -337,7 +390,7 @@ def _batch_mel(
     bucket: int,
     cfm_noises: list[mx.array | None] | None = None,
     finalize: list[bool] | None = None,
-) -> list[mx.array]:
+) -> Steps[list[mx.array]]:
     n = len(tokens)
     if n == 0:
         raise ValueError("there are no requests to vocode: pass at least one token sequence")
@@ -369,6 +422,8 @@ def _batch_mel(
     padded = mx.concatenate([mx.pad(row, [(0, 0), (0, width - row.shape[1])]) for row in rows], axis=0)
     # Right padding, the lengths and the masks keep each row's valid frames to what it computes alone.
     mu, mask = s3gen.flow.encode(padded, mx.array(lengths, dtype=mx.int32), isolate_rows=True)
+    mx.async_eval(mu, mask)
+    yield
     frames, mel_dim = mu.shape[1], mu.shape[2]
     held = s3gen.flow.config.pre_lookahead_len * stride  # frames a row without finalize drops
     conds, noises, spans = [], [], []
@@ -398,23 +453,28 @@ def _batch_mel(
         mask = mask & (mx.arange(frames)[None] < mx.array([own for _, own in spans])[:, None])
     spks = s3gen.flow.embed_speaker(mx.concatenate([voice.xvector for voice in voices], axis=0))
     cond, noise = mx.concatenate(conds, axis=0), mx.concatenate(noises, axis=0)
-    mel = _solve(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps)
+    mel = yield from _solve_steps(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps)
     return [mel[i : i + 1, start:stop] for i, (start, stop) in enumerate(spans)]
 
 
-def _batch_wav(
+def _batch_wav_steps(
     s3gen: S3Gen,
     tokens: list[mx.array | np.ndarray],
     voices: list[Voice],
     cfm_steps: int | None,
     keys: list[mx.array | None] | None,
     bucket: int,
-) -> list[mx.array]:
+) -> Steps[list[mx.array]]:
     if keys is None:
         keys = [None] * len(tokens)
     split = [(None, None) if key is None else tuple(mx.random.split(key)) for key in keys]
-    mels = _batch_mel(s3gen, tokens, voices, cfm_steps, [cfm_key for cfm_key, _ in split], bucket)
-    return [fade_in(wav) for wav in vocode_rows(s3gen.hift, mels, [source_key for _, source_key in split])]
+    mels = yield from _batch_mel_steps(
+        s3gen, tokens, voices, cfm_steps, [cfm_key for cfm_key, _ in split], bucket
+    )
+    wavs = [fade_in(wav) for wav in vocode_rows(s3gen.hift, mels, [source_key for _, source_key in split])]
+    mx.async_eval(wavs)
+    yield
+    return wavs
 
 
 def vocode_rows(hift: HiFT, mels: list[mx.array], keys: list[mx.array | None]) -> list[mx.array]:

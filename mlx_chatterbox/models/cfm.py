@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +27,20 @@ from .layers import Conv1d, attention, gelu_linear, mish
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
 MASK_BIAS = -1.0e10  # decoder.py: mask_to_bias
+T = TypeVar("T")
+# A computation queued a part at a time: it yields once each part is queued (``mx.async_eval``), so that a caller
+# can queue other work on the same stream in between (the server's T3 steps: ``Vocoding(sliced=True)``), and
+# returns its value. ``drain`` runs one to its end.
+Steps = Generator[None, None, T]
+
+
+def drain(steps: Steps[T]) -> T:
+    """Run a computation queued in parts (``Steps``) to its end: its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 @dataclass(frozen=True)
@@ -479,6 +494,22 @@ def solve(
     in_flight: int | None = None,
 ) -> mx.array:
     """Integrate the flow from ``noise`` at t = 0 to a mel at t = 1 (upstream ``CausalConditionalCFM.forward``
+    and ``solve_euler``): ``solve_steps`` run to its end."""
+    return drain(solve_steps(estimator, mu, mask, spks, cond, noise, n_timesteps, cfg_rate, in_flight))
+
+
+def solve_steps(
+    estimator: Estimator,
+    mu: mx.array,
+    mask: mx.array | None,
+    spks: mx.array,
+    cond: mx.array,
+    noise: mx.array,
+    n_timesteps: int = 10,
+    cfg_rate: float = 0.7,
+    in_flight: int | None = None,
+) -> Steps[mx.array]:
+    """Integrate the flow from ``noise`` at t = 0 to a mel at t = 1 (upstream ``CausalConditionalCFM.forward``
     and ``solve_euler``): Euler steps on the cosine schedule with classifier-free guidance
     v = (1 + w)·v(mu, spks, cond) - w·v(0, 0, 0), both halves in one batch of 2B.
 
@@ -488,7 +519,8 @@ def solve(
     building step k + 1 overlaps running step k (20% faster on an H200 than one graph of all steps), with no
     host synchronisation. ``in_flight``: at most this many steps queued ahead of the one still running (step k
     is queued once step k - in_flight - 1 has finished): a bound on what queued steps hold that, unlike MLX's
-    process-wide memory limit, holds no other thread back; None: no wait. The numbers do not change.
+    process-wide memory limit, holds no other thread back; None: no wait. The numbers do not change. Yields
+    once each step is queued (``Steps``).
     """
     if n_timesteps < 1:
         raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
@@ -523,6 +555,7 @@ def solve(
         mx.async_eval(x)
         if in_flight is not None:  # else no reference is kept: x's buffer may be donated to the next step's
             queued.append(x)
+        yield
     return x
 
 
@@ -535,6 +568,20 @@ def solve_meanflow(
     noise: mx.array,
     n_timesteps: int = 2,
 ) -> mx.array:
+    """Integrate a meanflow estimator from ``noise`` at t = 0 to a mel at t = 1: ``meanflow_steps`` run to its
+    end."""
+    return drain(meanflow_steps(estimator, mu, mask, spks, cond, noise, n_timesteps))
+
+
+def meanflow_steps(
+    estimator: Estimator,
+    mu: mx.array,
+    mask: mx.array | None,
+    spks: mx.array,
+    cond: mx.array,
+    noise: mx.array,
+    n_timesteps: int = 2,
+) -> Steps[mx.array]:
     """Integrate a meanflow estimator from ``noise`` at t = 0 to a mel at t = 1 (upstream
     ``CausalConditionalCFM.forward(meanflow=True)`` and ``basic_euler``, variants.md §3.2): for each pair
     (t, r) of consecutive times on the linear schedule, x <- x + (r - t)·v(x, t, r); no guidance, one pass per
@@ -543,7 +590,7 @@ def solve_meanflow(
     Shapes as ``solve``. ``noise``: (B, T, 80) the whole initial sample. Upstream draws it twice:
     ``randn_like`` over every frame, then its last 2N frames (the new tokens') replaced by
     ``flow_inference``'s own draw; pass both joined along time. Upstream runs batch 1; rows here are
-    independent, as in ``solve``.
+    independent, as in ``solve``. Yields once each step is queued (``Steps``).
     """
     if n_timesteps < 1:
         raise ValueError(f"n_timesteps={n_timesteps} must be at least 1")
@@ -562,4 +609,5 @@ def solve_meanflow(
         ).astype(x.dtype)
         x = x + (r - t) * v
         mx.async_eval(x)
+        yield
     return x

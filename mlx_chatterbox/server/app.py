@@ -126,7 +126,7 @@ def create_app(
             "max_batch": worker.max_batch,
             "vocode_batch": worker.vocode_batch,
             "vocode_thread": worker.vocode_thread,
-            "vocode_process": worker.vocode_process,
+            "vocoding": worker.vocoding if worker.vocode_thread else None,
             "stream_catch_up": worker.vocode_thread and worker.stream_catch_up,
             "mark_threads": worker.mark_threads,
             "cfm_steps": cfm_steps_used,

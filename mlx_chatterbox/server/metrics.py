@@ -52,9 +52,9 @@ class Meter:
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
     @contextlib.contextmanager
-    def timed(self, thread: str, phase: str, rows: int = 0) -> Iterator[None]:
-        """The block's wall time, one call and ``rows`` added to ``phase`` of ``thread`` (whose phases do not
-        nest)."""
+    def timed(self, thread: str, phase: str, rows: int = 0, calls: int = 1) -> Iterator[None]:
+        """The block's wall time, ``calls`` (one: a part of a call timed on its own counts none) and ``rows``
+        added to ``phase`` of ``thread`` (whose phases do not nest)."""
         key = (thread, threading.get_ident())
         with self._lock:
             self._open[key] = (phase, time.perf_counter())
@@ -63,17 +63,17 @@ class Meter:
         finally:
             with self._lock:
                 _, start = self._open.pop(key)
-                self._count(thread, phase, time.perf_counter() - start, rows)
+                self._count(thread, phase, time.perf_counter() - start, rows, calls)
 
-    def add(self, thread: str, phase: str, seconds: float, rows: int = 0) -> None:
-        """A call timed elsewhere (the vocoding process's): its seconds, one call and ``rows``."""
+    def add(self, thread: str, phase: str, seconds: float, rows: int = 0, calls: int = 1) -> None:
+        """A call (or part of one) timed elsewhere (the vocoding process's), as ``timed`` counts it."""
         with self._lock:
-            self._count(thread, phase, seconds, rows)
+            self._count(thread, phase, seconds, rows, calls)
 
-    def _count(self, thread: str, phase: str, seconds: float, rows: int) -> None:
+    def _count(self, thread: str, phase: str, seconds: float, rows: int, calls: int) -> None:
         tally = self._phases.setdefault((thread, phase), [0.0, 0, 0])
         tally[0] += seconds
-        tally[1] += 1
+        tally[1] += calls
         tally[2] += rows
 
     def ended(self, outcome: str) -> None:

@@ -24,14 +24,14 @@ from typing import Any, Literal, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from ..generation.stream import StreamVocoder, decode_together
-from ..generation.vocode import S3Gen, vocode_tokens
+from ..generation.stream import StreamVocoder, decode_together_steps
+from ..generation.vocode import S3Gen, Steps, drain, vocode_tokens
 from ..generation.voice import Voice
 from ..sampling import seed_keys
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Timed = Callable[[str, int], contextlib.AbstractContextManager]
+Timed = Callable[..., contextlib.AbstractContextManager]  # (phase, rows, calls)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,8 +116,13 @@ class Vocoding:
     key, StreamOrder), ("take", key, token list), ("end", key, the tail's token list), ("drop", key). A stream
     takes its tokens up to its next due decode, one sent list at a time as ``TTS.stream`` pushes them, or
     (``catch_up``) all it holds at once, so that a stream whose decode waited for a busy S3Gen makes up for it in
-    one longer decode. ``timed(phase, rows)`` times the calls; ``vocode_one`` vocodes a piece alone (hybrid
-    mode's upstream S3Gen; by default ours, exactly ``TTS.vocode``)."""
+    one longer decode. ``timed(phase, rows, calls)`` times the calls; ``vocode_one`` vocodes a piece alone
+    (hybrid mode's upstream S3Gen; by default ours, exactly ``TTS.vocode``).
+
+    ``sliced``: a turn queues one part of a call (the flow encoder, a CFM step, HiFT: ``Steps``) and returns,
+    so that the worker thread queues a T3 step between two parts on the same MLX stream: the device runs them
+    one after the other instead of side by side (on an H200 a T3 step took 3x as long beside S3Gen on another
+    thread, and S3Gen about 3x as long beside T3: RESULTS run Q). A lone piece or decode is one part."""
 
     def __init__(
         self,
@@ -129,6 +134,7 @@ class Vocoding:
         catch_up: bool,
         timed: Timed,
         vocode_one: Callable[[PieceOrder], np.ndarray] | None = None,
+        sliced: bool = False,
     ):
         self.s3gen, self.batch, self.frames, self.bucket, self.catch_up = (
             s3gen,
@@ -139,26 +145,52 @@ class Vocoding:
         )
         self.timed = timed
         self.vocode_one = vocode_one
+        self.sliced = sliced
         self.pending: deque[PieceOrder] = deque()
         self.streams: dict[Any, _Stream] = {}
+        self._call: Steps[Vocoded | Streamed] | None = None  # the call under way (sliced)
+        self._call_keys: list = []  # its pieces' keys (no longer pending)
 
     def busy(self) -> bool:
-        """Whether a call is due: pieces wait, or a stream has a decode due."""
-        return bool(self.pending) or any(s.vocoder.due for s in self.streams.values())
+        """Whether a call is under way or due: pieces wait, or a stream has a decode due."""
+        return (
+            self._call is not None or bool(self.pending) or any(s.vocoder.due for s in self.streams.values())
+        )
 
     def keys(self) -> list:
         """The keys of every piece and stream held."""
-        return [order.key for order in self.pending] + list(self.streams)
+        return self._call_keys + [order.key for order in self.pending] + list(self.streams)
+
+    def clear(self) -> None:
+        """Forget every piece and stream, and the call under way."""
+        self.pending.clear()
+        self.streams.clear()
+        self._call, self._call_keys = None, []
 
     def turn(self, messages: list[tuple]) -> list[Vocoded | Streamed]:
-        """Take the messages, then run one call if one is due; the answers (failed streams' too)."""
-        answers: list[Vocoded | Streamed] = self._apply(messages) + self._feed()
-        due = sorted((s for s in self.streams.values() if s.vocoder.due), key=lambda s: s.started)
-        if due:  # those yet to give their first audio first (time to first audio)
-            answers.append(self._decode(due))
-        elif self.pending:
-            answers.append(self.vocode_ready())
-        return answers + self._feed()  # what they hold up to their next due decode, so only new messages wait
+        """Take the messages, then run one call if one is due (``sliced``: the next part of the call under way,
+        or of a new one); the answers (failed streams' too). Streams take what they hold between calls only.
+        """
+        answers: list[Vocoded | Streamed] = self._apply(messages)
+        if self._call is None:
+            answers += self._feed()
+            due = sorted((s for s in self.streams.values() if s.vocoder.due), key=lambda s: s.started)
+            if due:  # those yet to give their first audio first (time to first audio)
+                self._call = self._decode(due)
+            elif self.pending:
+                self._call_keys, self._call = self._vocode_call()
+        if self._call is None:
+            return answers
+        try:
+            if self.sliced:
+                next(self._call)
+                return answers
+            answer = drain(self._call)
+        except StopIteration as done:
+            answer = done.value
+        self._call, self._call_keys = None, []
+        # what they hold up to their next due decode, so only new messages wait
+        return answers + [answer] + self._feed()
 
     def _apply(self, messages: list[tuple]) -> list[Streamed]:
         failed = []
@@ -208,12 +240,13 @@ class Vocoding:
                 failed.append(Streamed([(stream.key, None, False, 0)], error))
         return failed
 
-    def _decode(self, due: list[_Stream]) -> Streamed:
-        """The due decodes that fit in one S3Gen call, run together; their samples."""
+    def _decode(self, due: list[_Stream]) -> Steps[Streamed]:
+        """The due decodes that fit in one S3Gen call, run together; their samples. (A stream dropped while
+        they ran is answered all the same: the worker skips what has ended.)"""
         chosen = group(due, [s.vocoder.due for s in due], [s.vocoder.cfm_steps for s in due], *self._limits())
         try:
-            with self.timed("stream_decode", len(chosen)):
-                outs = decode_together([s.vocoder for s in chosen], bucket=self.bucket)
+            steps = decode_together_steps([s.vocoder for s in chosen], bucket=self.bucket)
+            outs = yield from self._timed_steps("stream_decode", len(chosen), steps)
         except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
             logger.exception("streamed decodes failed")
             for stream in chosen:
@@ -223,30 +256,50 @@ class Vocoding:
         for stream, out in zip(chosen, outs):
             stream.started = True
             if stream.final:
-                del self.streams[stream.key]
+                self.streams.pop(stream.key, None)
             chunks.append((stream.key, out, stream.final, stream.vocoder.pushed))
         return Streamed(chunks)
 
     def vocode_ready(self) -> Vocoded:
         """Vocode the oldest pending piece with the later ones of its ``cfm_steps`` that fit in one call."""
+        return drain(self._vocode_call()[1])
+
+    def _vocode_call(self) -> tuple[list, Steps[Vocoded]]:
+        """The oldest pending piece and the later ones of its ``cfm_steps`` that fit in one call, taken out of
+        ``pending``: their keys, and their call."""
         pending = list(self.pending)
         chosen = group(
             pending, [o.row_tokens() for o in pending], [o.cfm_steps for o in pending], *self._limits()
         )
         for order in chosen:
             self.pending.remove(order)
+        return [order.key for order in chosen], self._vocode_steps(chosen)
+
+    def _vocode_steps(self, chosen: list[PieceOrder]) -> Steps[Vocoded]:
         keys = [order.key for order in chosen]
         try:
-            with self.timed("vocode", len(chosen)):
-                return Vocoded(keys, self._vocode(chosen))
+            wavs = yield from self._timed_steps("vocode", len(chosen), self._vocode(chosen))
+            return Vocoded(keys, wavs)
         except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
             logger.exception("vocoding failed")
             return Vocoded(keys, None, error)
 
+    def _timed_steps(self, phase: str, rows: int, steps: Steps[T]) -> Steps[T]:
+        """``steps`` with each part timed: one call and its rows counted with the first."""
+        first = True
+        while True:
+            with self.timed(phase, rows if first else 0, int(first)):
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+            first = False
+            yield
+
     def _limits(self) -> tuple[int, int, int]:
         return self.batch, self.frames, self.bucket
 
-    def _vocode(self, orders: list[PieceOrder]) -> list[np.ndarray]:
+    def _vocode(self, orders: list[PieceOrder]) -> Steps[list[np.ndarray]]:
         """One piece as ``TTS.vocode`` (exactly what ``TTS.generate`` gives), several with ``S3Gen.batch`` (the
         same up to float error, in one flow-encoder pass and one CFM solve)."""
         if self.vocode_one is not None:  # hybrid mode: upstream's S3Gen, one at a time
@@ -254,7 +307,7 @@ class Vocoding:
         if len(orders) == 1:
             order = orders[0]
             return [vocode_tokens(self.s3gen, order.tokens, order.voice, order.cfm_steps, order.seed)]
-        wavs = self.s3gen.batch(
+        wavs = yield from self.s3gen.batch_steps(
             [order.tokens for order in orders],
             [order.voice for order in orders],
             cfm_steps=orders[0].cfm_steps,
@@ -313,13 +366,13 @@ def cfm_dtype_name(s3gen: S3Gen) -> str:
 
 class VocodingProcess:
     """``Vocoding`` in a child process (spawned: MLX's state is not forked). ``send`` messages (any thread);
-    ``on_turn`` gets each turn's answers and the (phase, seconds, rows) of its calls, on a reader thread; if the
-    process dies, ``on_exit`` gets the error. ``close`` stops it after its running call."""
+    ``on_turn`` gets each turn's answers and the (phase, seconds, rows, calls) of its calls, on a reader thread;
+    if the process dies, ``on_exit`` gets the error. ``close`` stops it after its running call."""
 
     def __init__(
         self,
         spec: ProcessSpec,
-        on_turn: Callable[[list[Vocoded | Streamed], list[tuple[str, float, int]]], None],
+        on_turn: Callable[[list[Vocoded | Streamed], list[tuple[str, float, int, int]]], None],
         on_exit: Callable[[BaseException], None],
     ):
         context = multiprocessing.get_context("spawn")
@@ -381,15 +434,15 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
     except BaseException as error:
         conn.send(RuntimeError(f"{type(error).__name__}: {error}"))
         return
-    times: list[tuple[str, float, int]] = []
+    times: list[tuple[str, float, int, int]] = []
 
     @contextlib.contextmanager
-    def timed(phase: str, rows: int = 0) -> Iterator[None]:
+    def timed(phase: str, rows: int = 0, calls: int = 1) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
-            times.append((phase, time.perf_counter() - start, rows))
+            times.append((phase, time.perf_counter() - start, rows, calls))
 
     engine = Vocoding(
         s3gen, batch=spec.batch, frames=spec.frames, bucket=spec.bucket, catch_up=spec.catch_up, timed=timed

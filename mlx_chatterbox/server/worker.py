@@ -245,6 +245,12 @@ class Worker:
     on a second thread while T3 keeps stepping (and the watermark on ``mark_threads`` more, each job's audio on
     one of them). At most ``max_queue`` jobs wait or run (``submit`` raises ``QueueFull`` beyond).
 
+    vocoding (with ``vocode_thread``): where that thread's S3Gen work runs: "thread" (there), "process" (in a
+    process of its own, ``VocodingProcess``: no GIL nor MLX throttle shared with T3; the device time-slices the
+    two), or "interleaved" (on the worker thread, a part of a call (the flow encoder, a CFM step, HiFT) queued
+    between two T3 steps on one MLX stream, so that the device runs them one after the other, not side by side;
+    no vocoding thread then, the marking threads still run).
+
     stream_catch_up (with ``vocode_thread``): a stream whose tokens waited for S3Gen (its decode ran late, in a
     busy call, or the thread woke after several T3 steps) takes them all into its next decode, so a loaded
     server runs fewer, longer decodes per stream; its chunk boundaries then depend on timing. False: every
@@ -260,7 +266,7 @@ class Worker:
         vocode_frames: int | None = None,
         vocode_bucket: int = VOCODE_BUCKET,
         vocode_thread: bool = False,
-        vocode_process: bool = False,
+        vocoding: str = "thread",
         stream_catch_up: bool = True,
         mark_threads: int = 1,
     ):
@@ -290,16 +296,18 @@ class Worker:
                 f"mark_threads={mark_threads}: marking threads run beside the vocoding thread, which is off; "
                 "pass vocode_thread=True, or mark_threads=1"
             )
-        if vocode_process and not vocode_thread:
+        if vocoding not in VOCODINGS:
+            raise ValueError(f"vocoding={vocoding!r}: choose one of {', '.join(VOCODINGS)}")
+        if vocoding != "thread" and not vocode_thread:
             raise ValueError(
-                "vocode_process=True moves the vocoding thread's S3Gen work into a process, and the thread is off; "
-                "pass vocode_thread=True too"
+                f"vocoding={vocoding!r} places the vocoding thread's S3Gen work, and the thread is off; pass "
+                "vocode_thread=True too"
             )
-        if vocode_process and tts.torch_s3gen is not None:
+        if vocoding != "thread" and tts.torch_s3gen is not None:
             raise ValueError(
-                "vocode_process=True runs our S3Gen; this model vocodes with upstream's (hybrid mode)"
+                f"vocoding={vocoding!r} runs our S3Gen; this model vocodes with upstream's (hybrid mode)"
             )
-        self.mark_threads, self.vocode_process = mark_threads, vocode_process
+        self.mark_threads, self.vocoding = mark_threads, vocoding
         self.sample_rate = tts.sample_rate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # _Job or (fn, args, future) or None (stop)
         self._jobs = 0  # submitted and not finished (under _lock)
@@ -325,6 +333,7 @@ class Worker:
             catch_up=stream_catch_up,
             timed=self._timed,
             vocode_one=one,
+            sliced=self.vocoding == "interleaved",
         )
         self._process: VocodingProcess | None = None
         self._remote: dict[int, _Job | _Piece] = {}
@@ -342,6 +351,8 @@ class Worker:
         self._deliveries: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(mark_threads)]
         self._markers: list[threading.Thread] = []
         threads = {"worker": 1, "vocoder": 1, "marker": mark_threads} if vocode_thread else {"worker": 1}
+        if self.vocoding == "interleaved":
+            del threads["vocoder"]
         self._meter = Meter(threads)
         # Jobs waiting for T3 and in its batch, as the worker loop's last turn began (``metrics``).
         self._waiting = self._running = 0
@@ -368,7 +379,7 @@ class Worker:
         return {**self._meter.snapshot(), **gauges, "vocode_pending": self._pieces_out}
 
     def start(self) -> None:
-        """Start the worker thread (and, ``vocode_process``, first the vocoding process: its S3Gen loaded from
+        """Start the worker thread (and, ``vocoding="process"``, first the vocoding process: its S3Gen loaded from
         the model's folder, which takes seconds; an error there is raised here, with nothing left running).
         While it runs, Python's automatic garbage collection is off and the worker thread collects instead (``_collect_garbage``): a collection frees the MLX arrays in the cycles it
         breaks, and MLX-CUDA frees can make CUDA calls, which break a CUDA-graph capture running on the worker
@@ -386,19 +397,20 @@ class Worker:
         if self.vocode_thread:
             self.tts.watermarker()  # loaded here, once: the marking threads would each load it on first use
             self._vocoder_stop, self._lost = False, None
-            if self.vocode_process:
+            if self.vocoding == "process":
                 self._process = self._start_process()
         mx.synchronize()
         _pause_automatic_gc()
         self._thread = threading.Thread(target=self._loop, name="mlx-chatterbox-worker", daemon=True)
         self._thread.start()
         if self.vocode_thread:
-            self._vocoder = threading.Thread(
-                target=self._send_loop if self.vocode_process else self._vocode_loop,
-                name="mlx-chatterbox-vocoder",
-                daemon=True,
-            )
-            self._vocoder.start()
+            if self.vocoding != "interleaved":
+                self._vocoder = threading.Thread(
+                    target=self._send_loop if self.vocoding == "process" else self._vocode_loop,
+                    name="mlx-chatterbox-vocoder",
+                    daemon=True,
+                )
+                self._vocoder.start()
             self._markers = [
                 threading.Thread(
                     target=self._mark_loop, args=(d,), name=f"mlx-chatterbox-marker-{i}", daemon=True
@@ -542,13 +554,18 @@ class Worker:
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
         while True:
-            self._send()  # what the last turn said of streams, at once
+            if self.vocoding == "interleaved":  # the next part of S3Gen's call, queued before T3's next step
+                self._slice()
+            else:
+                self._send()  # what the last turn said of streams, at once
             self._waiting, self._running = len(waiting), len(running)
             with self._timed("gc"):
                 _collect_garbage()
             # Block for work only when there is nothing to step (waking now and then to collect garbage); the
             # vocoding thread's answers come through the inbox too.
-            idle = not running and not waiting
+            idle = (
+                not running and not waiting and not (self.vocoding == "interleaved" and self._engine.busy())
+            )
             try:
                 with self._timed("idle") if idle else contextlib.nullcontext():
                     item = self._inbox.get(block=idle, timeout=IDLE_COLLECT_S if idle else None)
@@ -888,7 +905,7 @@ class Worker:
             raise
 
     def _send_loop(self) -> None:
-        """The vocoding thread with ``vocode_process``: it sends the worker's messages to the process, each key
+        """The vocoding thread with ``vocoding="process"``: it sends the worker's messages to the process, each key
         as its serial (what the process answers by, ``_answered``)."""
         while True:
             with self._ready:
@@ -923,12 +940,12 @@ class Worker:
                 elif kind == "open":
                     self._inbox.put(Streamed([(key, None, False, 0)], lost))
 
-    def _answered(self, answers: list[Vocoded | Streamed], times: list[tuple[str, float, int]]) -> None:
+    def _answered(self, answers: list[Vocoded | Streamed], times: list[tuple[str, float, int, int]]) -> None:
         """A turn of the process (on its reader thread): its calls' times metered (before any reader gets their
         audio), its answers' serials made the worker's keys again and put in the inbox; a stream dropped
         meanwhile (its job ended) left out."""
-        for phase, seconds, rows in times:
-            self._meter.add("vocoder", phase, seconds, rows)
+        for phase, seconds, rows, calls in times:
+            self._meter.add("vocoder", phase, seconds, rows, calls)
         for answer in answers:
             with self._remote_lock:
                 if isinstance(answer, Vocoded):
@@ -973,8 +990,7 @@ class Worker:
             mx.set_memory_limit(self._memory_limit)
         keys = self._engine.keys() + list(self._remote.values())
         keys += [message[1] for message in self._messages + self._outbox]
-        self._engine.pending.clear()
-        self._engine.streams.clear()
+        self._engine.clear()
         self._remote.clear()
         self._messages.clear()
         self._outbox.clear()
@@ -999,11 +1015,19 @@ class Worker:
         self._outbox.append((kind, key, value))
 
     def _send(self) -> None:
-        if self._outbox:
+        if self._outbox and self.vocoding != "interleaved":  # interleaved: _slice takes them
             with self._ready:
                 self._messages += self._outbox
                 self._ready.notify()
             self._outbox = []
+
+    def _slice(self) -> None:
+        """With ``vocoding="interleaved"``: the vocoding side's turn on the worker thread (the messages since the last,
+        and the next part of a call: ``Vocoding(sliced=True)``), its answers read from the inbox as a vocoding
+        thread's."""
+        messages, self._outbox = self._outbox, []
+        for answer in self._engine.turn(messages):
+            self._inbox.put(answer)
 
     def _decode_streams(self, jobs: list[_Job]) -> list[_Job]:
         """The streamed jobs' decodes that fell due in a step, run together (``decode_together``, grouped as
@@ -1082,12 +1106,12 @@ class Worker:
         for j in jobs:
             self._done(j, RuntimeError("the server is shutting down"))
 
-    def _timed(self, phase: str, rows: int = 0) -> contextlib.AbstractContextManager:
-        """The block's wall time, one call and ``rows`` added to ``phase`` of the thread that runs it
+    def _timed(self, phase: str, rows: int = 0, calls: int = 1) -> contextlib.AbstractContextManager:
+        """The block's wall time, ``calls`` and ``rows`` added to ``phase`` of the thread that runs it
         (``metrics``)."""
         current = threading.current_thread()
         thread = "vocoder" if current is self._vocoder else "marker" if current in self._markers else "worker"
-        return self._meter.timed(thread, phase, rows)
+        return self._meter.timed(thread, phase, rows, calls)
 
 
 def _mlx_memory() -> dict[str, int]:
@@ -1110,6 +1134,9 @@ def _check_voice(voice: Voice) -> None:
 
 # Python's automatic garbage collection, paused while workers run (``Worker.start``) and done on their
 # threads instead, at the interpreter's own thresholds.
+# Where the vocoding thread's S3Gen work runs (``Worker(vocoding=...)``, ``serve --vocoding``): on that thread,
+# in a process of its own, or on the worker thread a part of a call between two T3 steps.
+VOCODINGS = ("thread", "process", "interleaved")
 IDLE_COLLECT_S = 1.0  # an idle worker still collects the other threads' garbage this often
 _gc_lock = threading.Lock()
 _gc_pauses = [0, False]  # workers running, and whether automatic collection was on before the first
