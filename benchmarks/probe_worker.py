@@ -51,6 +51,7 @@ from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.models import cfm
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import VOCODINGS, SpeechJob, Worker
 
 HERE = Path(__file__).resolve().parent
@@ -285,6 +286,13 @@ def main() -> None:
         "(--paths serve)",
     )
     p.add_argument(
+        "--t3-steps-per-part",
+        type=int,
+        metavar="N",
+        help="with --vocoding interleaved: T3 steps between two parts of an S3Gen call (worker.T3_STEPS_PER_PART; "
+        "default: the library's)",
+    )
+    p.add_argument(
         "--step-waits",
         type=int,
         metavar="N",
@@ -298,6 +306,10 @@ def main() -> None:
     if args.s3gen_loop:
         return s3gen_loop(args)
     set_cache_step(args.cache_step)
+    if args.t3_steps_per_part is not None:
+        if args.vocoding != "interleaved" or args.t3_steps_per_part < 1:
+            p.error("--t3-steps-per-part: a number >= 1, with --vocoding interleaved")
+        worker_module.T3_STEPS_PER_PART = args.t3_steps_per_part
     if args.step_waits is not None:
         if args.step_waits < 1:
             p.error(f"--step-waits {args.step_waits}: give a number of steps >= 1")
@@ -553,7 +565,8 @@ def in_process(args: argparse.Namespace) -> list[dict]:
             write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
                             layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                             memory_budget=tts.s3gen.memory_budget, switch_ms=ms, cache_step=args.cache_step,
-                            vocoding=args.vocoding, machine=info), args.out)  # fmt: skip
+                            vocoding=args.vocoding, t3_steps_per_part=worker_module.T3_STEPS_PER_PART,
+                            machine=info), args.out)  # fmt: skip
     sys.setswitchinterval(default_interval)
     return rows
 
@@ -571,6 +584,8 @@ def served(args: argparse.Namespace) -> list[dict]:
         try:
             wait_for(url)
             for fmt, n in (("whole", args.requests), ("streamed", args.streams)):
+                if n == 0:  # --requests 0 or --streams 0: that scenario left out
+                    continue
                 for tokens in (30, args.tokens):
                     clear()
                     t = time.perf_counter()
@@ -582,7 +597,8 @@ def served(args: argparse.Namespace) -> list[dict]:
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
                                 layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                                 memory_budget=args.memory_budget, step_waits=args.step_waits,
-                                vocoding=args.vocoding, machine=machine_info()), args.out)  # fmt: skip
+                                vocoding=args.vocoding, t3_steps_per_part=worker_module.T3_STEPS_PER_PART,
+                                machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 

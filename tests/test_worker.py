@@ -580,9 +580,11 @@ def test_a_sliced_call_gives_the_whole_call_a_part_a_turn(tts):
             assert len(a) > 0 and np.array_equal(a, b)
 
 
-def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, monkeypatch):
-    """``vocoding="interleaved"``: S3Gen's calls run on the worker thread, and T3 steps (a long job's) between
-    two CFM steps of one call (two short jobs' pieces; a lone piece is one part)."""
+@pytest.mark.parametrize("steps_per_part", [1, 2])
+def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, monkeypatch, steps_per_part):
+    """``vocoding="interleaved"``: S3Gen's calls run on the worker thread, and ``T3_STEPS_PER_PART`` T3 steps
+    (a long job's) between two CFM steps of one call (two short jobs' pieces; a lone piece is one part)."""
+    monkeypatch.setattr(worker_module, "T3_STEPS_PER_PART", steps_per_part)
     events: list[str] = []
     real_step, real_estimator = ContinuousBatch.step, Estimator.__call__
 
@@ -606,7 +608,8 @@ def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, mon
             assert len(np.concatenate(list(ticket))) > 0
     assert "elsewhere" not in events
     first = events.index("cfm")
-    assert events[first : first + 5] == ["cfm", "t3", "cfm", "t3", "cfm"], events
+    between = ["t3"] * steps_per_part
+    assert events[first : first + 3 + 2 * steps_per_part] == ["cfm", *between, "cfm", *between, "cfm"], events
 
 
 def test_vocoding_settings_are_checked(tts):

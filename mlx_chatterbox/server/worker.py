@@ -96,6 +96,14 @@ MEASURE_TEXT = "This sentence is long enough to keep the model talking for a few
 # (1 s) so that calls repeat shapes (GPU kernel plans and graphs are per shape).
 VOCODE_FRAMES_PER_ROW = 1500
 VOCODE_BUCKET = 25
+# Where the vocoding thread's S3Gen work runs (``Worker(vocoding=...)``, ``serve --vocoding``): on that thread,
+# in a process of its own, or on the worker thread a part of a call between two T3 steps.
+VOCODINGS = ("thread", "process", "interleaved")
+# With vocoding="interleaved": T3 steps between two parts of an S3Gen call while T3 has rows to step. A stream
+# needs 25 tokens a second; on an H200 a 64-row T3 step took ~11 ms alone and a CFM step of 28 streams ~50 (an
+# estimate from run E's estimator cost), so one step a part would give T3 about 17 a second. Not yet tuned on
+# a GPU (``probe_worker --t3-steps-per-part``).
+T3_STEPS_PER_PART = 1
 
 
 def default_vocode_thread() -> bool:
@@ -345,6 +353,7 @@ class Worker:
         self._vocoder_stop = False
         self._messages: list[tuple] = []
         self._outbox: list[tuple] = []
+        self._steps_since_part = 0  # vocoding="interleaved": T3 steps since S3Gen's last part
         # What readers get, oldest first, per marking thread when they run (vocode_thread=True): (ticket, item,
         # how to watermark it or None), watermarked there and handed over in order (``_deliver``); None stops it.
         # Perth's host work (resampling, FFTs) releases the GIL: several threads mark several jobs at once.
@@ -555,7 +564,10 @@ class Worker:
         running: dict[int, _Job] = {}  # by uid
         while True:
             if self.vocoding == "interleaved":  # the next part of S3Gen's call, queued before T3's next step
-                self._slice()
+                self._steps_since_part += 1
+                if self._steps_since_part >= T3_STEPS_PER_PART or not running:
+                    self._steps_since_part = 0
+                    self._slice()
             else:
                 self._send()  # what the last turn said of streams, at once
             self._waiting, self._running = len(waiting), len(running)
@@ -1134,9 +1146,6 @@ def _check_voice(voice: Voice) -> None:
 
 # Python's automatic garbage collection, paused while workers run (``Worker.start``) and done on their
 # threads instead, at the interpreter's own thresholds.
-# Where the vocoding thread's S3Gen work runs (``Worker(vocoding=...)``, ``serve --vocoding``): on that thread,
-# in a process of its own, or on the worker thread a part of a call between two T3 steps.
-VOCODINGS = ("thread", "process", "interleaved")
 IDLE_COLLECT_S = 1.0  # an idle worker still collects the other threads' garbage this often
 _gc_lock = threading.Lock()
 _gc_pauses = [0, False]  # workers running, and whether automatic collection was on before the first
