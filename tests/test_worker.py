@@ -550,8 +550,8 @@ def test_a_sliced_call_gives_the_whole_call_a_part_a_turn(tts):
     batched, and streams' decodes batched."""
     voices = [random_voice(1), random_voice(2, gen_tokens=13)]
     rng = np.random.default_rng(0)
-    pieces = [("piece", k, vocoding.PieceOrder(k, rng.integers(0, 6561, 20 + 7 * k).astype(np.int32), voices[k],
-                                               60 + k, 2)) for k in range(2)]  # fmt: skip
+    ids = [rng.integers(0, 6561, 20 + 7 * k).astype(np.int32) for k in range(2)]
+    pieces = [("piece", k, vocoding.PieceOrder(k, ids[k], voices[k], 60 + k, 2)) for k in range(2)]
     streams = [("open", k, vocoding.StreamOrder(voices[k], 70 + k, 2, 12, 50)) for k in range(2)]
     streams += [("end", k, rng.integers(0, 6561, 16 + 3 * k).tolist()) for k in range(2)]
 
@@ -667,8 +667,9 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
 @pytest.mark.parametrize("vocoding", ["thread", "process", "interleaved"])
 def test_streamed_and_whole_jobs_at_once(tts, vocoding):
     """Streamed and whole jobs at once, their S3Gen on the vocoding thread (or in the vocoding process, or in
-    parts between T3's steps) while T3 steps: the streamed chunks are TTS.stream's, cut at the same samples, within SHARED_TOL (decodes that fall
-    due while another call runs share the next one), the whole audio TTS.generate's within SHARED_TOL."""
+    parts between T3's steps) while T3 steps: the streamed chunks are TTS.stream's, cut at the same samples,
+    within SHARED_TOL (decodes that fall due while another call runs share the next one), the whole audio
+    TTS.generate's within SHARED_TOL."""
     specs = [
         dataclasses.replace(job, stream=k % 2 == 0, seed=40 + k)
         for k, job in enumerate(jobs(False) + jobs(True))

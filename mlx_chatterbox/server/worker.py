@@ -382,19 +382,20 @@ class Worker:
         """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
         rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs``
         (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch), ``vocode_pending`` (whole
-        pieces T3 has finished and S3Gen not yet: waiting or in its running call) and ``t3_traces`` (``speech_tokens.traces``: T3's compiled steps traced in
-        this process). Read from any thread, without waiting for the worker."""
+        pieces T3 has finished and S3Gen not yet: waiting or in its running call) and ``t3_traces``
+        (``speech_tokens.traces``: T3's compiled steps traced in this process). Read from any thread, without
+        waiting for the worker."""
         gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running, t3_traces=traces())
         return {**self._meter.snapshot(), **gauges, "vocode_pending": self._pieces_out}
 
     def start(self) -> None:
-        """Start the worker thread (and, ``vocoding="process"``, first the vocoding process: its S3Gen loaded from
-        the model's folder, which takes seconds; an error there is raised here, with nothing left running).
-        While it runs, Python's automatic garbage collection is off and the worker thread collects instead (``_collect_garbage``): a collection frees the MLX arrays in the cycles it
-        breaks, and MLX-CUDA frees can make CUDA calls, which break a CUDA-graph capture running on the worker
-        thread meanwhile and abort the process ("cudaStreamEndCapture failed"; H200 runs of 1 to 8 requests,
-        whose readers' threads collected). For the same reason, do MLX work only through ``run`` while a
-        worker runs.
+        """Start the worker thread (and, ``vocoding="process"``, first the vocoding process: its S3Gen loaded
+        from the model's folder, which takes seconds; an error there is raised here, with nothing left running).
+        While it runs, Python's automatic garbage collection is off and the worker thread collects instead
+        (``_collect_garbage``): a collection frees the MLX arrays in the cycles it breaks, and MLX-CUDA frees
+        can make CUDA calls, which break a CUDA-graph capture running on the worker thread meanwhile and abort
+        the process ("cudaStreamEndCapture failed"; H200 runs of 1 to 8 requests, whose readers' threads
+        collected). For the same reason, do MLX work only through ``run`` while a worker runs.
 
         The caller's queued MLX work is finished first: the worker reads arrays made on the caller's stream
         (weights, voices, caches), and a read of one whose work is still queued there makes the worker's stream
@@ -917,8 +918,8 @@ class Worker:
             raise
 
     def _send_loop(self) -> None:
-        """The vocoding thread with ``vocoding="process"``: it sends the worker's messages to the process, each key
-        as its serial (what the process answers by, ``_answered``)."""
+        """The vocoding thread with ``vocoding="process"``: it sends the worker's messages to the process, each
+        key as its serial (what the process answers by, ``_answered``)."""
         while True:
             with self._ready:
                 while not self._messages and not self._vocoder_stop:
@@ -1034,9 +1035,9 @@ class Worker:
             self._outbox = []
 
     def _slice(self) -> None:
-        """With ``vocoding="interleaved"``: the vocoding side's turn on the worker thread (the messages since the last,
-        and the next part of a call: ``Vocoding(sliced=True)``), its answers read from the inbox as a vocoding
-        thread's."""
+        """With ``vocoding="interleaved"``: the vocoding side's turn on the worker thread (the messages since
+        the last, and the next part of a call: ``Vocoding(sliced=True)``), its answers read from the inbox as a
+        vocoding thread's."""
         messages, self._outbox = self._outbox, []
         for answer in self._engine.turn(messages):
             self._inbox.put(answer)
