@@ -564,6 +564,7 @@ class Worker:
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
         while True:
+            self._waiting, self._running = len(waiting), len(running)
             if self.vocoding == "interleaved":  # the next part of S3Gen's call, queued before T3's next step
                 self._steps_since_part += 1
                 if self._steps_since_part >= T3_STEPS_PER_PART or not running:
@@ -571,7 +572,6 @@ class Worker:
                     self._slice()
             else:
                 self._send()  # what the last turn said of streams, at once
-            self._waiting, self._running = len(waiting), len(running)
             with self._timed("gc"):
                 _collect_garbage()
             # Block for work only when there is nothing to step (waking now and then to collect garbage); the
