@@ -604,7 +604,14 @@ def served(args: argparse.Namespace) -> list[dict]:
 
     threading.Thread(target=drive, daemon=True).start()
     flags = ["--model", str(args.model), "--port", str(port), "--max-batch", "128", "--max-queue", "256"]
-    flags += ["--cfm-dtype", args.cfm_dtype, "--vocode-batch", "32"]
+    flags += [
+        "--cfm-dtype",
+        args.cfm_dtype,
+        "--vocode-batch",
+        "32",
+        "--vocode-thread",
+        "on",
+    ]  # (auto on a GPU)
     flags += [
         "--vocode-memory",
         _budget_arg(args.memory_budget, gb=True),

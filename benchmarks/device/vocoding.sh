@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Where the vocoding thread's S3Gen work runs, compared on one machine (issue 24: `serve --vocoding`): the real
+# server (probe_worker --paths serve: 250-token requests, bf16 CFM, --vocode-batch 32) once per placement, in
+# this order: thread first (it fills the kernel cache the others then find), interleaved, process, interleaved
+# with 2 T3 steps a part; then 32 streams alone for each. Raw lines in ~/res/vocoding_*.jsonl, each run's table
+# in ~/res/vocoding.log. Run through start.sh: bash benchmarks/device/start.sh vocoding 560
+export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
+echo "== commit $BENCH_COMMIT"
+bash "$(dirname "$0")/model.sh" english
+dir=/tmp/serve-english
+probe() {  # NAME SCENARIO-FLAGS PLACEMENT-FLAGS...
+  local name=$1 load=$2
+  shift 2
+  echo "== $name at $(date +%T): $load $*"
+  # shellcheck disable=SC2086  # the flags are words
+  timeout 300 python3 benchmarks/probe_worker.py --paths serve --model "$dir/mlx" --voice "$dir/voice.safetensors" \
+      --tokens 250 --cfm-dtype bfloat16 $load "$@" --out ~/res/vocoding_"$name".jsonl 2>&1 \
+      | grep -E '^\| (closed|served|path|scenario)' | grep -v ' s [0-9]*% '
+  echo "== $name ended with ${PIPESTATUS[0]}"
+}
+full="--requests 128 --streams 64"
+probe thread "$full" --vocoding thread
+probe interleaved "$full" --vocoding interleaved
+probe process "$full" --vocoding process
+probe interleaved2 "$full" --vocoding interleaved --t3-steps-per-part 2
+streams="--requests 0 --streams 32"
+probe thread32 "$streams" --vocoding thread
+probe interleaved32 "$streams" --vocoding interleaved
+probe process32 "$streams" --vocoding process
+echo "== done"
