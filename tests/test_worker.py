@@ -51,6 +51,13 @@ def jobs(stream: bool) -> list[SpeechJob]:
     ]  # fmt: skip
 
 
+def endless_job() -> SpeechJob:
+    """A stream that runs until its reader cancels it: random weights never stop, and its three pieces' budgets
+    (about 850 tokens each; "Hello." would have 69) outlast any test's wait for its first chunk."""
+    text = "Words for a stream that runs on until its reader cancels it, one clause after another. " * 9
+    return SpeechJob(text, random_voice(4), SamplingParams(max_new_tokens=4000), cfm_steps=2, stream=True)
+
+
 def alone(tts: TTS, job: SpeechJob) -> list[np.ndarray]:
     """The job's chunks through ``TTS.stream``, or its whole audio from ``TTS.generate`` as one chunk."""
     kwargs = dict(cfm_steps=job.cfm_steps, seed=job.seed, watermark=job.watermark)
@@ -129,9 +136,7 @@ def test_a_streamed_jobs_context(tts, context):
 
 
 def test_cancel_queue_limit_and_errors(tts):
-    endless = SpeechJob(
-        "Hello.", random_voice(4), SamplingParams(max_new_tokens=4000), cfm_steps=2, stream=True
-    )
+    endless = endless_job()
     with Worker(tts, max_queue=2) as worker:
         first = worker.submit(endless)
         next(iter(first))  # it is decoding and streaming
@@ -580,6 +585,39 @@ def test_a_sliced_call_gives_the_whole_call_a_part_a_turn(tts):
             assert len(a) > 0 and np.array_equal(a, b)
 
 
+def test_a_sliced_call_that_raises_past_its_handler_ends_there(tts, monkeypatch):
+    """A sliced call that raises what the calls do not catch (KeyboardInterrupt) is dropped: a later turn does
+    not read the dead call's end as an answer (None, the worker's stop signal), and new calls run."""
+    engine = vocoding.Vocoding(tts.s3gen, batch=8, frames=10**6, bucket=1, catch_up=True, sliced=True,
+                               timed=lambda *args: contextlib.nullcontext())  # fmt: skip
+    rng = np.random.default_rng(1)
+
+    def pieces(first: int) -> list[tuple]:
+        return [
+            (
+                "piece",
+                k,
+                vocoding.PieceOrder(k, rng.integers(0, 6561, 20).astype(np.int32), random_voice(k), k, 2),
+            )
+            for k in (first, first + 1)
+        ]
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    assert engine.turn(pieces(0)) == []  # the flow encoder
+    monkeypatch.setattr(Estimator, "__call__", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.turn([])  # the first CFM step
+    monkeypatch.undo()
+    assert not engine.busy() and engine.keys() == []
+    answers, turns = engine.turn(pieces(2)), 1
+    while not answers:
+        answers, turns = engine.turn([]), turns + 1
+    (answer,) = answers
+    assert turns == 1 + 2 + 1 + 1 and answer.keys == [2, 3] and answer.error is None
+
+
 @pytest.mark.parametrize("steps_per_part", [1, 2])
 def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, monkeypatch, steps_per_part):
     """``vocoding="interleaved"``: S3Gen's calls run on the worker thread, and ``T3_STEPS_PER_PART`` T3 steps
@@ -827,10 +865,7 @@ def test_metrics_count_where_the_time_goes(tts, vocoder):
         )
         with pytest.raises(ValueError):
             list(worker.submit(bad))
-        endless = SpeechJob(
-            "Hello.", random_voice(4), SamplingParams(max_new_tokens=4000), cfm_steps=2, stream=True
-        )
-        ticket = worker.submit(endless)
+        ticket = worker.submit(endless_job())
         next(iter(ticket))
         ticket.cancel()
         wait_idle(worker)

@@ -188,6 +188,12 @@ class Vocoding:
             answer = drain(self._call)
         except StopIteration as done:
             answer = done.value
+        except BaseException:  # the calls catch their errors; this one (e.g. KeyboardInterrupt) ends the call
+            self._call, self._call_keys = (
+                None,
+                [],
+            )  # so a later turn cannot read the dead call's end as its answer
+            raise
         self._call, self._call_keys = None, []
         # what they hold up to their next due decode, so only new messages wait
         return answers + [answer] + self._feed()
