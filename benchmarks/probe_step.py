@@ -6,7 +6,9 @@ with their projections computed three ways. A one-off probe for the H200; prints
 - micro: chains of one primitive kind, built lazily and then evaluated (so the time is MLX's encoding plus the
   device, not Python): microseconds per primitive.
 - step: English T3 (CFG, 2 rows) and Turbo/Nano (1 row) decode speed and primitives per step: our step with
-  MLX's own ops (``layers.CUDA_DECODE = False``: the code before ADR 12), ours, and upstream on PyTorch CUDA.
+  MLX's own ops (``layers.CUDA_DECODE = False``: the code before ADR 12), ours, ours with the sampling chain's
+  softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), and
+  upstream on PyTorch CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ import time
 
 import mlx.core as mx
 
+from mlx_chatterbox import sampling
 from mlx_chatterbox.models import layers
+
+MLX_MATH = sampling.mlx_math
 
 
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
@@ -145,15 +150,22 @@ def check_kernel(dtype: mx.Dtype) -> float:
 # --- whole steps ---
 
 
+def use(system: str) -> None:
+    """The switches of ``system`` (default: ours)."""
+    layers.CUDA_DECODE = system in ("ours", "ours-old-softmax")
+    sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
+
+
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
-    before ADR 12), "ours" (with layers.CUDA_DECODE) or "upstream" (PyTorch CUDA, same inputs)."""
+    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax" or "upstream" (PyTorch CUDA, same
+    inputs)."""
     import bench_t3
     import bench_turbo
 
     from mlx_chatterbox.models.gpt2 import NANO, TURBO
 
-    layers.CUDA_DECODE = system == "ours"
+    use(system)
     if model == "english":
         if system == "upstream":
             return bench_t3.bench_upstream(dtype_name, "cuda", tokens, repeats, src)
@@ -317,6 +329,9 @@ def main() -> None:
         help="the decode attention kernel as before 2026-12-02: one key per warp at a time, 4 warps a block",
     )
     args = parser.parse_args()
+    unknown = set(args.systems.split(",")) - {"mlx-ops", "ours", "ours-old-softmax", "upstream"}
+    if unknown:
+        parser.error(f"unknown --systems {sorted(unknown)}: mlx-ops, ours, ours-old-softmax, upstream")
     layers.KV_IN_PLACE = args.kv_in_place
     if args.old_attention:
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
@@ -337,11 +352,11 @@ def main() -> None:
         )
         for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
             for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
-                layers.CUDA_DECODE = system == "ours"
+                use(system)
                 r = host_split(model, dn, args.tokens)
                 gc.collect()
                 mx.clear_cache()
-                layers.CUDA_DECODE = True
+                use("ours")
                 print(
                     f"| {model} | {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} | {r['queue_ms']:.2f} | "
                     f"{r['wait_ms']:.2f} | {r['peak_mb']:.0f} |",
@@ -358,7 +373,7 @@ def main() -> None:
                     prims = views = kinds = None
                     if system != "upstream":
                         prims, views, kinds = step_primitives(model, getattr(mx, dn))
-                    layers.CUDA_DECODE = True
+                    use("ours")
                     row = dict(
                         model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views
                     )
