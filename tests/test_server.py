@@ -862,7 +862,10 @@ def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, bu
     if budget is None:
         assert budgets == []
     else:
-        assert budgets and set(budgets) == {vocode.resolve_memory_budget(budget)}
+        # Within 1 MiB: MLX's CPU stream finishes queued work on a thread of its own, so the memory in use can
+        # move by a few KiB between the call's read and the spy's (CI saw 5,632 bytes).
+        expected = vocode.resolve_memory_budget(budget)
+        assert budgets and all(abs(b - expected) < 2**20 for b in budgets), (budgets, expected)
 
 
 @pytest.mark.parametrize(
