@@ -182,13 +182,7 @@ def top_p_filter(logits: mx.array, top_p: float) -> mx.array:
     if top_p >= 1.0:
         # Upstream then drops only ids of probability exactly 0, which can never be drawn anyway.
         return logits
-    order = mx.argsort(logits, axis=-1)
-    cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
-    drop_sorted = cumulative <= 1 - top_p
-    keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
-    drop_sorted = drop_sorted & ~keep_last
-    drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
-    return mx.where(drop, -mx.inf, logits)
+    return _top_p_rows(logits, 1 - top_p)  # compared in float32, as row_knobs rounds it
 
 
 def process_logits(logits: mx.array, seen: mx.array, params: SamplingParams) -> mx.array:
@@ -276,13 +270,14 @@ def _min_p_rows(logits: mx.array, min_p: mx.array) -> mx.array:
     return mx.where(_min_p_drop(logits, min_p), -mx.inf, logits)
 
 
-def _top_p_rows(logits: mx.array, tail: mx.array) -> mx.array:
-    """``top_p_filter`` with a (R, 1) threshold ``tail`` = 1 - top_p (``row_knobs``)."""
+def _top_p_rows(logits: mx.array, tail: float | mx.array) -> mx.array:
+    """``top_p_filter`` with the threshold ``tail`` = 1 - top_p, a number or (R, 1) per row (``row_knobs``)."""
     order = mx.argsort(logits, axis=-1)
     cumulative = mx.cumsum(softmax(mx.take_along_axis(logits, order, axis=-1)), axis=-1)
     keep_last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
     drop_sorted = (cumulative <= tail) & ~keep_last
-    drop = mx.put_along_axis(mx.zeros(drop_sorted.shape, mx.bool_), order, drop_sorted, axis=-1)
+    # order is a permutation, so the scatter writes every id: its base needs no zeros of its own.
+    drop = mx.put_along_axis(drop_sorted, order, drop_sorted, axis=-1)
     return mx.where(drop, -mx.inf, logits)
 
 
@@ -364,7 +359,8 @@ def top_k_filter(logits: mx.array, top_k: int) -> mx.array:
     k = min(top_k, logits.shape[-1])
     if k <= 0 or k == logits.shape[-1]:
         return logits  # all V kept: nothing is below the smallest value
-    kth = mx.topk(logits, k, axis=-1).min(axis=-1, keepdims=True)
+    v = logits.shape[-1]
+    kth = mx.partition(logits, v - k, axis=-1)[..., v - k : v - k + 1]  # the k-th largest: one primitive less
     return mx.where(logits < kth, -mx.inf, logits)
 
 

@@ -140,7 +140,7 @@ def make_draws(total: int, key: mx.array | None, uniforms: mx.array | None) -> m
 def _pick(logits: mx.array, d: mx.array, by_uniform: bool) -> mx.array:
     """The drawn id (1,), or ``_NO_TOKEN`` where every processed logit is -inf (nothing can be drawn)."""
     drawn = draw_turbo(logits, uniform=d) if by_uniform else draw_turbo(logits, key=d)
-    dead = mx.all(logits == -mx.inf, axis=-1)
+    dead = logits.max(axis=-1) == -mx.inf
     return mx.where(dead, _NO_TOKEN, drawn).astype(mx.int32)
 
 

@@ -162,7 +162,7 @@ def _pick(
     (generation/turbo.py ``_pick``)."""
     x = process_turbo_rows(logits, seen, knobs, top_k=uses[0], top_p=uses[1])
     drawn = draw_turbo_rows(x, keys, uniforms, by_uniform, kinds=uses[2:])
-    return mx.where(mx.all(x == -mx.inf, axis=-1), NO_TOKEN, drawn).astype(mx.int32)
+    return mx.where(x.max(axis=-1) == -mx.inf, NO_TOKEN, drawn).astype(mx.int32)
 
 
 def _batch_step(model: T3Turbo, uses: tuple[bool, bool, bool, bool]):
