@@ -256,6 +256,9 @@ class Llama(nn.Module):
         super().__init__()
         # One table for every layer; mx.fast.rope takes periods (1 / inv_freq), not inverse frequencies.
         rope_periods = 1.0 / llama3_inv_freq(cfg)
+        # Evaluated now: a compiled decode step closing over the lazy table recomputed it every step (an arange
+        # and a fused kernel: two primitives of host time per token on a GPU).
+        mx.eval(rope_periods)
         self.layers = [DecoderLayer(cfg, rope_periods) for _ in range(cfg.num_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
