@@ -188,11 +188,10 @@ class Vocoding:
             answer = drain(self._call)
         except StopIteration as done:
             answer = done.value
-        except BaseException:  # the calls catch their errors; this one (e.g. KeyboardInterrupt) ends the call
-            self._call, self._call_keys = (
-                None,
-                [],
-            )  # so a later turn cannot read the dead call's end as its answer
+        except BaseException:
+            # The calls catch their errors; this one (e.g. KeyboardInterrupt) ends the call, so that a later turn
+            # cannot read the dead call's end as its answer.
+            self._call, self._call_keys = None, []
             raise
         self._call, self._call_keys = None, []
         # what they hold up to their next due decode, so only new messages wait
