@@ -28,10 +28,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from mlx_chatterbox import sampling
 from mlx_chatterbox.convert import sanitize
 from mlx_chatterbox.generation.turbo import generate_turbo_tokens, postprocess_tokens
 from mlx_chatterbox.models.gpt2 import NANO, TURBO, T3Turbo, T3TurboConfig
-from mlx_chatterbox import sampling
 from mlx_chatterbox.sampling import TurboParams, process_turbo_logits, softmax
 from tests.conftest import assert_same_ids_kept, random_voice
 
