@@ -257,6 +257,7 @@ def host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
 def _english_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
     """``host_split``'s start (prefill, first token) and one step for English T3 (CFG, default knobs)."""
     import bench_t3
+
     from mlx_chatterbox.generation import speech_tokens as st
     from mlx_chatterbox.models.t3 import T3
     from mlx_chatterbox.sampling import SamplingParams
@@ -283,6 +284,7 @@ def _english_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
 def _turbo_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
     """``host_split``'s start and one step for Turbo or Nano (1 row, Turbo's sampling chain)."""
     import bench_turbo
+
     from mlx_chatterbox.generation import turbo
     from mlx_chatterbox.models.gpt2 import NANO, TURBO
     from mlx_chatterbox.sampling import TurboParams
