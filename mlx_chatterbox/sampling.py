@@ -137,13 +137,6 @@ def softmax(logits: mx.array) -> mx.array:
     return e / total
 
 
-def _min_p_drop(logits: mx.array, min_p: float | mx.array) -> mx.array:
-    """Where p < min_p * max(p). The largest p is 1 / total (its numerator is exactly 1), which spares the
-    row maximum of the probabilities and is the same float32 number."""
-    e, total = _numerators(logits)
-    return e / total < min_p * (1.0 / total)
-
-
 def cfg_combine(logits: mx.array, weight: float) -> mx.array:
     """(B, V) logits with the conditional row first -> (1, V); a batch of one passes through."""
     if logits.shape[0] == 1:
@@ -173,7 +166,7 @@ def min_p_filter(logits: mx.array, min_p: float) -> mx.array:
     """HF ``MinPLogitsWarper``: drop ids with p < min_p * max(p); the arg-max always survives."""
     if min_p == 0.0:
         return logits
-    return mx.where(_min_p_drop(logits, min_p), -mx.inf, logits)
+    return _min_p_rows(logits, min_p)
 
 
 def top_p_filter(logits: mx.array, top_p: float) -> mx.array:
@@ -266,8 +259,12 @@ def process_rows(
     return mx.where(greedy, x, sampled)
 
 
-def _min_p_rows(logits: mx.array, min_p: mx.array) -> mx.array:
-    return mx.where(_min_p_drop(logits, min_p), -mx.inf, logits)
+def _min_p_rows(logits: mx.array, min_p: float | mx.array) -> mx.array:
+    """``min_p_filter`` with ``min_p`` a number or (R, 1) per row (``row_knobs``). The largest p is 1 / total
+    (its numerator is exactly 1): the same float32 number as the row maximum of the probabilities, without
+    that reduction."""
+    e, total = _numerators(logits)
+    return mx.where(e / total < min_p * (1.0 / total), -mx.inf, logits)
 
 
 def _top_p_rows(logits: mx.array, tail: float | mx.array) -> mx.array:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA decode paths' tests (tests/test_decode_cuda.py; ~4 min on a fresh machine, most of it compiling the
 # kernels), then single-stream decode speed for every model (benchmarks/probe_step.py) into ~/res/step.jsonl.
-# Extra arguments go to probe_step.py (e.g. --kv-in-place, --systems ours-old-softmax,ours,upstream --upstream-src DIR).
+# Extra arguments go to probe_step.py (e.g. --kv-in-place, --systems ours-old-softmax,ours,upstream
+# --upstream-src DIR).
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 echo "== commit $BENCH_COMMIT"
 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda.py 2>&1 | tail -8
