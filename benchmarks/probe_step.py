@@ -7,7 +7,8 @@ with their projections computed three ways. A one-off probe for the H200; prints
   device, not Python): microseconds per primitive.
 - step: English T3 (CFG, 2 rows) and Turbo/Nano (1 row) decode speed and primitives per step: our step with
   MLX's own ops (``layers.CUDA_DECODE = False``: the code before ADR 12), ours, ours with the sampling chain's
-  softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), and
+  softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), ours
+  with the cache written by the q/k/v kernel ("ours-kv-in-place": ``layers.KV_IN_PLACE``, ADR 13), and
   upstream on PyTorch CUDA.
 """
 
@@ -35,6 +36,7 @@ from mlx_chatterbox import sampling
 from mlx_chatterbox.models import layers
 
 MLX_MATH = sampling.mlx_math
+OURS = ("ours", "ours-old-softmax", "ours-kv-in-place")  # the systems with our CUDA decode kernels
 
 
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
@@ -152,14 +154,15 @@ def check_kernel(dtype: mx.Dtype) -> float:
 
 def use(system: str) -> None:
     """The switches of ``system`` (default: ours)."""
-    layers.CUDA_DECODE = system in ("ours", "ours-old-softmax")
+    layers.CUDA_DECODE = system in OURS
+    layers.KV_IN_PLACE = system == "ours-kv-in-place"
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
 
 
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
-    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax" or "upstream" (PyTorch CUDA, same
-    inputs)."""
+    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-kv-in-place" or "upstream"
+    (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
 
@@ -324,17 +327,16 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--models", default="english,turbo,nano")
     parser.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
-    parser.add_argument("--kv-in-place", action="store_true", help="layers.KV_IN_PLACE for ours (ADR 13)")
     parser.add_argument(
         "--old-attention",
         action="store_true",
         help="the decode attention kernel as before 2026-12-02: one key per warp at a time, 4 warps a block",
     )
     args = parser.parse_args()
-    unknown = set(args.systems.split(",")) - {"mlx-ops", "ours", "ours-old-softmax", "upstream"}
+    known = ("mlx-ops", *OURS, "upstream")
+    unknown = set(args.systems.split(",")) - set(known)
     if unknown:
-        parser.error(f"unknown --systems {sorted(unknown)}: mlx-ops, ours, ours-old-softmax, upstream")
-    layers.KV_IN_PLACE = args.kv_in_place
+        parser.error(f"unknown --systems {sorted(unknown)}: {', '.join(known)}")
     if args.old_attention:
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     mx.set_default_device(getattr(mx, args.device))
@@ -382,7 +384,7 @@ def main() -> None:
                     row |= dict(
                         **r,
                         primitive_kinds=kinds,
-                        kv_in_place=args.kv_in_place,
+                        kv_in_place=system == "ours-kv-in-place",
                         decode_attention="old" if args.old_attention else "new",
                     )
                     rows.append(row)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA decode paths' tests (tests/test_decode_cuda.py; ~4 min on a fresh machine, most of it compiling the
 # kernels), then single-stream decode speed for every model (benchmarks/probe_step.py) into ~/res/step.jsonl.
-# Extra arguments go to probe_step.py (e.g. --kv-in-place, --systems ours-old-softmax,ours,upstream
+# Extra arguments go to probe_step.py (e.g. --systems ours-old-softmax,ours,ours-kv-in-place,upstream
 # --upstream-src DIR).
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 echo "== commit $BENCH_COMMIT"
