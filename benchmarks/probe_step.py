@@ -8,8 +8,8 @@ with their projections computed three ways. A one-off probe for the H200; prints
 - step: English T3 (CFG, 2 rows) and Turbo/Nano (1 row) decode speed and primitives per step: our step with
   MLX's own ops (``layers.CUDA_DECODE = False``: the code before ADR 12), ours, ours with the sampling chain's
   softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), ours
-  with the cache written by the q/k/v kernel ("ours-kv-in-place": ``layers.KV_IN_PLACE``, ADR 13), and
-  upstream on PyTorch CUDA.
+  with the cache written by two ``slice_update``s a layer as before 2026-12-04 ("ours-slice-update":
+  ``layers.KV_IN_PLACE`` off, ADR 13), and upstream on PyTorch CUDA.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mlx_chatterbox import sampling
 from mlx_chatterbox.models import layers
 
 MLX_MATH = sampling.mlx_math
-OURS = ("ours", "ours-old-softmax", "ours-kv-in-place")  # the systems with our CUDA decode kernels
+OURS = ("ours", "ours-old-softmax", "ours-slice-update")  # the systems with our CUDA decode kernels
 
 
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
@@ -155,13 +155,13 @@ def check_kernel(dtype: mx.Dtype) -> float:
 def use(system: str) -> None:
     """The switches of ``system`` (default: ours)."""
     layers.CUDA_DECODE = system in OURS
-    layers.KV_IN_PLACE = system == "ours-kv-in-place"
+    layers.KV_IN_PLACE = system != "ours-slice-update"
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
 
 
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
-    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-kv-in-place" or "upstream"
+    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update" or "upstream"
     (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
@@ -384,7 +384,7 @@ def main() -> None:
                     row |= dict(
                         **r,
                         primitive_kinds=kinds,
-                        kv_in_place=system == "ours-kv-in-place",
+                        kv_in_place=system in OURS and system != "ours-slice-update",
                         decode_attention="old" if args.old_attention else "new",
                     )
                     rows.append(row)

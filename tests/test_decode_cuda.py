@@ -10,9 +10,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlx_chatterbox.generation.aligned import generate_aligned_speech_tokens
+from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
+from mlx_chatterbox.generation.turbo import generate_turbo_tokens
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.gpt2 import T3Turbo, T3TurboConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
+from mlx_chatterbox.sampling import SamplingParams, TurboParams
+from tests.conftest import random_voice
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -144,7 +149,7 @@ def decode_logits(model, embeds: mx.array, tokens: list[int], step_by_step: bool
         (False, False),
         (True, True),
         # ADR 13: with fixed tokens, step t + 1 has no GPU-side edge from step t's in-place write in one graph
-        # (1.5e-2 relative on the H200, 2026-12-02); why KV_IN_PLACE is off.
+        # (1.5e-2 relative on the H200, 2026-12-02); why the decode loops evaluate one step at a time (below).
         pytest.param(
             True, False, marks=pytest.mark.xfail(strict=True, reason="in-place write unordered in one graph")
         ),
@@ -171,6 +176,97 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
     fused = decode_logits(model, embeds, tokens, step_by_step)
     err = (mx.linalg.norm(fused - composed) / mx.linalg.norm(composed)).item()
     assert err <= 1e-5, err
+
+
+@cuda
+@pytest.mark.parametrize("which", ["t3", "turbo"])
+def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which, monkeypatch):
+    """The real loops (pipelined, compiled, past one 256-position capacity step) with the q/k/v kernel
+    writing the cache and with two ``slice_update``s a layer: the same tokens, since the same numbers are
+    written and read (head dim 64, so the kernel runs)."""
+    mx.random.seed(4)
+    voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
+    if which == "t3":
+        model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
+        params = SamplingParams(max_new_tokens=300)
+
+        def run() -> list[int]:
+            return list(
+                generate_speech_tokens(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False)
+            )
+
+    else:
+        model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
+        params = TurboParams(max_new_tokens=300)
+
+        def run() -> list[int]:
+            return list(
+                generate_turbo_tokens(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False)
+            )
+
+    tokens = {}
+    for in_place in (False, True):
+        monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
+        model.compiled_steps.clear()  # traced with the switch as it was
+        tokens[in_place] = run()
+    assert len(tokens[True]) == 300 + (which == "turbo") and tokens[True] == tokens[False]  # Turbo: 1 + n
+
+
+@pytest.mark.parametrize("loop", ["english", "aligned", "turbo"])
+def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monkeypatch):
+    """``layers.KV_IN_PLACE`` is sound only where no evaluation holds two decode steps (ADR 13: in one graph a
+    step's cache write has no GPU-side edge to the next step's readers), so every loop must queue step t for
+    evaluation before it builds step t + 1's cache writes. Checked on any device: compilation off, so that the
+    steps' Python runs every step, and every write of a layer's cache (``heads`` given the buffers) must have
+    an evaluation between it and that layer's previous write."""
+    events: list[object] = []
+    heads, evaluate, queue = layers.heads, mx.eval, mx.async_eval
+
+    def recorded_heads(layer, *args, cache=None, **kwargs):
+        if cache is not None:
+            events.append(id(layer))
+        return heads(layer, *args, cache=cache, **kwargs)
+
+    def recorded(run):
+        def call(*args):
+            events.append("eval")
+            return run(*args)
+
+        return call
+
+    monkeypatch.setattr(layers, "heads", recorded_heads)
+    monkeypatch.setattr(mx, "eval", recorded(evaluate))
+    monkeypatch.setattr(mx, "async_eval", recorded(queue))
+    mx.random.seed(0)
+    voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
+    mx.disable_compile()
+    try:
+        if loop == "turbo":
+            model = T3Turbo(T3TurboConfig(hidden_size=64, num_layers=2, num_heads=4, n_positions=512))
+            params = TurboParams(max_new_tokens=12)
+            tokens = list(generate_turbo_tokens(model, voice, text, params, stop_on_eos=False))
+        elif loop == "english":
+            model = T3(
+                T3Config(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128)
+            )
+            params = SamplingParams(max_new_tokens=12)
+            tokens = list(generate_speech_tokens(model, voice, text, params, stop_on_eos=False))
+        else:  # the layers and heads the alignment analyzer reads
+            model = T3(
+                T3Config(hidden_size=32, num_layers=14, num_heads=16, head_dim=2, intermediate_size=64)
+            )
+            params = SamplingParams(max_new_tokens=12)
+            tokens = list(generate_aligned_speech_tokens(model, voice, text, params))
+    finally:
+        mx.enable_compile()
+    last: dict[object, int] = {}
+    for i, event in enumerate(events):
+        if event != "eval":
+            assert (
+                event not in last or "eval" in events[last[event] : i]
+            ), f"two steps in one graph at event {i}"
+            last[event] = i
+    assert len(tokens) >= 2 and len(last) == len(model.tfmr.layers if loop != "turbo" else model.tfmr.h)
 
 
 @cuda

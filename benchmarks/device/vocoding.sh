@@ -5,13 +5,18 @@
 # with 2 T3 steps a part; then 32 streams alone for the first three; then T3 alone at 256 rows (bench_batch).
 # Raw lines in ~/res/vocoding_*.jsonl, the tables in ~/res/vocoding.log. Run through start.sh:
 #   bash benchmarks/device/start.sh vocoding 560    (and, if it runs on, bash benchmarks/device/wait.sh 560 vocoding)
+# Arguments name the parts to run (thread interleaved process interleaved2 thread32 interleaved32 process32
+# batch); none runs all of them.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 echo "== commit $BENCH_COMMIT"
 bash "$(dirname "$0")/model.sh" english
 dir=/tmp/serve-english
+only=" $* "
+wanted() { [ "$only" = "  " ] || [[ $only == *" $1 "* ]]; }
 probe() {  # NAME SCENARIO-FLAGS PLACEMENT-FLAGS...
   local name=$1 load=$2
   shift 2
+  wanted "$name" || return 0
   echo "== $name at $(date +%T): $load $*"
   # shellcheck disable=SC2086  # the flags are words
   timeout 300 python3 benchmarks/probe_worker.py --paths serve --model "$dir/mlx" --voice "$dir/voice.safetensors" \
@@ -29,7 +34,6 @@ probe thread32 "$streams" --vocoding thread
 probe interleaved32 "$streams" --vocoding interleaved
 probe process32 "$streams" --vocoding process
 # T3 alone at 256 rows in bf16 and 10 s requests (issue 24's 15,000 tok/s; run G2's 14,112 was at 100 tokens)
-echo "== bench_batch at $(date +%T)"
-timeout 300 python3 benchmarks/bench_batch.py --concurrency 256 --tokens 250 --dtype bfloat16 \
+wanted batch && echo "== bench_batch at $(date +%T)" && timeout 300 python3 benchmarks/bench_batch.py --concurrency 256 --tokens 250 --dtype bfloat16 \
     --out ~/res/vocoding_batch.jsonl 2>&1 | grep -v '^{'
 echo "== done"

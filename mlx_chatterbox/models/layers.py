@@ -353,10 +353,12 @@ GEMV_ROWS = 4
 CUDA_DECODE = True
 
 # Whether ``heads`` writes k and v into the cache buffers in place on CUDA (ADR 13), instead of two
-# ``slice_update``s a layer. Off: MLX does not know of the write, so it is ordered before later readers only when
-# each decode step is evaluated on its own (the generation loops do; on the H200 tests/test_decode_cuda.py passed
-# with it step by step and failed in its lazy 300-step graph of fixed tokens, 2026-12-02; ADR 13).
-KV_IN_PLACE = False
+# ``slice_update``s a layer, each of which copies its whole buffer: a decode loop queues step t + 1 while step t
+# still holds the buffers, so MLX cannot donate them (English bf16 on the H200: 2.11 ms a step against 3.16,
+# 2026-12-04). MLX does not know of the write, so it is ordered before later readers only when each decode step
+# is evaluated on its own: every T3 decode loop does (tests/test_decode_cuda.py holds them to it), and the H200
+# tests pass step by step and fail in a lazy 300-step graph of fixed tokens.
+KV_IN_PLACE = True
 
 
 # Whether MLX runs on CUDA here, asked once (``mx.cuda`` is absent from MLX builds older than the CUDA backend).
