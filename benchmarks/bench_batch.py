@@ -247,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
         "2026-12-02's unrolled, 16-warp form)",
     )
     parser.add_argument(
+        "--slice-update",
+        action="store_true",
+        help="write each step's keys and values with two slice_updates a layer (layers.KV_IN_PLACE off: before "
+        "2026-12-04, when our kernels began writing them in place on CUDA)",
+    )
+    parser.add_argument(
         "--thread",
         action="store_true",
         help="run the batches on a thread of their own with its own MLX stream, as the server's worker does",
@@ -269,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     set_cache_step(args.cache_step)
     layers.CUDA_DECODE = not args.mlx_ops
+    layers.KV_IN_PLACE = not args.slice_update
     if args.decode_attention == "old":
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
@@ -292,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
             layers=cfg.num_layers,
             mlx_ops=args.mlx_ops,
             decode_attention=args.decode_attention,
+            kv_in_place=not args.slice_update,
             thread=args.thread,
             cache_step=args.cache_step,
             **row,

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from mlx_chatterbox.generation.aligned import generate_aligned_speech_tokens
+from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 from mlx_chatterbox.generation.turbo import generate_turbo_tokens
+from mlx_chatterbox.generation.turbo_batch import TurboTokenBatch
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.gpt2 import T3Turbo, T3TurboConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
@@ -212,20 +214,60 @@ def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which,
     assert len(tokens[True]) == 300 + (which == "turbo") and tokens[True] == tokens[False]  # Turbo: 1 + n
 
 
-@pytest.mark.parametrize("loop", ["english", "aligned", "turbo"])
+def stepped(batch, joins: dict[int, list[BatchRequest]]) -> dict[int, list[int]]:
+    """Step ``batch`` (generation/batch.py), adding ``joins[k]`` before step k, until it is empty and no join is
+    left: each request's tokens by its id."""
+    tokens: dict[int, list[int]] = {}
+    k = 0
+    while len(batch) or any(j >= k for j in joins):
+        for request in joins.get(k, []):
+            tokens[batch.add(request)] = []
+        for uid, token, _ in batch.step():
+            tokens[uid].append(token)
+        k += 1
+    return tokens
+
+
+@cuda
+@pytest.mark.parametrize("which", ["t3", "turbo"])
+def test_batches_draw_the_same_tokens_with_the_windows_written_in_place(which, monkeypatch):
+    """The batch engines (joins and leaves mid-window, window flushes, head dim 64 so the kernel runs) with our
+    attention kernel writing the windows and with two ``slice_update``s a layer: the same tokens."""
+    mx.random.seed(5)
+    if which == "t3":
+        model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
+        batch_type, params = SpeechTokenBatch, SamplingParams
+    else:
+        model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
+        batch_type, params = TurboTokenBatch, TurboParams
+    requests = [
+        BatchRequest(list(range(3, 3 + n)), random_voice(seed, prompt_len=20 * seed), params(max_new_tokens=m),
+                     key=mx.random.key(seed))
+        for seed, n, m in ((1, 5, 40), (2, 9, 25), (3, 3, 60), (4, 12, 30))
+    ]  # fmt: skip
+    joins = {0: requests[:2], 7: [requests[2]], 30: [requests[3]]}
+    tokens = {}
+    for in_place in (False, True):
+        monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
+        model.compiled_steps.clear()  # traced with the switch as it was
+        tokens[in_place] = list(stepped(batch_type(model, False, window_size=5), joins).values())
+    lengths = [r.params.max_new_tokens + (which == "turbo") for r in requests]  # Turbo: 1 + n
+    assert [len(t) for t in tokens[True]] == lengths and tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("loop", ["english", "aligned", "turbo", "english-batch", "turbo-batch"])
 def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monkeypatch):
     """``layers.KV_IN_PLACE`` is sound only where no evaluation holds two decode steps (ADR 13: in one graph a
     step's cache write has no GPU-side edge to the next step's readers), so every loop must queue step t for
     evaluation before it builds step t + 1's cache writes. Checked on any device: compilation off, so that the
-    steps' Python runs every step, and every write of a layer's cache (``heads`` given the buffers) must have
-    an evaluation between it and that layer's previous write."""
+    steps' Python runs every step, and every decode step of a layer (``heads``, which the step's cache or window
+    write follows) must have an evaluation between it and that layer's previous one."""
     events: list[object] = []
     heads, evaluate, queue = layers.heads, mx.eval, mx.async_eval
 
-    def recorded_heads(layer, *args, cache=None, **kwargs):
-        if cache is not None:
-            events.append(id(layer))
-        return heads(layer, *args, cache=cache, **kwargs)
+    def recorded_heads(layer, *args, **kwargs):
+        events.append(id(layer))
+        return heads(layer, *args, **kwargs)
 
     def recorded(run):
         def call(*args):
@@ -239,24 +281,29 @@ def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monk
     monkeypatch.setattr(mx, "async_eval", recorded(queue))
     mx.random.seed(0)
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
+    if loop.startswith("turbo"):
+        model = T3Turbo(T3TurboConfig(hidden_size=64, num_layers=2, num_heads=4, n_positions=512))
+        params = TurboParams(max_new_tokens=12)
+    elif loop == "aligned":  # the layers and heads the alignment analyzer reads
+        model = T3(T3Config(hidden_size=32, num_layers=14, num_heads=16, head_dim=2, intermediate_size=64))
+        params = SamplingParams(max_new_tokens=12)
+    else:
+        model = T3(T3Config(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128))
+        params = SamplingParams(max_new_tokens=12)
     mx.disable_compile()
     try:
         if loop == "turbo":
-            model = T3Turbo(T3TurboConfig(hidden_size=64, num_layers=2, num_heads=4, n_positions=512))
-            params = TurboParams(max_new_tokens=12)
             tokens = list(generate_turbo_tokens(model, voice, text, params, stop_on_eos=False))
         elif loop == "english":
-            model = T3(
-                T3Config(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128)
-            )
-            params = SamplingParams(max_new_tokens=12)
             tokens = list(generate_speech_tokens(model, voice, text, params, stop_on_eos=False))
-        else:  # the layers and heads the alignment analyzer reads
-            model = T3(
-                T3Config(hidden_size=32, num_layers=14, num_heads=16, head_dim=2, intermediate_size=64)
-            )
-            params = SamplingParams(max_new_tokens=12)
+        elif loop == "aligned":
             tokens = list(generate_aligned_speech_tokens(model, voice, text, params))
+        else:  # a second request joining at step 3, after a window flush (2 positions a window)
+            batch = (TurboTokenBatch if loop == "turbo-batch" else SpeechTokenBatch)(
+                model, False, window_size=2
+            )
+            joins = {0: [BatchRequest(text, voice, params)], 3: [BatchRequest(text[:3], voice, params)]}
+            tokens = [t for ts in stepped(batch, joins).values() for t in ts]
     finally:
         mx.enable_compile()
     last: dict[object, int] = {}
@@ -266,7 +313,9 @@ def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monk
                 event not in last or "eval" in events[last[event] : i]
             ), f"two steps in one graph at event {i}"
             last[event] = i
-    assert len(tokens) >= 2 and len(last) == len(model.tfmr.layers if loop != "turbo" else model.tfmr.h)
+    assert len(tokens) >= 2 and len(last) == len(
+        model.tfmr.h if loop.startswith("turbo") else model.tfmr.layers
+    )
 
 
 @cuda

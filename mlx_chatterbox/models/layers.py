@@ -307,7 +307,12 @@ def window_attention(
     read only; window_keys, window_values: (B, H, W, hd) holding base .. at[0] - 1, returned with this token
     written at index at[0] - base. Every row's pad is below base, so only the big buffers need the pad mask.
     Returns the heads merged, (B, 1, H·hd). Nothing depends on the values of at or pad: one trace per shape.
-    kernel: as ``decode_attention``'s (on CUDA our kernel reads both key sets in one primitive)."""
+    kernel: as ``decode_attention``'s (on CUDA our kernel reads both key sets in one primitive; with
+    ``KV_IN_PLACE`` it also writes k and v into the windows where they are, as ``heads`` writes a cache, and the
+    windows come back through ``mx.depends`` on its output)."""
+    if _kernel_fits(q, kernel) and KV_IN_PLACE:
+        out = _attention_kernel(q, [q, keys, values, at, pad, window_keys, window_values, k, v], True, True)
+        return out, *mx.depends([window_keys, window_values], [out])
     position, base = at[0], at[1]
     slot = (position - base)[None]
     window_keys = mx.slice_update(window_keys, k, slot, axes=(2,))
@@ -352,12 +357,13 @@ GEMV_ROWS = 4
 # False keeps MLX's own ops on CUDA too (benchmarks/probe_step.py compares the two in one run).
 CUDA_DECODE = True
 
-# Whether ``heads`` writes k and v into the cache buffers in place on CUDA (ADR 13), instead of two
-# ``slice_update``s a layer, each of which copies its whole buffer: a decode loop queues step t + 1 while step t
-# still holds the buffers, so MLX cannot donate them (English bf16 on the H200: 2.11 ms a step against 3.16,
-# 2026-12-04). MLX does not know of the write, so it is ordered before later readers only when each decode step
-# is evaluated on its own: every T3 decode loop does (tests/test_decode_cuda.py holds them to it), and the H200
-# tests pass step by step and fail in a lazy 300-step graph of fixed tokens.
+# Whether ``heads`` writes k and v into the cache buffers in place on CUDA (ADR 13), and ``window_attention``'s
+# kernel into a batch's windows, instead of two ``slice_update``s a layer, each of which copies its whole buffer:
+# a decode loop queues step t + 1 while step t still holds the buffers, so MLX cannot donate them (English bf16
+# on the H200: 2.11 ms a step against 3.16, 2026-12-04). MLX does not know of the write, so it is ordered before
+# later readers only when each decode step is evaluated on its own: every T3 decode loop does (tests/
+# test_decode_cuda.py holds them to it), and the H200 tests pass step by step and fail in a lazy 300-step graph
+# of fixed tokens.
 KV_IN_PLACE = True
 
 
@@ -867,19 +873,37 @@ _WINDOW_SETUP = """
     const T* wkb = window_keys + (size_t)bh * window * D + lane * PER;
     const T* wvb = window_values + (size_t)bh * window * D + lane * PER;
 """
-_decode_attention_kernels: dict[tuple[bool, bool], object] = {}
+# k and v of the token into the windows at its index, through the read-only inputs (``window_attention``).
+_WINDOW_WRITE = """
+    const T* nkb = k + (size_t)bh * D + lane * PER;
+    const T* nvb = v + (size_t)bh * D + lane * PER;
+    if (warp == 0) {
+        size_t slot = (size_t)(last - base) * D;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const_cast<T*>(wkb)[slot + i] = nkb[i];
+            const_cast<T*>(wvb)[slot + i] = nvb[i];
+        }
+    }
+"""
+_decode_attention_kernels: dict[tuple[bool, bool, bool], object] = {}
 
 
 def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window: bool) -> mx.array:
-    """Our decode attention kernel on ``inputs`` = q, keys, values, at[, pad][, window_keys, window_values]."""
-    if (has_pad, window) not in _decode_attention_kernels:
+    """Our decode attention kernel on ``inputs`` = q, keys, values, at[, pad][, window_keys, window_values[, k,
+    v]]: given the token's k and v, it writes them into the windows at index at[0] - base itself."""
+    write = len(inputs) == 9
+    if (has_pad, window, write) not in _decode_attention_kernels:
         names = ["q", "keys", "values", "at"] + (["pad"] if has_pad else [])
         names += ["window_keys", "window_values"] if window else []
+        names += ["k", "v"] if write else []
+        # The token's own key and value are read from k and v, never from the slot this kernel writes.
+        own = ("j == last ? nkb : ", "j == last ? nvb : ") if write else ("", "")
         rows = (
             dict(
-                window=_WINDOW_SETUP,
-                key_row="j >= base ? wkb + (size_t)(j - base) * D : kb + (size_t)j * D",
-                value_row="j >= base ? wvb + (size_t)(j - base) * D : vb + (size_t)j * D",
+                window=_WINDOW_SETUP + (_WINDOW_WRITE if write else ""),
+                key_row=own[0] + "j >= base ? wkb + (size_t)(j - base) * D : kb + (size_t)j * D",
+                value_row=own[1] + "j >= base ? wvb + (size_t)(j - base) * D : vb + (size_t)j * D",
                 first="pad[bh / H]",
             )
             if window
@@ -891,12 +915,12 @@ def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window
             )
         )
         name = "decode_attention" + ("_pad" if has_pad else "") + ("_window" if window else "")
-        _decode_attention_kernels[has_pad, window] = mx.fast.cuda_kernel(
-            name, names, ["out"], _DECODE_ATTENTION % rows
+        _decode_attention_kernels[has_pad, window, write] = mx.fast.cuda_kernel(
+            name + ("_write" if write else ""), names, ["out"], _DECODE_ATTENTION % rows
         )
     b, h, _, hd = q.shape
     warps = 16 if b * h <= DECODE_WIDE_BLOCKS else 4
-    return _decode_attention_kernels[has_pad, window](
+    return _decode_attention_kernels[has_pad, window, write](
         inputs=inputs,
         template=[("T", q.dtype), ("D", hd), ("H", h), ("WARPS", warps), ("UNROLL", DECODE_UNROLL)],
         grid=(b * h * 32 * warps, 1, 1),
