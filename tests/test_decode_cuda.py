@@ -319,22 +319,31 @@ def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monk
 
 
 @cuda
+@pytest.mark.parametrize("in_place", [False, True], ids=["slice-update", "in-place"])
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-6), (mx.bfloat16, 1e-2)])
 @pytest.mark.parametrize("position", [40, 63, 300])
 @pytest.mark.parametrize("b", [3, 20])
-def test_window_attention_kernel_equals_composed(dtype, tol, position, b):
-    """The batch cache's attention (models/cache.py BatchKVCache): big buffers before base, a window after."""
+def test_window_attention_kernel_equals_composed(dtype, tol, position, b, in_place, monkeypatch):
+    """The batch cache's attention (models/cache.py BatchKVCache): big buffers before base, a window after;
+    the token written into the windows by ``slice_update`` or by the kernel (``KV_IN_PLACE``), which must give
+    the same windows back."""
+    monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
     rng = np.random.default_rng(position)
     h, capacity, window, hd = 16, 512, 32, 64
     base = position - position % window if position % window else position - 5
     arrays = [rng.standard_normal(s).astype(np.float32) for s in [(b, h, 1, hd)] * 3]
     arrays += [rng.standard_normal((b, h, capacity, hd)).astype(np.float32) for _ in range(2)]
     arrays += [rng.standard_normal((b, h, window, hd)).astype(np.float32) for _ in range(2)]
-    q, k, v, keys, values, wk, wv = (mx.array(a).astype(dtype) for a in arrays)
+    q, k, v, keys, values = (mx.array(a).astype(dtype) for a in arrays[:5])
     at = mx.array([position, base], mx.int32)
     pad = mx.array([0, 7, min(base - 1, 30)] * (b // 3) + [0] * (b % 3), mx.int32)
-    fused = layers.window_attention(q, k, v, at, pad, keys, values, wk, wv, kernel=True)
-    composed = layers.window_attention(q, k, v, at, pad, keys, values, wk, wv, kernel=False)
+
+    def windows() -> list[mx.array]:  # each call its own: the kernel may write them
+        return [mx.array(a).astype(dtype) for a in arrays[5:]]
+
+    fused = layers.window_attention(q, k, v, at, pad, keys, values, *windows(), kernel=True)
+    mx.eval(fused)
+    composed = layers.window_attention(q, k, v, at, pad, keys, values, *windows(), kernel=False)
     for got, want in zip(fused, composed):
         got, want = got.astype(mx.float32), want.astype(mx.float32)
         err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
