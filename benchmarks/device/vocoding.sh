@@ -2,7 +2,7 @@
 # Where the vocoding thread's S3Gen work runs, compared on one machine (issue 24: `serve --vocoding`): the real
 # server (probe_worker --paths serve: 250-token requests, bf16 CFM, --vocode-batch 32) once per placement, in
 # this order: thread first (it fills the kernel cache the others then find), interleaved, process, interleaved
-# with 2 T3 steps a part; then 32 streams alone for the first three; then T3 alone at 256 rows (bench_batch).
+# with 2 T3 steps a part; then 32 streams alone for the first three; then T3 alone (bench_batch, 64 and 256 rows).
 # Raw lines in ~/res/vocoding_*.jsonl, the tables in ~/res/vocoding.log. Run through start.sh:
 #   bash benchmarks/device/start.sh vocoding 560    (and, if it runs on, bash benchmarks/device/wait.sh 560 vocoding)
 # Arguments name the parts to run (thread interleaved process interleaved2 thread32 interleaved32 process32
@@ -33,7 +33,10 @@ streams="--requests 0 --streams 32"
 probe thread32 "$streams" --vocoding thread
 probe interleaved32 "$streams" --vocoding interleaved
 probe process32 "$streams" --vocoding process
-# T3 alone at 256 rows in bf16 and 10 s requests (issue 24's 15,000 tok/s; run G2's 14,112 was at 100 tokens)
-wanted batch && echo "== bench_batch at $(date +%T)" && timeout 300 python3 benchmarks/bench_batch.py --concurrency 256 --tokens 250 --dtype bfloat16 \
-    --out ~/res/vocoding_batch.jsonl 2>&1 | grep -v '^{'
+# T3 alone at 64 and 256 rows in bf16 and 10 s requests (issue 24's 15,000 tok/s at 256), the windows written by
+# our attention kernel and, to compare, by slice_update (run U: 14,634 tok/s at 256 rows before the kernel wrote)
+for how in "" --slice-update; do
+  wanted batch && echo "== bench_batch $how at $(date +%T)" && timeout 300 python3 benchmarks/bench_batch.py \
+      --concurrency 64,256 --tokens 250 --dtype bfloat16 $how --out ~/res/vocoding_batch.jsonl 2>&1 | grep -v '^{'
+done
 echo "== done"
