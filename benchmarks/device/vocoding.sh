@@ -2,7 +2,8 @@
 # Where the vocoding thread's S3Gen work runs, compared on one machine (issue 24: `serve --vocoding`): the real
 # server (probe_worker --paths serve: 250-token requests, bf16 CFM, --vocode-batch 32) once per placement, in
 # this order: thread first (it fills the kernel cache the others then find), interleaved, process, interleaved
-# with 2 T3 steps a part; then 32 streams alone for the first three; then T3 alone (bench_batch, 64 and 256 rows).
+# with 2 T3 steps a part; then 32 streams alone for the first three; then T3 alone (bench_batch, 64 and
+# 256 rows).
 # Raw lines in ~/res/vocoding_*.jsonl, the tables in ~/res/vocoding.log. Run through start.sh:
 #   bash benchmarks/device/start.sh vocoding 560    (and, if it runs on, bash benchmarks/device/wait.sh 560 vocoding)
 # Arguments name the parts to run (thread interleaved process interleaved2 thread32 interleaved32 process32
