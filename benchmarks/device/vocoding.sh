@@ -22,7 +22,7 @@ probe() {  # NAME SCENARIO-FLAGS PLACEMENT-FLAGS...
   # shellcheck disable=SC2086  # the flags are words
   timeout 300 python3 benchmarks/probe_worker.py --paths serve --model "$dir/mlx" --voice "$dir/voice.safetensors" \
       --tokens 250 --cfm-dtype bfloat16 $load "$@" --out ~/res/vocoding_"$name".jsonl 2>&1 \
-      | grep -E '^\| (closed|served|path|scenario)' | grep -v ' s [0-9]*% '
+      | grep -E '^\| (closed|served|path|scenario)'
   echo "== $name ended with ${PIPESTATUS[0]}"
 }
 full="--requests 128 --streams 64"
