@@ -9,7 +9,9 @@ with their projections computed three ways. A one-off probe for the H200; prints
   MLX's own ops (``layers.CUDA_DECODE = False``: the code before ADR 12), ours, ours with the sampling chain's
   softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), ours
   with the cache written by two ``slice_update``s a layer as before 2026-12-04 ("ours-slice-update":
-  ``layers.KV_IN_PLACE`` off, ADR 13), and upstream on PyTorch CUDA.
+  ``layers.KV_IN_PLACE`` off, ADR 13), ours without the ``mx.depends`` that hand the written buffers back
+  ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), and upstream on
+  PyTorch CUDA.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from mlx_chatterbox import sampling
 from mlx_chatterbox.models import layers
 
 MLX_MATH = sampling.mlx_math
-OURS = ("ours", "ours-old-softmax", "ours-slice-update")  # the systems with our CUDA decode kernels
+OURS = ("ours", "ours-old-softmax", "ours-slice-update", "ours-no-depends")  # with our CUDA decode kernels
+DEPENDS = mx.depends
 
 
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
@@ -157,12 +160,13 @@ def use(system: str) -> None:
     layers.CUDA_DECODE = system in OURS
     layers.KV_IN_PLACE = system != "ours-slice-update"
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
+    mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
 
 
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
-    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update" or "upstream"
-    (PyTorch CUDA, same inputs)."""
+    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends"
+    or "upstream" (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
 
