@@ -58,7 +58,8 @@ def add_parser(sub) -> None:
         "its own, which loads its own S3Gen at start and shares neither MLX's process-wide throttles nor Python's "
         "GIL with T3 (an H200 64-row T3 step took 23 ms beside S3Gen in another process, 50 ms beside it on a "
         "thread); or interleaved: on the model thread, a part of each S3Gen call (a flow-matching step) between "
-        "two T3 steps, so that the GPU runs them one after the other instead of side by side",
+        "two T3 steps, so that the GPU runs them one after the other instead of side by side (on an H200, 32 "
+        "streams: 20.8x real time against the thread's 33.7x, first audio 2.6 s against 2.1)",
     )
     p.add_argument(
         "--mark-threads",

@@ -101,8 +101,9 @@ VOCODE_BUCKET = 25
 VOCODINGS = ("thread", "process", "interleaved")
 # With vocoding="interleaved": T3 steps between two parts of an S3Gen call while T3 has rows to step. A stream
 # needs 25 tokens a second; on an H200 a 64-row T3 step took ~11 ms alone and a CFM step of 28 streams ~50 (an
-# estimate from run E's estimator cost), so one step a part would give T3 about 17 a second. Not yet tuned on
-# a GPU (``probe_worker --t3-steps-per-part``).
+# estimate from run E's estimator cost), so one step a part would give T3 about 17 a second. On the H200 (run U,
+# 2026-12-04) 32 streams made 20.8x real time interleaved against 33.7x with the thread; not tuned further
+# (``probe_worker --t3-steps-per-part``).
 T3_STEPS_PER_PART = 1
 
 
