@@ -190,21 +190,13 @@ def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which,
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
     if which == "t3":
         model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
-        params = SamplingParams(max_new_tokens=300)
-
-        def run() -> list[int]:
-            return list(
-                generate_speech_tokens(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False)
-            )
-
+        generate, params = generate_speech_tokens, SamplingParams(max_new_tokens=300)
     else:
         model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
-        params = TurboParams(max_new_tokens=300)
+        generate, params = generate_turbo_tokens, TurboParams(max_new_tokens=300)
 
-        def run() -> list[int]:
-            return list(
-                generate_turbo_tokens(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False)
-            )
+    def run() -> list[int]:
+        return list(generate(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False))
 
     tokens = {}
     for in_place in (False, True):
