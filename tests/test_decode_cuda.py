@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 
 from mlx_chatterbox.generation.aligned import generate_aligned_speech_tokens
-from mlx_chatterbox.generation.batch import BatchRequest, SpeechTokenBatch
+from mlx_chatterbox.generation.batch import BatchRequest
 from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 from mlx_chatterbox.generation.turbo import generate_turbo_tokens
-from mlx_chatterbox.generation.turbo_batch import TurboTokenBatch
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.gpt2 import T3Turbo, T3TurboConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
 from mlx_chatterbox.sampling import SamplingParams, TurboParams
 from tests.conftest import random_voice
+from tests.test_batch import run_batch as run_english_batch
+from tests.test_turbo_batch import run_batch as run_turbo_batch
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -206,20 +207,6 @@ def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which,
     assert len(tokens[True]) == 300 + (which == "turbo") and tokens[True] == tokens[False]  # Turbo: 1 + n
 
 
-def stepped(batch, joins: dict[int, list[BatchRequest]]) -> dict[int, list[int]]:
-    """Step ``batch`` (generation/batch.py), adding ``joins[k]`` before step k, until it is empty and no join is
-    left: each request's tokens by its id."""
-    tokens: dict[int, list[int]] = {}
-    k = 0
-    while len(batch) or any(j >= k for j in joins):
-        for request in joins.get(k, []):
-            tokens[batch.add(request)] = []
-        for uid, token, _ in batch.step():
-            tokens[uid].append(token)
-        k += 1
-    return tokens
-
-
 @cuda
 @pytest.mark.parametrize("which", ["t3", "turbo"])
 def test_batches_draw_the_same_tokens_with_the_windows_written_in_place(which, monkeypatch):
@@ -228,10 +215,10 @@ def test_batches_draw_the_same_tokens_with_the_windows_written_in_place(which, m
     mx.random.seed(5)
     if which == "t3":
         model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
-        batch_type, params = SpeechTokenBatch, SamplingParams
+        run_batch, params = run_english_batch, SamplingParams
     else:
         model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
-        batch_type, params = TurboTokenBatch, TurboParams
+        run_batch, params = run_turbo_batch, TurboParams
     requests = [
         BatchRequest(list(range(3, 3 + n)), random_voice(seed, prompt_len=20 * seed), params(max_new_tokens=m),
                      key=mx.random.key(seed))
@@ -242,7 +229,7 @@ def test_batches_draw_the_same_tokens_with_the_windows_written_in_place(which, m
     for in_place in (False, True):
         monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
         model.compiled_steps.clear()  # traced with the switch as it was
-        tokens[in_place] = list(stepped(batch_type(model, False, window_size=5), joins).values())
+        tokens[in_place] = list(run_batch(model, joins, stop_on_eos=False, window_size=5).values())
     lengths = [r.params.max_new_tokens + (which == "turbo") for r in requests]  # Turbo: 1 + n
     assert [len(t) for t in tokens[True]] == lengths and tokens[True] == tokens[False]
 
@@ -291,11 +278,9 @@ def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monk
         elif loop == "aligned":
             tokens = list(generate_aligned_speech_tokens(model, voice, text, params))
         else:  # a second request joining at step 3, after a window flush (2 positions a window)
-            batch = (TurboTokenBatch if loop == "turbo-batch" else SpeechTokenBatch)(
-                model, False, window_size=2
-            )
+            run_batch = run_turbo_batch if loop == "turbo-batch" else run_english_batch
             joins = {0: [BatchRequest(text, voice, params)], 3: [BatchRequest(text[:3], voice, params)]}
-            tokens = [t for ts in stepped(batch, joins).values() for t in ts]
+            tokens = [t for ts in run_batch(model, joins, False, window_size=2).values() for t in ts]
     finally:
         mx.enable_compile()
     last: dict[object, int] = {}
