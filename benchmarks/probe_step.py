@@ -381,6 +381,7 @@ def main() -> None:
                     prims = views = kinds = None
                     if system != "upstream":
                         prims, views, kinds = step_primitives(model, getattr(mx, dn))
+                    in_place = layers.CUDA_DECODE and layers.KV_IN_PLACE  # as use(system) set them
                     use("ours")
                     row = dict(
                         model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views
@@ -388,7 +389,7 @@ def main() -> None:
                     row |= dict(
                         **r,
                         primitive_kinds=kinds,
-                        kv_in_place=system in OURS and system != "ours-slice-update",
+                        kv_in_place=in_place,
                         decode_attention="old" if args.old_attention else "new",
                     )
                     rows.append(row)
