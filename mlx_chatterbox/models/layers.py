@@ -310,14 +310,17 @@ def window_attention(
     kernel: as ``decode_attention``'s (on CUDA our kernel reads both key sets in one primitive; with
     ``KV_IN_PLACE`` it also writes k and v into the windows where they are, as ``heads`` writes a cache, and the
     windows come back through ``mx.depends`` on its output)."""
-    if _kernel_fits(q, kernel) and KV_IN_PLACE:
-        out = _attention_kernel(q, [q, keys, values, at, pad, window_keys, window_values, k, v], True, True)
+    fits = _kernel_fits(q, kernel)
+    if fits and KV_IN_PLACE:
+        out = _attention_kernel(
+            q, [q, keys, values, at, pad, window_keys, window_values, k, v], True, True, True
+        )
         return out, *mx.depends([window_keys, window_values], [out])
     position, base = at[0], at[1]
     slot = (position - base)[None]
     window_keys = mx.slice_update(window_keys, k, slot, axes=(2,))
     window_values = mx.slice_update(window_values, v, slot, axes=(2,))
-    if _kernel_fits(q, kernel):
+    if fits:
         out = _attention_kernel(q, [q, keys, values, at, pad, window_keys, window_values], True, True)
         return out, window_keys, window_values
     # sdpa cannot join two key sets under one softmax, so attention is written out: scores of both parts
@@ -889,10 +892,12 @@ _WINDOW_WRITE = """
 _decode_attention_kernels: dict[tuple[bool, bool, bool], object] = {}
 
 
-def _attention_kernel(q: mx.array, inputs: list[mx.array], has_pad: bool, window: bool) -> mx.array:
+def _attention_kernel(
+    q: mx.array, inputs: list[mx.array], has_pad: bool, window: bool, write: bool = False
+) -> mx.array:
     """Our decode attention kernel on ``inputs`` = q, keys, values, at[, pad][, window_keys, window_values[, k,
-    v]]: given the token's k and v, it writes them into the windows at index at[0] - base itself."""
-    write = len(inputs) == 9
+    v]]; ``write`` (with the token's k and v): it writes them into the windows at index at[0] - base itself.
+    """
     if (has_pad, window, write) not in _decode_attention_kernels:
         names = ["q", "keys", "values", "at"] + (["pad"] if has_pad else [])
         names += ["window_keys", "window_values"] if window else []
