@@ -1045,3 +1045,212 @@ class WindowState(NamedTuple):
             q, k, v, self.at, self.pad, self.keys, self.values, self.window_keys, self.window_values
         )
         return out, self._replace(window_keys=window_keys, window_values=window_values)
+
+
+# --- the S3Gen estimator's rows on CUDA ---
+#
+# One estimator call is about 1,350 primitives (56 transformer blocks, 14 resnets), and at one request it is bound
+# by MLX's host work per primitive, as the decode steps are. Two kernels take the per-frame work between its
+# products and convolutions: ``add_layer_norm`` (a residual sum and the next pre-norm) and ``norm_mish`` (a
+# convolution's bias, LayerNorm, Mish and what the resnet adds after them). Elsewhere both are MLX's ops.
+
+# False keeps MLX's own ops on CUDA too (benchmarks/probe_s3gen.py --estimator composed compares the two).
+CUDA_ROWS = True
+_MAX_ROW = 1024  # channels a row kernel's warp holds in registers (32 a lane)
+
+
+def rows_on_cuda(x: mx.array, channels: int | None = None) -> bool:
+    """Whether ``add_layer_norm``, ``norm_mish`` and ``causal_conv`` take their CUDA forms for x, whose rows are
+    ``channels`` wide (x's last axis when None)."""
+    c = x.shape[-1] if channels is None else channels
+    return (
+        CUDA_ROWS
+        and _CUDA
+        and mx.default_device() == mx.gpu
+        and c % 32 == 0
+        and c <= _MAX_ROW
+        and x.dtype in (mx.float32, mx.bfloat16, mx.float16)
+    )
+
+
+def causal_conv(x: mx.array, weight: mx.array) -> mx.array:
+    """A stride-1 convolution of x (B, T, C_in) by weight (C_out, k, C_in) that sees only the current and past
+    frames (k - 1 zeros on the left), without bias. On CUDA the padding is the convolution's own (cuDNN takes
+    the two sides apart): no pad primitive, which copies the input in two kernels; elsewhere an explicit pad.
+    """
+    k = weight.shape[1]
+    if rows_on_cuda(x, weight.shape[0]):
+        return mx.conv_general(x, weight, padding=([k - 1], [0]))
+    if k > 1:
+        x = mx.pad(x, [(0, 0), (k - 1, 0), (0, 0)])
+    return conv1d(x, weight) if _on_cpu() else mx.conv1d(x, weight)
+
+
+# A warp a row of C channels, each lane C / 32 of them (lane + 32·j: coalesced); the rows' count is read from the
+# first input's shape, so that one kernel serves every number of frames. The sum of the row, then its LayerNorm
+# as MLX's kernel computes it: fp32 mean, then the mean squared deviation, then w·T(norm) + b in T.
+_ROW_SETUP = """
+    constexpr int PER = C / 32;
+    int lane = threadIdx.x & 31;
+    size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
+    if (row >= %(rows)s_shape[0]) return;
+    size_t base = row * C;
+    float v[PER];
+"""
+_ROW_NORM = """
+    float sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) sum += v[j];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    float mean = sum / C, sq = 0.f;
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        float t = v[j] - mean;
+        sq += t * t;
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffff, sq, o);
+    float scale = rsqrtf(sq / C + eps[0]);
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        int c = lane + 32 * j;
+        T n = static_cast<T>((v[j] - mean) * scale);
+        T g = static_cast<T>(static_cast<float>(w[c]) * static_cast<float>(n));
+        v[j] = static_cast<float>(static_cast<T>(static_cast<float>(g) + static_cast<float>(b[c])));
+    }
+"""
+# x + (d + bias), each sum rounded to T as the composed ops store it; then the sum's norm.
+_ADD_LAYER_NORM = (
+    _ROW_SETUP % dict(rows="x")
+    + """
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        int c = lane + 32 * j;
+        float y = static_cast<float>(static_cast<T>(static_cast<float>(d[base + c]) + static_cast<float>(bias[c])));
+        T s = static_cast<T>(static_cast<float>(x[base + c]) + y);
+        summed[base + c] = s;
+        v[j] = static_cast<float>(s);
+    }
+"""
+    + _ROW_NORM
+    + """
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) normed[base + lane + 32 * j] = static_cast<T>(v[j]);
+"""
+)
+# The bias, the norm, Mish as MLX's nn.mish (x·tanh(softplus(x)), softplus as logaddexp(x, 0)), then the steps
+# that ``norm_mish`` was given (_MISH_AFTER); every op rounded to T as the composed ops store it.
+_NORM_MISH = (
+    _ROW_SETUP % dict(rows="y")
+    + """
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        int c = lane + 32 * j;
+        v[j] = static_cast<float>(static_cast<T>(static_cast<float>(y[base + c]) + static_cast<float>(bias[c])));
+    }
+"""
+    + _ROW_NORM
+    + """
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        int c = lane + 32 * j;
+        float hi = fmaxf(v[j], 0.f), lo = fminf(v[j], 0.f);
+        float sp = static_cast<float>(static_cast<T>(hi + log1pf(expf(lo - hi))));
+        float o = static_cast<float>(static_cast<T>(v[j] * static_cast<float>(static_cast<T>(tanhf(sp)))));
+        %(after)s
+        out[base + c] = static_cast<T>(o);
+    }
+"""
+)
+_MISH_AFTER = {
+    "mask": "o = static_cast<float>(static_cast<T>(o * static_cast<float>(mask[row])));",
+    "add": "o = static_cast<float>(static_cast<T>(o + static_cast<float>(add[row / (y_shape[0] / add_shape[0]) * C + c])));",
+    "res": """float r = static_cast<float>(static_cast<T>(static_cast<float>(res[base + c]) + static_cast<float>(res_bias[c])));
+        o = static_cast<float>(static_cast<T>(o + r));""",
+}
+_row_kernels: dict[tuple, object] = {}
+
+
+def _row_kernel(name: str, source: str, inputs: dict[str, mx.array], outputs: list[str]) -> list[mx.array]:
+    """Kernel ``name`` (``source``, built once per name and inputs) on the rows (N, C) of the first input: a warp a
+    row; each output (N, C) in the first input's dtype."""
+    key = (name, tuple(inputs))
+    if key not in _row_kernels:
+        _row_kernels[key] = mx.fast.cuda_kernel("_".join([name, *inputs]), list(inputs), outputs, source)
+    rows = next(iter(inputs.values()))
+    n, c = rows.shape
+    return _row_kernels[key](
+        inputs=list(inputs.values()),
+        template=[("T", rows.dtype), ("C", c)],
+        grid=(n * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(n, c)] * len(outputs),
+        output_dtypes=[rows.dtype] * len(outputs),
+    )
+
+
+_eps_arrays: dict[float, mx.array] = {}
+
+
+def _eps(norm: nn.LayerNorm) -> mx.array:
+    """The norm's epsilon as a kernel input: one array per value, made once (a constant, read by any thread)."""
+    if norm.eps not in _eps_arrays:
+        _eps_arrays[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
+    return _eps_arrays[norm.eps]
+
+
+def add_layer_norm(
+    x: mx.array, a: mx.array, w_t: mx.array, bias: mx.array, norm: nn.LayerNorm
+) -> tuple[mx.array, mx.array]:
+    """s = x + (a @ w_t + bias) and norm(s), for rows x (N, C), a (N, K), a linear layer's transposed weight
+    w_t (K, C) and bias (C,), and an affine LayerNorm: a residual sum after a projection, and the pre-norm of
+    the sub-block after it. On CUDA (``rows_on_cuda``) the product without its bias, then one kernel for the
+    rest; elsewhere ``addmm``, the sum and the norm, as the layers compute them."""
+    if not rows_on_cuda(x):
+        s = mx.addmm(bias, a, w_t) + x
+        return s, norm(s)
+    inputs = dict(x=x, d=a @ w_t, bias=bias, w=norm.weight, b=norm.bias, eps=_eps(norm))
+    s, n = _row_kernel("add_layer_norm", _ADD_LAYER_NORM, inputs, ["summed", "normed"])
+    return s, n
+
+
+def norm_mish(
+    y: mx.array,
+    bias: mx.array,
+    norm: nn.LayerNorm,
+    *,
+    mask: mx.array | None = None,
+    add: mx.array | None = None,
+    residual: tuple[mx.array, mx.array] | None = None,
+    mask_after: bool = False,
+) -> mx.array:
+    """The end of a causal block of S3Gen's estimator and what its resnet does after it, for y (B, T, C) a
+    convolution's output without its bias: o = mish(norm(y + bias)); o ⊙ mask; o + add (B, C) at every frame;
+    o + (r + r_bias) for ``residual`` = (r (B, T, C), r_bias (C,)); o ⊙ mask again when ``mask_after``. mask:
+    (B, T, 1) of 0 and 1, or None. One kernel on CUDA (``rows_on_cuda``), MLX's ops elsewhere."""
+    if mask_after and mask is None:
+        raise ValueError("mask_after needs a mask")
+    if not rows_on_cuda(y):
+        o = mish(norm(y + bias))
+        o = o if mask is None else o * mask
+        o = o if add is None else o + add[:, None, :]
+        o = o if residual is None else o + (residual[0] + residual[1])
+        return o * mask if mask_after else o
+    b, t, c = y.shape
+    inputs = dict(y=y.reshape(b * t, c), bias=bias, w=norm.weight, b=norm.bias, eps=_eps(norm))
+    steps = []
+    if mask is not None:
+        inputs["mask"] = mask.reshape(b * t)
+        steps.append("mask")
+    if add is not None:
+        inputs["add"] = add
+        steps.append("add")
+    if residual is not None:
+        inputs["res"], inputs["res_bias"] = residual[0].reshape(b * t, c), residual[1]
+        steps.append("res")
+    if mask_after:
+        steps.append("mask")
+    source = _NORM_MISH.replace("%(after)s", "\n        ".join(_MISH_AFTER[s] for s in steps))
+    name = "norm_mish" + ("_after" if mask_after else "")
+    return _row_kernel(name, source, inputs, ["out"])[0].reshape(b, t, c)
