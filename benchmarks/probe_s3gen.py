@@ -9,8 +9,8 @@ and memory budget. A probe for the H200 (random full-size weights, no torch); pr
   microseconds each, n of them built lazily and evaluated together (MLX's encoding plus the device).
 - call: one estimator call at 2·N rows: primitives by kind, the host's time to build the graph, and the time to
   evaluate it.
-- device: the GPU's time for one estimator call apart from the host's (the calls queued behind a long chain of
-  products; run with MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000).
+- device: the GPU's time for one estimator call at 2·N rows, apart from the host's (the calls queued behind a
+  second-long chain of products; run with MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000).
 - batch: ``S3Gen.batch`` of N requests of 10 s (the 10 s voice prompt each) by stage (encoder, CFM, HiFT), under
   the default memory budget ("auto") and none: wall time, RTF of the audio made, MLX's peak above the weights.
 """
@@ -43,7 +43,7 @@ from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation import vocode
 from mlx_chatterbox.generation.vocode import S3Gen, resolve_memory_budget
 from mlx_chatterbox.generation.voice import Voice
-from mlx_chatterbox.models import cfm, layers
+from mlx_chatterbox.models import cfm
 from mlx_chatterbox.variants import ENGLISH
 
 FRAMES = 1000  # mel frames of a 10 s prompt + 10 s of speech
@@ -237,9 +237,11 @@ def call(
 
 def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls: int = 6) -> dict:
     """The GPU's time for one estimator call at 2·requests rows, apart from the host's: a chain of large
-    products keeps the GPU busy while the host queues ``calls`` calls behind it (each its own CUDA graph, as
-    MLX_MAX_OPS_PER_BUFFER is set high), so the wall time past the chain's own is the GPU's work for the calls.
-    Valid when the host finished queuing before the chain did (``queued_ms`` < ``chain_ms``)."""
+    products keeps the GPU busy for about a second while the host queues ``calls`` calls behind it (each one CUDA
+    graph, MLX_MAX_OPS_PER_BUFFER being set high: MLX holds the host back at 10 graphs in flight), so the wall
+    time past the chain's own is the GPU's work for the calls. Three rounds after a warm-up; valid when the host
+    finished queuing before the chain did. The host's own time is not what it is in use (a graph of ~1,000
+    nodes a call is slow to build): that is ``call``'s."""
     est = s3gen.estimator
     est.set_dtype(dtype)
     mx.eval(est.parameters())
@@ -248,16 +250,16 @@ def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls
     spks, t = mx.random.normal((b, 80)).astype(dtype), mx.full((b,), 0.3)
     mask = None if requests == 1 else mx.ones((b, frames), dtype=mx.bool_)
     a = (mx.random.normal((8192, 8192)) * 8192**-0.5).astype(mx.bfloat16)  # keeps the chain's scale
-    mx.eval(x, mu, cond, spks, t, a, est(x, mask, mu, t, spks, cond))
+    mx.eval(x, mu, cond, spks, t, a)
 
     def chain() -> mx.array:
         y = a
-        for _ in range(150):
+        for _ in range(600):  # about 1 s on an H200
             y = y @ a
         return y
 
     chains, totals, queued = [], [], []
-    for _ in range(3):
+    for _ in range(4):
         mx.synchronize()
         t0 = time.perf_counter()
         mx.eval(chain())
@@ -270,15 +272,15 @@ def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls
         mx.synchronize()
         totals.append(time.perf_counter() - t0)
     est.set_dtype(mx.float32)
-    chain_s, total_s = statistics.median(chains), statistics.median(totals)
+    per_call = [1e3 * (total - chain_s) / calls for total, chain_s in zip(totals[1:], chains[1:])]
     return dict(
         dtype=str(dtype).split(".")[-1],
         rows=b,
-        chain_ms=1e3 * chain_s,
-        queued_ms=1e3 * max(queued),
-        host_ms_per_call=1e3 * statistics.median(queued) / calls,
-        device_ms_per_call=1e3 * (total_s - chain_s) / calls,
-        valid=max(queued) < min(chains),
+        device_ms=statistics.median(per_call),
+        device_ms_rounds=[round(v, 2) for v in per_call],
+        chain_ms=1e3 * statistics.median(chains[1:]),
+        queued_ms=1e3 * max(queued[1:]),
+        valid=max(queued[1:]) < min(chains[1:]),
     )
 
 
@@ -376,8 +378,7 @@ def main() -> None:
     p.add_argument(
         "--estimator",
         default="plain",
-        help="call, device, batch: the estimator as it runs (plain), without its row kernels on CUDA (composed: "
-        "layers.CUDA_ROWS off, MLX's ops), or through mx.compile (compiled, call only: element-wise chains fused; "
+        help="call: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains fused; "
         "ADR 6 rejected it at 2 rows); a comma-separated list runs each, back to back",
     )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops and call: mel frames a row")
@@ -390,15 +391,12 @@ def main() -> None:
     parts, dtypes = args.part.split(","), [getattr(mx, d) for d in args.dtypes.split(",")]
     requests = [int(r) for r in args.rows.split(",")]
     ways = args.estimator.split(",")
-    if set(ways) - {"plain", "compiled", "composed"}:
-        p.error(f"--estimator {args.estimator}: plain, compiled, composed, or a list of them")
+    if set(ways) - {"plain", "compiled"}:
+        p.error(f"--estimator {args.estimator}: plain, compiled, or both")
     if "device" in parts and int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0")) < 100_000:
         p.error(
             "--part device needs MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000 (a graph a call)"
         )
-
-    def use(way: str) -> None:
-        layers.CUDA_ROWS = way != "composed"
 
     def emit(row: dict) -> None:
         if args.out:
@@ -425,16 +423,14 @@ def main() -> None:
                 results={f"{str(d).split('.')[-1]}-{r}": v for (d, r), v in results.items()},
             )
         )
-    s3gen = random_s3gen() if {"call", "batch"} & set(parts) else None
+    s3gen = random_s3gen() if {"call", "device", "batch"} & set(parts) else None
     if "call" in parts:
         print(
             "\n| dtype | estimator | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> "
             "read by) |\n|---|---|---|---|---|---|---|---|"
         )
         for d, r, way in itertools.product(dtypes, requests, ways):
-            use(way)
             row = call(s3gen, d, r, args.repeats, args.frames, way == "compiled")
-            row["estimator"] = way
             emit(dict(part="call", **row))
             top = ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
             print(
@@ -445,17 +441,13 @@ def main() -> None:
                 flush=True,
             )
     if "device" in parts:
-        print(
-            "\n| dtype | estimator | rows | host ms a call (queued) | device ms a call | chain ms | valid |"
-            "\n|---|---|---|---|---|---|---|"
-        )
-        for d, r, way in itertools.product(dtypes, requests, ways):
-            use(way)
-            row = dict(part="device", estimator=way, **device_time(s3gen, d, r, args.frames))
-            emit(row)
+        print("\n| dtype | rows | GPU ms a call (rounds) | chain ms | valid |\n|---|---|---|---|---|")
+        for d, r in itertools.product(dtypes, requests):
+            row = device_time(s3gen, d, r, args.frames)
+            emit(dict(part="device", **row))
             print(
-                f"| {row['dtype']} | {way} | {row['rows']} | {row['host_ms_per_call']:.1f} | "
-                f"{row['device_ms_per_call']:.1f} | {row['chain_ms']:.0f} | {row['valid']} |",
+                f"| {row['dtype']} | {row['rows']} | {row['device_ms']:.1f} ({row['device_ms_rounds']}) | "
+                f"{row['chain_ms']:.0f} | {row['valid']} |",
                 flush=True,
             )
     if "batch" in parts:
@@ -465,16 +457,15 @@ def main() -> None:
         )
         one = vocode.vocode_rows
         # HiFT's ways innermost: each pair is timed back to back, alike in whatever else the machine is doing.
-        for d, budget, r, hift, way in itertools.product(
-            dtypes, args.budgets.split(","), requests, args.hift.split(","), ways
+        for d, budget, r, hift in itertools.product(
+            dtypes, args.budgets.split(","), requests, args.hift.split(",")
         ):
-            use(way)
             vocode.vocode_rows = {"one": one, "per-length": _per_length(one)}[hift]
             value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
             row = batch(s3gen, r, value, args.repeats, d, args.spread)
-            emit(dict(part="batch", hift=hift, estimator=way, **row))
+            emit(dict(part="batch", hift=hift, **row))
             print(
-                f"| {row['dtype']} {way} | {hift} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
+                f"| {row['dtype']} | {hift} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
                 f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
                 flush=True,
             )

@@ -48,7 +48,7 @@ from mlx_chatterbox.generation import vocode
 from mlx_chatterbox.generation.batch import BatchRequest, ContinuousBatch, SpeechTokenBatch
 from mlx_chatterbox.generation.speech_tokens import request_embeds
 from mlx_chatterbox.generation.voice import Voice
-from mlx_chatterbox.models import cfm, layers
+from mlx_chatterbox.models import cfm
 from mlx_chatterbox.models.t3 import T3
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server import worker as worker_module
@@ -299,13 +299,6 @@ def main() -> None:
         help="S3Gen's decoder solve keeps at most N steps queued ahead of the running one (cfm.solve's "
         "in_flight), in every path; default: no wait, as shipped",
     )
-    p.add_argument(
-        "--estimator",
-        choices=("plain", "composed"),
-        default="plain",
-        help="S3Gen's estimator as shipped (plain), or without its row kernels on CUDA (composed: "
-        "layers.CUDA_ROWS off, MLX's ops)",
-    )
     p.add_argument("--tiny", action="store_true", help="tiny networks instead of the full size (a smoke run)")
     p.add_argument("--s3gen-loop", type=int, help=argparse.SUPPRESS)  # contention's other process
     p.add_argument("--out")
@@ -313,7 +306,6 @@ def main() -> None:
     if args.s3gen_loop:
         return s3gen_loop(args)
     set_cache_step(args.cache_step)
-    layers.CUDA_ROWS = args.estimator == "plain"
     if args.t3_steps_per_part is not None:
         if args.vocoding != "interleaved" or args.t3_steps_per_part < 1:
             p.error("--t3-steps-per-part: a number >= 1, with --vocoding interleaved")
@@ -573,7 +565,7 @@ def in_process(args: argparse.Namespace) -> list[dict]:
             write_line(dict(bench="probe_worker", model=str(args.model or "built"), tokens=tokens, **rows[-1],
                             layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                             memory_budget=tts.s3gen.memory_budget, switch_ms=ms, cache_step=args.cache_step,
-                            vocoding=args.vocoding, estimator=args.estimator, t3_steps_per_part=worker_module.T3_STEPS_PER_PART,
+                            vocoding=args.vocoding, t3_steps_per_part=worker_module.T3_STEPS_PER_PART,
                             machine=info), args.out)  # fmt: skip
     sys.setswitchinterval(default_interval)
     return rows
@@ -605,7 +597,7 @@ def served(args: argparse.Namespace) -> list[dict]:
                 write_line(dict(bench="probe_worker", model=str(args.model), tokens=args.tokens, **rows[-1],
                                 layout=args.layout, device_copy=args.device_copy, serial_hift=args.serial_hift,
                                 memory_budget=args.memory_budget, step_waits=args.step_waits,
-                                vocoding=args.vocoding, estimator=args.estimator, t3_steps_per_part=worker_module.T3_STEPS_PER_PART,
+                                vocoding=args.vocoding, t3_steps_per_part=worker_module.T3_STEPS_PER_PART,
                                 machine=machine_info()), args.out)  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGINT)

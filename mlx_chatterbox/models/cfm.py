@@ -22,7 +22,7 @@ from typing import TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Conv1d, add_layer_norm, attention, causal_conv, gelu_linear, mish, norm_mish, rows_on_cuda
+from .layers import Conv1d, attention, gelu_linear, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
@@ -164,28 +164,24 @@ def masked(x: mx.array, m: mx.array | None) -> mx.array:
 
 
 class CausalConv1d(Conv1d):
-    """A stride-1 convolution that sees only the current and past frames: k - 1 zeros on the left
-    (``layers.causal_conv``)."""
+    """A stride-1 convolution that sees only the current and past frames: left-pads kernel - 1 zeros."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return causal_conv(x, self.weight) + self.bias
+        k = self.weight.shape[1]
+        return super().__call__(mx.pad(x, [(0, 0), (k - 1, 0), (0, 0)]))
 
 
 class CausalBlock1D(nn.Module):
     """Mish(LayerNorm(CausalConv1d_k3(x ⊙ m))) ⊙ m; ``block`` mirrors upstream's Sequential
-    (conv, Transpose, LayerNorm, Transpose, Mish), whose parameters sit at 0 and 2. The convolution's bias and
-    all after it are ``layers.norm_mish`` (one kernel on CUDA), which the resnet also has add its time
-    embedding or its residual."""
+    (conv, Transpose, LayerNorm, Transpose, Mish), whose parameters sit at 0 and 2."""
 
     def __init__(self, dim: int, dim_out: int):
         super().__init__()
         self.block = [CausalConv1d(dim, dim_out, 3), None, nn.LayerNorm(dim_out, eps=1e-5)]
 
-    def __call__(self, x: mx.array, m: mx.array | None, **after) -> mx.array:
-        """x (B, T, dim), already masked by the caller where m is given; ``after``: ``norm_mish``'s add,
-        residual and mask_after."""
+    def __call__(self, x: mx.array, m: mx.array | None) -> mx.array:
         conv, _, norm = self.block
-        return norm_mish(causal_conv(x, conv.weight), conv.bias, norm, mask=m, **after)
+        return masked(mish(norm(conv(masked(x, m)))), m)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -201,13 +197,11 @@ class CausalResnetBlock1D(nn.Module):
         self.res_conv = Conv1d(dim, dim_out, 1)
 
     def __call__(self, x: mx.array, m: mx.array | None, t_proj: mx.array) -> mx.array:
-        """t_proj: (B, dim_out) ``mlp`` of the time embedding, which the estimator computes for all its resnets
-        in one product (``Estimator.time_projections``). Block 1 adds it, and masks the sum that block 2 would
-        mask on its way in; block 2 adds the residual convolution (its bias too) in the same kernel."""
-        xm = masked(x, m)
-        h = self.block1(xm, m, add=t_proj, mask_after=m is not None)
-        res = (causal_conv(xm, self.res_conv.weight), self.res_conv.bias)
-        return self.block2(h, m, residual=res)
+        """t_proj: (B, 1, dim_out) ``mlp`` of the time embedding, which the estimator computes for all its
+        resnets in one product (``Estimator.time_projections``)."""
+        h = self.block1(x, m) + t_proj
+        h = self.block2(h, m)
+        return h + self.res_conv(masked(x, m))
 
 
 class Attention(nn.Module):
@@ -233,14 +227,13 @@ class Attention(nn.Module):
         sources = (self.to_q["weight"], self.to_k["weight"], self.to_v["weight"])
         return kept(self, "_qkv_t", sources, lambda *ws: mx.concatenate(ws, axis=0).T)
 
-    def merged_heads(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
-        """x: (B·T, dim) rows of b sequences -> (B·T, inner): the heads' outputs side by side, before
-        ``to_out``."""
+    def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
+        """x: (B·T, dim) rows of b sequences -> (B·T, dim)."""
         n = x.shape[0] // b
         qkv = (x @ self.qkv_weight()).reshape(b, n, 3 * self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, 3, axis=1)  # each (B, H, T, hd)
         out = attention(q, k, v, self.head_dim**-0.5, bias)
-        return out.transpose(0, 2, 1, 3).reshape(b * n, -1)
+        return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b * n, -1))
 
 
 class GELUProjection(nn.Module):
@@ -275,18 +268,9 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=1e-5)
         self.ff = FeedForward(dim)
 
-    def __call__(
-        self, x: mx.array, h: mx.array, b: int, bias: mx.array | None, next_norm: nn.LayerNorm | None
-    ) -> tuple[mx.array, mx.array | None]:
-        """x: the rows, h: ``norm1(x)``, which the block before computed with its last residual sum
-        (``layers.add_layer_norm``, one kernel on CUDA). Returns the block's output rows and the next block's
-        ``next_norm`` of them (None for the stage's last block)."""
-        out = self.attn1.to_out[0]
-        x, h = add_layer_norm(x, self.attn1.merged_heads(h, b, bias), out.weight_t(), out["bias"], self.norm3)
-        up, down = self.ff.net[0], self.ff.net[2]
-        if next_norm is None:
-            return down(up(h)) + x, None
-        return add_layer_norm(x, up(h), down.weight_t(), down["bias"], next_norm)
+    def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
+        x = self.attn1(self.norm1(x), b, bias) + x
+        return self.ff(self.norm3(x)) + x
 
 
 class Estimator(nn.Module):
@@ -369,9 +353,8 @@ class Estimator(nn.Module):
         def stage(h: mx.array, resnet: CausalResnetBlock1D, blocks: list[BasicTransformerBlock]) -> mx.array:
             h = resnet(h, m, next(t_projs))
             rows = h.reshape(b * n, -1)  # the blocks work on frames as rows (BasicTransformerBlock)
-            normed = blocks[0].norm1(rows)
-            for block, after in zip(blocks, blocks[1:] + [None]):
-                rows, normed = block(rows, normed, b, bias, None if after is None else after.norm1)
+            for block in blocks:
+                rows = block(rows, b, bias)
             return rows.reshape(b, n, -1)
 
         resnet, blocks, down = self.down_blocks[0]
@@ -382,23 +365,18 @@ class Estimator(nn.Module):
         resnet, blocks, up = self.up_blocks[0]
         h = stage(mx.concatenate([h, skip], axis=-1), resnet, blocks)
         h = up(masked(h, m))
-        h = self.final_block(masked(h, m), m)  # masked on its way out: final_proj reads it as it is
-        return masked(self.final_proj(h), m)
+        h = self.final_block(h, m)
+        return masked(self.final_proj(masked(h, m)), m)
 
     def time_projections(self, t_emb: mx.array) -> list[mx.array]:
-        """Each resnet's ``mlp`` (Mish, Linear) of the (B, temb) time embedding, in call order, as (B, c): Mish
-        once and one product against the resnets' weights side by side (kept), instead of 14 products and their
-        broadcasts. Where the resnets' kernels take them (``rows_on_cuda``), the pieces are made contiguous by
-        one copy, else each kernel would copy its own."""
+        """Each resnet's ``mlp`` (Mish, Linear) of the (B, temb) time embedding, in call order, as (B, 1, c):
+        Mish once and one product against the resnets' weights side by side (kept), instead of 14 products
+        and their broadcasts."""
         lins = [r.mlp[1] for r, *_ in self.down_blocks + self.mid_blocks + self.up_blocks]
         w_t = kept(self, "_time_w_t", tuple(lin["weight"] for lin in lins), lambda *ws: mx.concatenate(ws).T)
         bias = kept(self, "_time_bias", tuple(lin["bias"] for lin in lins), lambda *bs: mx.concatenate(bs))
-        proj = mx.addmm(bias, mish(t_emb), w_t)  # (B, 14·c)
-        k, b = len(lins), proj.shape[0]
-        if rows_on_cuda(proj, self.config.channels):
-            stacked = mx.contiguous(proj.reshape(b, k, -1).transpose(1, 0, 2))  # (14, B, c)
-            return mx.split(stacked.reshape(k * b, -1), k, axis=0)
-        return mx.split(proj, k, axis=-1)
+        proj = mx.addmm(bias, mish(t_emb), w_t)[:, None, :]  # (B, 1, 14·c)
+        return mx.split(proj, len(lins), axis=-1)
 
     @staticmethod
     def checkpoint_table(cfg: CFMConfig) -> dict[str, tuple]:
