@@ -7,6 +7,7 @@ Voice preparation (once per voice) and text -> wav (per request) are timed apart
 
     python benchmarks/bench_e2e.py --write-checkpoint          # once; needs torch + upstream chatterbox
     python benchmarks/bench_e2e.py --systems ours --tokens 250 --repeats 3 --out benchmarks/out/e2e.jsonl
+    python benchmarks/bench_e2e.py --built full --cfm-dtype bfloat16   # ours on a model built here: no torch
     MLX_CHATTERBOX_BLAS=off MLX_CHATTERBOX_MALLOC=off python benchmarks/bench_e2e.py --systems upstream ...  # CPU: own process
 """
 
@@ -134,17 +135,35 @@ def write_checkpoint(folder: Path, src: str | None) -> None:
 # --- ours (MLX) ---
 
 
-def bench_ours(checkpoint: Path, clip: Path, tokens: int, repeats: int, watermark: bool, device: str) -> dict:
+def bench_ours(
+    checkpoint: Path,
+    clip: Path | None,
+    tokens: int,
+    repeats: int,
+    watermark: bool,
+    device: str,
+    built: str | None = None,
+    cfm_dtype: str = "float32",
+) -> dict:
+    """``built`` ("tiny" or "full"): a model built here with random weights (bench_stream.build: no checkpoint,
+    no torch, its random voice and a toy tokenizer) instead of the checkpoint and a cloned voice; no voice is
+    prepared then. ``cfm_dtype``: the estimator's dtype (``TTS.load(cfm_dtype=)``)."""
     from mlx_chatterbox import TTS, SamplingParams
     from mlx_chatterbox.convert import prepare
     from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
 
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
-    cache, _ = side_paths(checkpoint)
-    t0 = time.perf_counter()
-    prepare(checkpoint, cache_dir=cache)  # converts on the first run only
-    t1 = time.perf_counter()
-    tts = TTS.load(checkpoint, cache_dir=cache)
+    t0 = t1 = time.perf_counter()
+    if built is None:
+        cache, _ = side_paths(checkpoint)
+        prepare(checkpoint, cache_dir=cache)  # converts on the first run only
+        t1 = time.perf_counter()
+        tts = TTS.load(checkpoint, cache_dir=cache, cfm_dtype=cfm_dtype)
+    else:
+        from bench_stream import build
+
+        tts = build(built == "tiny")
+        tts.s3gen.estimator.set_dtype(getattr(mx, cfm_dtype))
     s3gen = tts.s3gen
     mx.eval(tts.t3.parameters(), [n.parameters() for n in (s3gen.flow, s3gen.estimator, s3gen.hift)])
     load_s = time.perf_counter() - t1
@@ -155,8 +174,11 @@ def bench_ours(checkpoint: Path, clip: Path, tokens: int, repeats: int, watermar
         mx.eval([getattr(voice, f.name) for f in dataclasses.fields(voice)])
         return voice, time.perf_counter() - t
 
-    voice, voice_first = clone()
-    voices = [clone()[1] for _ in range(repeats)]
+    if built is None:
+        voice, voice_first = clone()
+        voices = [clone()[1] for _ in range(repeats)]
+    else:
+        voice, voice_first, voices = tts.builtin_voice, None, None
     # The public API stops at EOS; generate_speech_tokens(stop_on_eos=False) is what TTS.speech_tokens runs.
     params = SamplingParams(max_new_tokens=tokens, exaggeration=EXAGGERATION, **KNOBS)
     cfg = tts.t3.config
@@ -182,10 +204,14 @@ def bench_ours(checkpoint: Path, clip: Path, tokens: int, repeats: int, watermar
     mx.reset_peak_memory()
     result = summarize([once(1 + i) for i in range(repeats)], tokens)
     result.update(
+        model=(
+            "checkpoint" if built is None else f"built {built} (random weights, toy tokenizer, random voice)"
+        ),
+        cfm_dtype=cfm_dtype,
         convert_s=round(t1 - t0, 2),
         load_s=round(load_s, 2),
-        voice_first_s=round(voice_first, 3),
-        voice_s=round(statistics.median(voices), 3),
+        voice_first_s=None if voices is None else round(voice_first, 3),
+        voice_s=None if voices is None else round(statistics.median(voices), 3),
         prompt_tokens=int(voice.s3gen_prompt_tokens.shape[1]),
         peak_mem_bytes=mx.get_peak_memory(),
         peak_mem_kind="mx.get_peak_memory over the text -> wav runs, weights included",
@@ -340,6 +366,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: gpu when MLX has one)")
     p.add_argument("--torch-device", choices=("cpu", "cuda"), help="upstream device (default: cuda if any)")
     p.add_argument("--upstream-src", help="folder that holds upstream's 'chatterbox' package folder")
+    p.add_argument(
+        "--built",
+        choices=("tiny", "full"),
+        help="ours only: a model built with random weights instead of --checkpoint (no torch, no voice cloning; "
+        "the device machine's way)",
+    )
+    p.add_argument("--cfm-dtype", default="float32", help="ours: the estimator's dtype (float32, bfloat16)")
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -347,15 +380,21 @@ def main(argv: list[str] | None = None) -> None:
         p.error("unknown system")
     if args.tokens < 1 or args.repeats < 1:
         p.error("--tokens and --repeats must be >= 1")
+    if args.built and systems != ["ours"]:
+        p.error("--built runs ours alone (--systems ours)")
+    if args.cfm_dtype not in ("float32", "bfloat16", "float16"):
+        p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
     missing = [name for name in CHECKPOINT_FILES if not (checkpoint / name).is_file()]
-    if systems and missing:
+    if systems and missing and not args.built:
         raise SystemExit(
             f"{checkpoint} lacks {', '.join(missing)}: run this script with --write-checkpoint first"
         )
-    clip = write_clip(side_paths(checkpoint)[1] / f"voice_{args.clip_seconds:g}s.wav", args.clip_seconds)
+    clip = None
+    if not args.built:
+        clip = write_clip(side_paths(checkpoint)[1] / f"voice_{args.clip_seconds:g}s.wav", args.clip_seconds)
     mlx_device = args.device or ("gpu" if mx.is_available(mx.gpu) else "cpu")
     info = machine_info()
     watermark = not args.no_watermark
@@ -364,7 +403,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# e2e {system} ...", file=sys.stderr)
         if system == "ours":
             res, dev = (
-                bench_ours(checkpoint, clip, args.tokens, args.repeats, watermark, mlx_device),
+                bench_ours(
+                    checkpoint,
+                    clip,
+                    args.tokens,
+                    args.repeats,
+                    watermark,
+                    mlx_device,
+                    args.built,
+                    args.cfm_dtype,
+                ),
                 mlx_device,
             )
         else:
@@ -373,20 +421,25 @@ def main(argv: list[str] | None = None) -> None:
             )
             dev = res.pop("torch_device")
         row = dict(
-            system=system, device=dev, tokens=args.tokens, repeats=args.repeats, clip_s=args.clip_seconds
+            system=system,
+            device=dev,
+            tokens=args.tokens,
+            repeats=args.repeats,
+            clip_s=None if args.built else args.clip_seconds,
         )
         row.update(watermark=watermark, text=TEXT, **res, rss_peak_mib=rss_peak_mib(), **info)
         write_line(row, args.out)
         rows.append(row)
     if rows:
         print(
-            f"{'system':9} {'device':7} {'voice s':>8} {'total s':>8} {'T3 s':>7} {'S3Gen s':>8} {'wm s':>6} {'RTF':>7}",
+            f"{'system':9} {'device':7} {'voice s':>8} {'total s':>8} {'T3 s':>7} {'S3Gen s':>8} {'wm s':>6} {'RTF':>7} "
+            f"{'peak MiB':>9}",
             file=sys.stderr,
         )
     for r in rows:
         print(
-            f"{r['system']:9} {r['device']:7} {r['voice_s']:>8.3f} {r['total_s']:>8.3f} {r['t3_s']:>7.3f} "
-            f"{r['s3gen_s']:>8.3f} {r['watermark_s']:>6.3f} {r['rtf']:>7.4f}",
+            f"{r['system']:9} {r['device']:7} {r['voice_s'] or float('nan'):>8.3f} {r['total_s']:>8.3f} {r['t3_s']:>7.3f} "
+            f"{r['s3gen_s']:>8.3f} {r['watermark_s']:>6.3f} {r['rtf']:>7.4f} {(r['peak_mem_bytes'] or float('nan')) / 2**20:>9.0f}",
             file=sys.stderr,
         )
 
