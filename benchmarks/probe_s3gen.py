@@ -9,6 +9,8 @@ and memory budget. A probe for the H200 (random full-size weights, no torch); pr
   microseconds each, n of them built lazily and evaluated together (MLX's encoding plus the device).
 - call: one estimator call at 2·N rows: primitives by kind, the host's time to build the graph, and the time to
   evaluate it.
+- solve: one CFM solve (10 steps with CFG) at 2·N rows of ``--frames`` frames, the estimator as it runs or, with
+  ``--estimator compiled``, compiled afresh for the solve (its trace counted): what a per-utterance compile gives.
 - device: the GPU's time for one estimator call at 2·N rows, apart from the host's (the calls queued behind a
   second-long chain of products; run with MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000).
 - batch: ``S3Gen.batch`` of N requests of 10 s (the 10 s voice prompt each) by stage (encoder, CFM, HiFT), under
@@ -284,6 +286,47 @@ def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls
     )
 
 
+class _CompiledEstimator:
+    """An estimator through ``mx.compile``, compiled afresh for each solve (as a per-utterance compile would run:
+    its trace is part of the solve's time): ``cfm.solve`` reads ``config`` and ``dtype`` from it."""
+
+    def __init__(self, est: cfm.Estimator):
+        self.config, self.dtype = est.config, est.dtype
+        self._call = mx.compile(est.__call__)
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+
+def solve_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, way: str, repeats: int) -> dict:
+    """One CFM solve (10 Euler steps with CFG, 2·requests rows of ``frames`` frames, masked when requests > 1)
+    as the estimator runs (plain) or compiled once per solve (compiled: the trace, then 9 steps that reuse it).
+    """
+    est = s3gen.estimator
+    est.set_dtype(dtype)
+    mx.eval(est.parameters())
+    mu, cond, noise = (mx.random.normal((requests, frames, 80)) for _ in range(3))
+    spks = mx.random.normal((requests, 80))
+    mask = None if requests == 1 else mx.ones((requests, frames), dtype=mx.bool_)
+    mx.eval(mu, cond, noise, spks, mask if mask is not None else mu)
+    times = []
+    for _ in range(repeats + 1):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        estimator = est if way == "plain" else _CompiledEstimator(est)
+        mx.eval(cfm.solve(estimator, mu, mask, spks, cond, noise, 10, 0.7))
+        times.append(time.perf_counter() - t0)
+    est.set_dtype(mx.float32)
+    return dict(
+        dtype=str(dtype).split(".")[-1],
+        rows=2 * requests,
+        frames=frames,
+        estimator=way,
+        solve_ms=1e3 * statistics.median(times[1:]),
+        first_ms=1e3 * times[0],
+    )
+
+
 # --- batch ---
 
 
@@ -378,10 +421,10 @@ def main() -> None:
     p.add_argument(
         "--estimator",
         default="plain",
-        help="call: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains fused; "
-        "ADR 6 rejected it at 2 rows); a comma-separated list runs each, back to back",
+        help="call, solve: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains "
+        "fused; solve compiles once per solve); a comma-separated list runs each, back to back",
     )
-    p.add_argument("--frames", type=int, default=FRAMES, help="ops and call: mel frames a row")
+    p.add_argument("--frames", type=int, default=FRAMES, help="ops, call, solve, device: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
@@ -423,7 +466,7 @@ def main() -> None:
                 results={f"{str(d).split('.')[-1]}-{r}": v for (d, r), v in results.items()},
             )
         )
-    s3gen = random_s3gen() if {"call", "device", "batch"} & set(parts) else None
+    s3gen = random_s3gen() if {"call", "solve", "device", "batch"} & set(parts) else None
     if "call" in parts:
         print(
             "\n| dtype | estimator | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> "
@@ -438,6 +481,18 @@ def main() -> None:
                 f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} | "
                 + ", ".join(f"{k} {v}" for k, v in list(row["casts"].items())[:4])
                 + " |",
+                flush=True,
+            )
+    if "solve" in parts:
+        print(
+            "\n| dtype | rows | frames | estimator | solve ms (10 steps) | first solve ms |\n|---|---|---|---|---|---|"
+        )
+        for d, r, way in itertools.product(dtypes, requests, ways):
+            row = solve_time(s3gen, d, r, args.frames, way, args.repeats)
+            emit(dict(part="solve", **row))
+            print(
+                f"| {row['dtype']} | {row['rows']} | {row['frames']} | {way} | {row['solve_ms']:.1f} | "
+                f"{row['first_ms']:.0f} |",
                 flush=True,
             )
     if "device" in parts:
