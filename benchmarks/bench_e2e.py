@@ -432,14 +432,15 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     if rows:
         print(
-            f"{'system':9} {'device':7} {'voice s':>8} {'total s':>8} {'T3 s':>7} {'S3Gen s':>8} {'wm s':>6} {'RTF':>7} "
-            f"{'peak MiB':>9}",
+            f"{'system':9} {'device':7} {'voice s':>8} {'total s':>8} {'T3 s':>7} {'S3Gen s':>8} {'wm s':>6} "
+            f"{'RTF':>7} {'peak MiB':>9}",
             file=sys.stderr,
         )
     for r in rows:
         print(
-            f"{r['system']:9} {r['device']:7} {r['voice_s'] or float('nan'):>8.3f} {r['total_s']:>8.3f} {r['t3_s']:>7.3f} "
-            f"{r['s3gen_s']:>8.3f} {r['watermark_s']:>6.3f} {r['rtf']:>7.4f} {(r['peak_mem_bytes'] or float('nan')) / 2**20:>9.0f}",
+            f"{r['system']:9} {r['device']:7} {r['voice_s'] or float('nan'):>8.3f} {r['total_s']:>8.3f} "
+            f"{r['t3_s']:>7.3f} {r['s3gen_s']:>8.3f} {r['watermark_s']:>6.3f} {r['rtf']:>7.4f} "
+            f"{(r['peak_mem_bytes'] or float('nan')) / 2**20:>9.0f}",
             file=sys.stderr,
         )
 

@@ -11,14 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def run(*args: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, "benchmarks/bench_e2e.py", "--device", "cpu", *args]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_built_model_row(tmp_path):
     out = tmp_path / "e2e.jsonl"
-    done = run(tmp_path, "--built", "tiny", "--tokens", "20", "--repeats", "1", "--cfm-dtype", "bfloat16",
+    done = run("--built", "tiny", "--tokens", "20", "--repeats", "1", "--cfm-dtype", "bfloat16",
                "--no-watermark", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -28,8 +28,8 @@ def test_built_model_row(tmp_path):
     assert row["peak_mem_bytes"] > 0
 
 
-def test_built_refuses_upstream_and_unknown_dtypes(tmp_path):
-    done = run(tmp_path, "--built", "tiny", "--systems", "ours,upstream")
+def test_built_refuses_upstream_and_unknown_dtypes():
+    done = run("--built", "tiny", "--systems", "ours,upstream")
     assert done.returncode == 2 and "--built runs ours alone" in done.stderr
-    done = run(tmp_path, "--built", "tiny", "--cfm-dtype", "int8")
+    done = run("--built", "tiny", "--cfm-dtype", "int8")
     assert done.returncode == 2 and "--cfm-dtype int8" in done.stderr
