@@ -34,7 +34,6 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
-from mlx_chatterbox.models import cfm
 
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
@@ -46,7 +45,6 @@ TEXT = (
 KNOBS = dict(temperature=0.8, min_p=0.05, top_p=1.0, repetition_penalty=1.2, cfg_weight=0.5)
 EXAGGERATION = 0.5
 DEFAULT_CHECKPOINT = "/tmp/mlx_chatterbox_e2e/checkpoint"
-OURS = {"ours", "ours-plain-steps"}
 CHECKPOINT_FILES = ("t3_cfg.safetensors", "s3gen.safetensors", "ve.safetensors", "tokenizer.json")
 
 
@@ -350,11 +348,7 @@ def summarize(runs: list[dict], tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--systems",
-        default="ours",
-        help="comma list of: ours, ours-plain-steps (the CFM steps not compiled: cfm.COMPILE_STEPS off), upstream",
-    )
+    p.add_argument("--systems", default="ours", help="comma list of: ours, upstream")
     p.add_argument(
         "--checkpoint", default=DEFAULT_CHECKPOINT, help="random upstream-layout checkpoint folder"
     )
@@ -382,12 +376,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
-    if not set(systems) <= {*OURS, "upstream"}:
+    if not set(systems) <= {"ours", "upstream"}:
         p.error("unknown system")
     if args.tokens < 1 or args.repeats < 1:
         p.error("--tokens and --repeats must be >= 1")
-    if args.built and not set(systems) <= OURS:
-        p.error("--built runs ours alone (--systems ours or ours-plain-steps)")
+    if args.built and systems != ["ours"]:
+        p.error("--built runs ours alone (--systems ours)")
     if args.cfm_dtype not in ("float32", "bfloat16", "float16"):
         p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")
     checkpoint = Path(args.checkpoint)
@@ -407,8 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for system in systems:
         print(f"# e2e {system} ...", file=sys.stderr)
-        if system in OURS:
-            cfm.COMPILE_STEPS = None if system == "ours" else False
+        if system == "ours":
             res, dev = (
                 bench_ours(
                     checkpoint,
@@ -439,13 +432,13 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     if rows:
         print(
-            f"{'system':16} {'device':7} {'voice s':>8} {'total s':>8} {'T3 s':>7} {'S3Gen s':>8} {'wm s':>6} "
+            f"{'system':9} {'device':7} {'voice s':>8} {'total s':>8} {'T3 s':>7} {'S3Gen s':>8} {'wm s':>6} "
             f"{'RTF':>7} {'peak MiB':>9}",
             file=sys.stderr,
         )
     for r in rows:
         print(
-            f"{r['system']:16} {r['device']:7} {r['voice_s'] or float('nan'):>8.3f} {r['total_s']:>8.3f} "
+            f"{r['system']:9} {r['device']:7} {r['voice_s'] or float('nan'):>8.3f} {r['total_s']:>8.3f} "
             f"{r['t3_s']:>7.3f} {r['s3gen_s']:>8.3f} {r['watermark_s']:>6.3f} {r['rtf']:>7.4f} "
             f"{(r['peak_mem_bytes'] or float('nan')) / 2**20:>9.0f}",
             file=sys.stderr,

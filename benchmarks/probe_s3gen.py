@@ -9,9 +9,8 @@ and memory budget. A probe for the H200 (random full-size weights, no torch); pr
   microseconds each, n of them built lazily and evaluated together (MLX's encoding plus the device).
 - call: one estimator call at 2·N rows: primitives by kind, the host's time to build the graph, and the time to
   evaluate it.
-- solve: one CFM solve (10 steps with CFG) at 2·N rows of ``--frames`` frames, its steps uncompiled (``--estimator
-  plain``: ``cfm.COMPILE_STEPS`` off) or compiled afresh for the solve (``compiled``, the default on GPUs; its
-  trace counted). ``--estimator`` also picks the steps' way for ``batch``.
+- solve: one CFM solve (10 steps with CFG) at 2·N rows of ``--frames`` frames, the estimator as it runs or, with
+  ``--estimator compiled``, compiled afresh for the solve (its trace counted): what a per-utterance compile gives.
 - device: the GPU's time for one estimator call at 2·N rows, apart from the host's (the calls queued behind a
   second-long chain of products; run with MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000).
 - batch: ``S3Gen.batch`` of N requests of 10 s (the 10 s voice prompt each) by stage (encoder, CFM, HiFT), under
@@ -287,10 +286,21 @@ def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls
     )
 
 
+class _CompiledEstimator:
+    """An estimator through ``mx.compile``, compiled afresh for each solve (as a per-utterance compile would run:
+    its trace is part of the solve's time): ``cfm.solve`` reads ``config`` and ``dtype`` from it."""
+
+    def __init__(self, est: cfm.Estimator):
+        self.config, self.dtype = est.config, est.dtype
+        self._call = mx.compile(est.__call__)
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+
 def solve_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, way: str, repeats: int) -> dict:
     """One CFM solve (10 Euler steps with CFG, 2·requests rows of ``frames`` frames, masked when requests > 1)
-    with its steps as they run uncompiled (plain: ``cfm.COMPILE_STEPS`` off) or compiled once a solve (compiled:
-    the trace, then 9 steps that reuse it; the library's default on GPUs).
+    as the estimator runs (plain) or compiled once per solve (compiled: the trace, then 9 steps that reuse it).
     """
     est = s3gen.estimator
     est.set_dtype(dtype)
@@ -303,7 +313,8 @@ def solve_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, way: s
     for _ in range(repeats + 1):
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(cfm.solve(est, mu, mask, spks, cond, noise, 10, 0.7))
+        estimator = est if way == "plain" else _CompiledEstimator(est)
+        mx.eval(cfm.solve(estimator, mu, mask, spks, cond, noise, 10, 0.7))
         times.append(time.perf_counter() - t0)
     est.set_dtype(mx.float32)
     return dict(
@@ -410,9 +421,8 @@ def main() -> None:
     p.add_argument(
         "--estimator",
         default="plain",
-        help="call: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains fused); "
-        "solve, batch: the CFM steps with cfm.COMPILE_STEPS off (plain) or on (compiled once a solve, the default "
-        "on GPUs); a comma-separated list runs each, back to back",
+        help="call, solve: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains "
+        "fused; solve compiles once per solve); a comma-separated list runs each, back to back",
     )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops, call, solve, device: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
@@ -478,7 +488,6 @@ def main() -> None:
             "\n| dtype | rows | frames | estimator | solve ms (10 steps) | first solve ms |\n|---|---|---|---|---|---|"
         )
         for d, r, way in itertools.product(dtypes, requests, ways):
-            cfm.COMPILE_STEPS = way == "compiled"
             row = solve_time(s3gen, d, r, args.frames, way, args.repeats)
             emit(dict(part="solve", **row))
             print(
@@ -498,21 +507,20 @@ def main() -> None:
             )
     if "batch" in parts:
         print(
-            "\n| CFM | steps | HiFT | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | "
-            "peak MiB |\n|---|---|---|---|---|---|---|---|---|---|---|"
+            "\n| CFM | HiFT | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
+            "\n|---|---|---|---|---|---|---|---|---|---|"
         )
         one = vocode.vocode_rows
         # HiFT's ways innermost: each pair is timed back to back, alike in whatever else the machine is doing.
-        for d, budget, r, way, hift in itertools.product(
-            dtypes, args.budgets.split(","), requests, ways, args.hift.split(",")
+        for d, budget, r, hift in itertools.product(
+            dtypes, args.budgets.split(","), requests, args.hift.split(",")
         ):
             vocode.vocode_rows = {"one": one, "per-length": _per_length(one)}[hift]
-            cfm.COMPILE_STEPS = way == "compiled"
             value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
             row = batch(s3gen, r, value, args.repeats, d, args.spread)
-            emit(dict(part="batch", steps=way, hift=hift, **row))
+            emit(dict(part="batch", hift=hift, **row))
             print(
-                f"| {row['dtype']} | {way} | {hift} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
+                f"| {row['dtype']} | {hift} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
                 f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
                 flush=True,
             )

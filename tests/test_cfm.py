@@ -191,34 +191,6 @@ def test_steps_held_in_flight_change_no_number(estimator, monkeypatch):
             solve(estimator, mu, mask, spks, cond, x, n_timesteps=2, in_flight=bad)
 
 
-class Counted:
-    """An estimator that counts its Python calls: a compiled step calls it only while it is traced."""
-
-    def __init__(self, est: Estimator):
-        self.est, self.config, self.dtype, self.calls = est, est.config, est.dtype, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.est(*args, **kwargs)
-
-
-@pytest.mark.parametrize("lengths", [[6], [6, 4]])
-def test_compiled_steps_equal_the_plain_steps_and_trace_once_a_solve(estimator, monkeypatch, lengths):
-    """``COMPILE_STEPS``: one trace a solve (its steps share a shape), replayed by the other steps; the numbers
-    differ by the fusion's rounding only. Unset, it compiles on GPUs only."""
-    z, mask, mu, spks, cond = batch(lengths, seed=11)
-    mask = mask if len(lengths) > 1 else None  # one utterance runs unmasked (ADR 6)
-    runs = {}
-    for setting in (False, True, None):
-        monkeypatch.setattr(cfm, "COMPILE_STEPS", setting)
-        counted = Counted(estimator)
-        runs[setting] = solve(counted, mu, mask, spks, cond, z, n_timesteps=4), counted.calls
-    on_gpu = mx.default_device() == mx.gpu
-    assert [calls for _, calls in runs.values()] == [4, 1, 1 if on_gpu else 4]
-    assert close(runs[True][0], runs[False][0], 1e-5)
-    assert close(runs[None][0], runs[False][0], 1e-5)
-
-
 def test_solver_leaves_padded_frames_at_the_noise_and_rows_independent(estimator):
     """The estimator is zero on padded frames and upstream does not re-mask x, so they keep the noise."""
     z, mask, mu, spks, cond = batch([9, 5], seed=7)

@@ -14,7 +14,6 @@ from mlx.utils import tree_flatten
 
 from mlx_chatterbox.convert import ConversionError, convert_s3gen, sanitize
 from mlx_chatterbox.generation.vocode import Draws, S3Gen
-from mlx_chatterbox.models import cfm
 from mlx_chatterbox.models.cfm import CFMConfig, Estimator, linear_schedule, solve, solve_meanflow
 from mlx_chatterbox.models.flow import Flow
 from mlx_chatterbox.models.hift import HiFT
@@ -267,15 +266,3 @@ def test_english_s3gen_still_runs_ten_guided_steps():
         english.mel(tokens(3), voice, cfm_steps=steps, key=mx.random.key(2))
     )  # noqa: E731
     np.testing.assert_array_equal(mel(None), mel(10))
-
-
-def test_compiled_steps_equal_the_plain_steps(estimator, monkeypatch):
-    """``cfm.COMPILE_STEPS`` for the meanflow solve: one trace for both steps, the same numbers up to the fusion's
-    rounding, with a padded batch and without a mask."""
-    z, mask, mu, spks, cond = batch([6, 4], seed=5)
-    for m, rows in ((mask, slice(None)), (None, slice(0, 1))):
-        args = (mu[rows], m, spks[rows], cond[rows], z[rows])
-        monkeypatch.setattr(cfm, "COMPILE_STEPS", False)
-        plain = solve_meanflow(estimator, *args)
-        monkeypatch.setattr(cfm, "COMPILE_STEPS", True)
-        assert close(solve_meanflow(estimator, *args), plain, 1e-5)

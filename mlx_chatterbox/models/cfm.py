@@ -34,18 +34,6 @@ T = TypeVar("T")
 Steps = Generator[None, None, T]
 
 
-# Whether a solve runs its Euler step (the estimator, the guidance and the update) through ``mx.compile``, traced
-# afresh for each solve: its steps share one shape, and the replays skip the step's Python graph building and fuse
-# its element-wise chains (ADR 6). None: on GPUs only; on the CPU MLX builds fused kernels with the system's C++
-# compiler, and compiling the estimator gave no gain there. The numbers differ by the fusion's rounding only.
-COMPILE_STEPS: bool | None = None
-
-
-def _compiled(step: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    on = mx.default_device() == mx.gpu if COMPILE_STEPS is None else COMPILE_STEPS
-    return mx.compile(step) if on else step
-
-
 def drain(steps: Steps[T]) -> T:
     """Run a computation queued in parts (``Steps``) to its end: its value."""
     while True:
@@ -554,22 +542,16 @@ def solve_steps(
     # A lower-precision estimator gets its inputs in its dtype; the sample x and the Euler sums stay float32.
     low = estimator.dtype
     mu, spks, cond = mu.astype(low), spks.astype(low), cond.astype(low)
-    masks = () if mask is None else (mask,)
-
-    def step(x: mx.array, t: mx.array, r: mx.array, mu: mx.array, spks: mx.array, cond: mx.array, *masks):
-        x_in = (mx.concatenate([x, x], axis=0) if guided else x).astype(low)
-        m = masks[0] if masks else None
-        v = estimator(x_in, m, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond).astype(x.dtype)
-        if guided:
-            v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
-        return x + (r - t) * v
-
-    step = _compiled(step)
     x, queued = noise, []
     for k in range(n_timesteps):
+        t, r = t_span[k], t_span[k + 1]
         if in_flight is not None and len(queued) > in_flight:
             mx.eval(queued.pop(0))  # waits for that step: it was queued already
-        x = step(x, t_span[k], t_span[k + 1], mu, spks, cond, *masks)
+        x_in = (mx.concatenate([x, x], axis=0) if guided else x).astype(low)
+        v = estimator(x_in, mask, mu, mx.broadcast_to(t, (x_in.shape[0],)), spks, cond).astype(x.dtype)
+        if guided:
+            v = (1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:]
+        x = x + (r - t) * v
         mx.async_eval(x)
         if in_flight is not None:  # else no reference is kept: x's buffer may be donated to the next step's
             queued.append(x)
@@ -619,17 +601,13 @@ def meanflow_steps(
     # As in solve: the estimator runs in its dtype, the sample and the Euler sums stay float32.
     low = estimator.dtype
     mu, spks, cond = mu.astype(low), spks.astype(low), cond.astype(low)
-    masks = () if mask is None else (mask,)
-
-    def step(x: mx.array, t: mx.array, r: mx.array, mu: mx.array, spks: mx.array, cond: mx.array, *masks):
-        m = masks[0] if masks else None
-        v = estimator(x.astype(low), m, mu, mx.broadcast_to(t, (b,)), spks, cond, r=mx.broadcast_to(r, (b,)))
-        return x + (r - t) * v.astype(x.dtype)
-
-    step = _compiled(step)
     x = noise
     for k in range(n_timesteps):
-        x = step(x, t_span[k], t_span[k + 1], mu, spks, cond, *masks)
+        t, r = t_span[k], t_span[k + 1]
+        v = estimator(
+            x.astype(low), mask, mu, mx.broadcast_to(t, (b,)), spks, cond, r=mx.broadcast_to(r, (b,))
+        ).astype(x.dtype)
+        x = x + (r - t) * v
         mx.async_eval(x)
         yield
     return x
