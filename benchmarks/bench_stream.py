@@ -41,6 +41,7 @@ from mlx_chatterbox import TTS
 from mlx_chatterbox.generation.speech_tokens import EnglishSpeech, generate_speech_tokens
 from mlx_chatterbox.cli.common import stream_context
 from mlx_chatterbox.generation.stream import CONTEXT as STREAM_CONTEXT
+from mlx_chatterbox.generation.stream import FIRST_CHUNK
 from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.generation.vocode import S3Gen
 from mlx_chatterbox.generation.voice import Voice
@@ -80,16 +81,18 @@ def build(tiny: bool = False) -> TTS:
     return TTS(folder)
 
 
-def bench_stream(tts: TTS, tokens: int, context: int | str = STREAM_CONTEXT) -> dict:
+def bench_stream(
+    tts: TTS, tokens: int, context: int | str = STREAM_CONTEXT, first_chunk: int = FIRST_CHUNK
+) -> dict:
     start = time.perf_counter()
     first, samples = None, 0
-    for chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens, context=context):
+    for chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens, context=context, first_chunk=first_chunk):
         first = time.perf_counter() - start if first is None else first
         samples += len(chunk)
     return dict(first_audio_s=first, total_s=time.perf_counter() - start, audio_s=samples / SAMPLE_RATE)
 
 
-def first_audio_parts(tts: TTS, first_chunk: int = 10) -> dict:
+def first_audio_parts(tts: TTS, first_chunk: int = FIRST_CHUNK) -> dict:
     """Where a stream's first audio goes, each part alone (medians of 3): T3 to the first_chunk-th token (prefill
     included), the first S3Gen decode of that many tokens, and Perth's mark on the chunk it gives."""
     ids, voice = tts.text_ids(TEXT), tts.builtin_voice
@@ -118,6 +121,7 @@ def bench_worker(
     context: int | str = STREAM_CONTEXT,
     thread: bool = False,
     spread: bool = False,
+    first_chunk: int = FIRST_CHUNK,
 ) -> dict:
     """``n`` concurrent requests of ``tokens`` speech tokens (``spread``: tokens/2 .. tokens, so that they end
     in different steps); ``thread``: the Worker's vocode_thread."""
@@ -138,7 +142,7 @@ def bench_worker(
             threading.Thread(target=read, args=(worker.submit(job), start))
             for job in (
                 SpeechJob(TEXT, tts.builtin_voice, SamplingParams(max_new_tokens=int(c)), seed=i, stream=stream,
-                          stream_context=context)
+                          stream_context=context, first_chunk=first_chunk)
                 for i, c in enumerate(counts)
             )
         ]  # fmt: skip
@@ -177,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         default=STREAM_CONTEXT,
         help=f"streamed requests' decode window: speech tokens or 'whole' (default {STREAM_CONTEXT})",
     )
+    parser.add_argument(
+        "--first-chunk", type=int, default=FIRST_CHUNK, help="speech tokens before a stream's first decode"
+    )
+    parser.add_argument(
+        "--cfm-dtype", choices=("float32", "bfloat16"), default="float32", help="the CFM estimator's dtype"
+    )
     parser.add_argument("--worker-only", action="store_true", help="skip the rows of tts.stream alone")
     parser.add_argument(
         "--vocode-thread", action="store_true", help="the Worker vocodes on a thread of its own"
@@ -192,30 +202,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     tts = build(args.tiny)
+    tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))  # as TTS.load(cfm_dtype=) does
     tts.s3gen.memory_budget = args.memory_budget
     info = machine_info()
     rows = []
     if not args.worker_only:
-        bench_stream(tts, 30, args.stream_context)  # warm-up: traces and compiles
+        bench_stream(tts, 30, args.stream_context, args.first_chunk)  # warm-up: traces and compiles
         rows.append(
             dict(
                 mode="stream",
                 requests=1,
-                **bench_stream(tts, args.tokens, args.stream_context),
+                **bench_stream(tts, args.tokens, args.stream_context, args.first_chunk),
                 peak_mem_bytes=mx.get_peak_memory(),
             )
         )
         # Each row is written as soon as it is measured, so that a run cut short keeps what it measured.
         line = dict(bench="stream", tokens=args.tokens, memory_budget=args.memory_budget,
-                    stream_context=args.stream_context, **rows[0])  # fmt: skip
+                    stream_context=args.stream_context, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype,
+                    **rows[0])  # fmt: skip
         write_line(dict(**line, machine=info, backend=_backend.STATUS), args.out)
-        parts = first_audio_parts(tts)
+        parts = first_audio_parts(tts, args.first_chunk)
         print(
             "# first audio, part by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
             file=sys.stderr,
         )
         write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
-    shape = dict(vocode_batch=args.vocode_batch, thread=args.vocode_thread, spread=args.spread)
+    shape = dict(vocode_batch=args.vocode_batch, thread=args.vocode_thread, spread=args.spread,
+                 first_chunk=args.first_chunk)  # fmt: skip
     for stream in [f == "streamed" for f in args.formats.split(",")]:
         for n in (int(c) for c in args.concurrency.split(",")):
             knobs = dict(context=args.stream_context, **shape)
@@ -225,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(dict(mode="worker, " + ("streamed" if stream else "whole"), requests=n, **row,
                              peak_mem_bytes=mx.get_peak_memory()))  # fmt: skip
             row = dict(bench="stream", tokens=args.tokens, **shape, memory_budget=args.memory_budget,
+                       cfm_dtype=args.cfm_dtype,
                        stream_context=args.stream_context,
                        **rows[-1])  # fmt: skip
             write_line(dict(**row, machine=info), args.out)

@@ -2,8 +2,9 @@
 # The real server under load (issue 24): a random full-size model of VARIANT (english or turbo) served with
 # `serve --max-batch 128 --max-queue 256` plus SERVE_FLAGS, then bench_serve.py scenarios, one per remaining
 # argument, into ~/res/serve.jsonl: bash serve.sh english "" "--concurrency 128 --formats whole --requests 128" ...
-# SERVER_PID in a scenario becomes the server's process id (a soak's --pid, for its RSS).
-export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
+# SERVER_PID in a scenario becomes the server's process id (a soak's --pid, for its RSS). SERVE_PATH, when set, is
+# put first on the path: a folder with a sitecustomize.py that sets a library switch serves an A/B in one lease.
+export PYTHONPATH=${SERVE_PATH:+$SERVE_PATH:}/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 variant=$1 flags=$2
 shift 2
 echo "== commit $BENCH_COMMIT"
