@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("unknown system")
     if args.tokens < 1 or args.repeats < 1:
         p.error("--tokens and --repeats must be >= 1")
-    if args.built and systems != ["ours"]:
+    if args.built and set(systems) != {"ours"}:
         p.error("--built runs ours alone (--systems ours)")
     if args.cfm_dtype not in ("float32", "bfloat16", "float16"):
         p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")

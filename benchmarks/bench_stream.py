@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     tts = build(args.tiny)
-    tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))  # as TTS.load(cfm_dtype=) does
+    # As TTS.load(cfm_dtype=) does, evaluated here: the Worker's thread cannot evaluate this thread's lazy arrays.
+    tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
+    mx.eval(tts.s3gen.estimator.parameters())
     tts.s3gen.memory_budget = args.memory_budget
     info = machine_info()
     rows = []

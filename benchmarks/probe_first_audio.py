@@ -1,0 +1,187 @@
+"""Where a lone stream's first audio goes (issue 25): one streamed request through ``TTS.stream`` and through the
+server's ``Worker`` (inline and with its vocoding thread), on the full-size English model with random weights,
+with the events of its first audio timed from the request's start: T3's steps up to the first decode (the
+Worker's batch; ``TTS.stream``'s loop is not split), the first decode, its watermark, and the hand-over to the
+reader. A one-off probe for the H200; prints one table.
+
+    python benchmarks/probe_first_audio.py --cfm-dtype bfloat16 --first-chunk 15 --out first_audio.jsonl
+
+Each mode runs the same request once untimed first (its traces and kernels), then ``--repeats`` times timed;
+the table gives the medians. The events are the library's own methods, wrapped here to note when they ran.
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx_chatterbox  # noqa: F401  isort: skip
+
+import argparse
+import functools
+import statistics
+import threading
+import time
+
+import mlx.core as mx
+from bench_stream import TEXT, build
+from common import machine_info, write_line
+
+from mlx_chatterbox import TTS
+from mlx_chatterbox.generation import batch as t3_batch
+from mlx_chatterbox.generation import stream
+from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.server import worker as worker_module
+from mlx_chatterbox.server.worker import SpeechJob, Worker
+
+# (owner, attribute, event): the calls timed, each noted with its start and end.
+EVENTS = (
+    (t3_batch.SpeechTokenBatch, "step", "t3_step"),
+    (stream.StreamVocoder, "_decode", "decode"),
+    (TTS, "_mark_chunk", "mark"),
+    (worker_module.Ticket, "_put", "put"),
+)
+
+
+class Recorder:
+    """Notes (event, start, end) of every wrapped call, from any thread, while on."""
+
+    def __init__(self):
+        self.notes: list[tuple[str, float, float]] = []
+        self.lock = threading.Lock()
+        self.saved = []
+
+    def __enter__(self) -> Recorder:
+        for owner, name, event in EVENTS:
+            fn = getattr(owner, name)
+            self.saved.append((owner, name, fn))
+            setattr(owner, name, self.wrap(fn, event))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+        self.saved = []
+
+    def wrap(self, fn, event: str):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.notes.append((event, t0, time.perf_counter()))
+
+        return timed
+
+
+def first_audio(notes: list[tuple[str, float, float]], start: float, read: float) -> dict:
+    """The first audio's parts from the notes of one request started at ``start`` and first read at ``read``."""
+    # The decode that made the first audio: the last to end before it was read (TTS.stream's pushes before a
+    # chunk falls due return at once).
+    decode = max((n for n in notes if n[0] == "decode" and n[2] <= read), key=lambda n: n[2])
+    steps = [n for n in notes if n[0] == "t3_step" and n[2] <= decode[1]]
+    marks = [n for n in notes if n[0] == "mark" and n[1] >= decode[2]]
+    puts = [n for n in notes if n[0] == "put" and n[1] >= decode[2]]
+    mark = min(marks, key=lambda n: n[1]) if marks else None
+    put = min(puts, key=lambda n: n[1]) if puts else None
+    ms = lambda s: round(1e3 * s, 1)  # noqa: E731
+    return dict(
+        first_audio_ms=ms(read - start),
+        to_first_step_ms=ms(steps[0][1] - start) if steps else None,
+        first_step_ms=ms(steps[0][2] - steps[0][1]) if steps else None,
+        t3_steps=len(steps),
+        t3_steps_ms=ms(sum(e - s for _, s, e in steps)),
+        to_decode_ms=ms(decode[1] - start),
+        decode_ms=ms(decode[2] - decode[1]),
+        mark_ms=ms(mark[2] - mark[1]) if mark else None,
+        decode_end_to_put_ms=ms(put[1] - decode[2]) if put else None,
+        put_to_read_ms=ms(read - put[2]) if put else None,
+    )
+
+
+def run_stream(tts: TTS, tokens: int, first_chunk: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    for _chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens, first_chunk=first_chunk):
+        read = time.perf_counter()
+        break
+    return start, read
+
+
+def run_worker(worker: Worker, tts: TTS, tokens: int, first_chunk: int) -> tuple[float, float]:
+    job = SpeechJob(
+        TEXT,
+        tts.builtin_voice,
+        SamplingParams(max_new_tokens=tokens),
+        seed=0,
+        stream=True,
+        first_chunk=first_chunk,
+    )
+    start = time.perf_counter()
+    read = None
+    for _chunk in worker.submit(job):  # read to the end: the next request starts on an idle worker
+        read = time.perf_counter() if read is None else read
+    return start, read
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="stream,worker-inline,worker-thread")
+    p.add_argument("--tokens", type=int, default=100, help="speech tokens of the request")
+    p.add_argument("--first-chunk", type=int, default=15)
+    p.add_argument("--cfm-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--tiny", action="store_true", help="tiny networks (a smoke run)")
+    p.add_argument("--out", help="append JSON lines here")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    if set(modes) - {"stream", "worker-inline", "worker-thread"}:
+        p.error(f"--modes {args.modes}: stream, worker-inline, worker-thread")
+    mx.set_default_device(getattr(mx, args.device))
+    tts = build(args.tiny)
+    tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
+    mx.eval(
+        tts.s3gen.estimator.parameters()
+    )  # the Worker's threads cannot evaluate this thread's lazy arrays
+    info = machine_info()
+    print(
+        "\n| mode | first audio ms | to T3's first step | first step | T3 steps (ms) | to the decode | decode | "
+        "mark | decode end to put | put to read |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for mode in modes:
+        if mode == "stream":
+            worker, run = None, functools.partial(run_stream, tts)
+        else:
+            worker = Worker(tts, max_batch=1, vocode_thread=mode == "worker-thread").__enter__()
+            run = functools.partial(run_worker, worker, tts)
+        rows = []
+        try:
+            run(args.tokens, args.first_chunk)  # untimed: traces and kernels
+            for _ in range(args.repeats):
+                with Recorder() as rec:
+                    start, read = run(args.tokens, args.first_chunk)
+                rows.append(first_audio(rec.notes, start, read))
+        finally:
+            if worker is not None:
+                worker.close()
+        med = {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None for k in rows[0]}
+        write_line(
+            dict(bench="first_audio", mode=mode, tokens=args.tokens, first_chunk=args.first_chunk,
+                 cfm_dtype=args.cfm_dtype, **med, runs=rows, **info),
+            args.out,
+        )  # fmt: skip
+        f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        print(
+            f"| {mode} | {f(med['first_audio_ms'])} | {f(med['to_first_step_ms'])} | {f(med['first_step_ms'])} | "
+            f"{med['t3_steps']:.0f} ({f(med['t3_steps_ms'])}) | {f(med['to_decode_ms'])} | {f(med['decode_ms'])} | "
+            f"{f(med['mark_ms'])} | {f(med['decode_end_to_put_ms'])} | {f(med['put_to_read_ms'])} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
