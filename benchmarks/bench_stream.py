@@ -11,6 +11,7 @@ The voice is random at upstream's sizes (6 s T3 prompt, 10 s S3Gen prompt); rand
 each request speaks ``--tokens`` speech tokens (``max_new_tokens``). Watermark on, as users get it.
 
     python benchmarks/bench_stream.py --tokens 250 --concurrency 1,8,32 --out benchmarks/out/stream.jsonl
+    python benchmarks/bench_stream.py --cfm-dtype bfloat16 --first-chunk 15 --concurrency 1   # as served on a GPU
 
 ``--stream-context whole`` times the streams that re-decode the whole prefix (default: the 50-token window).
 """
