@@ -5,6 +5,7 @@ Worker's batch; ``TTS.stream``'s loop is not split), the first decode, its water
 reader. A one-off probe for the H200; prints one table.
 
     python benchmarks/probe_first_audio.py --cfm-dtype bfloat16 --first-chunk 15 --out first_audio.jsonl
+    python benchmarks/probe_first_audio.py --model /tmp/serve-turbo/mlx --voice /tmp/serve-turbo/voice.safetensors
 
 Each mode runs the same request once untimed first (its traces and kernels), then ``--repeats`` times timed;
 the table gives the medians. The events are the library's own methods, wrapped here to note when they ran.
@@ -27,19 +28,21 @@ import threading
 import time
 
 import mlx.core as mx
-from bench_stream import TEXT, build
-from common import machine_info, write_line
+from bench_stream import TEXT
+from common import machine_info, memory_budget, write_line
+from probe_worker import load
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.generation import batch as t3_batch
-from mlx_chatterbox.generation import stream
-from mlx_chatterbox.sampling import SamplingParams
+from mlx_chatterbox.generation import stream, turbo_batch
+from mlx_chatterbox.generation.voice import Voice
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import SpeechJob, Worker
 
 # (owner, attribute, event): the calls timed, each noted with its start and end.
 EVENTS = (
     (t3_batch.SpeechTokenBatch, "step", "t3_step"),
+    (turbo_batch.TurboTokenBatch, "step", "t3_step"),
     (stream.StreamVocoder, "_decode", "decode"),
     (TTS, "_mark_chunk", "mark"),
     (worker_module.Ticket, "_put", "put"),
@@ -104,9 +107,9 @@ def first_audio(notes: list[tuple[str, float, float]], start: float, read: float
     )
 
 
-def run_stream(tts: TTS, tokens: int, first_chunk: int) -> tuple[float, float]:
+def run_stream(tts: TTS, voice: Voice, tokens: int, first_chunk: int) -> tuple[float, float]:
     start = time.perf_counter()
-    for _chunk in tts.stream(TEXT, seed=0, max_new_tokens=tokens, first_chunk=first_chunk):
+    for _chunk in tts.stream(TEXT, voice, seed=0, max_new_tokens=tokens, first_chunk=first_chunk):
         read = time.perf_counter()
         break
     return start, read
@@ -126,11 +129,11 @@ class OnAThread:
         return self.pool.submit(run, *args).result()
 
 
-def run_worker(worker: Worker, tts: TTS, tokens: int, first_chunk: int) -> tuple[float, float]:
+def run_worker(worker: Worker, tts: TTS, voice: Voice, tokens: int, first_chunk: int) -> tuple[float, float]:
     job = SpeechJob(
         TEXT,
-        tts.builtin_voice,
-        SamplingParams(max_new_tokens=tokens),
+        voice,
+        tts.speech.params_type(max_new_tokens=tokens),
         seed=0,
         stream=True,
         first_chunk=first_chunk,
@@ -151,17 +154,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--tiny", action="store_true", help="tiny networks (a smoke run)")
+    p.add_argument(
+        "--model", help="a converted model folder, loaded as serve loads it (default: English built here)"
+    )
+    p.add_argument("--voice", help="a voice file for --model (default: its built-in voice)")
+    p.add_argument("--memory-budget", default="auto", type=memory_budget, help="S3Gen.memory_budget")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     modes = args.modes.split(",")
     if set(modes) - {"stream", "stream-thread", "worker-inline", "worker-thread"}:
         p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread")
     mx.set_default_device(getattr(mx, args.device))
-    tts = build(args.tiny)
-    tts.s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
-    mx.eval(
-        tts.s3gen.estimator.parameters()
-    )  # the Worker's threads cannot evaluate this thread's lazy arrays
+    tts, voice = load(args)  # evaluated here: the Worker's threads cannot evaluate this thread's lazy arrays
     info = machine_info()
     print(
         "\n| mode | first audio ms | to T3's first step | first step | T3 steps (ms) | to the decode | decode | "
@@ -169,12 +173,12 @@ def main() -> None:
     )
     for mode in modes:
         if mode == "stream":
-            worker, run = None, functools.partial(run_stream, tts)
+            worker, run = None, functools.partial(run_stream, tts, voice)
         elif mode == "stream-thread":
-            worker, run = None, functools.partial(OnAThread(), run_stream, tts)
+            worker, run = None, functools.partial(OnAThread(), run_stream, tts, voice)
         else:
             worker = Worker(tts, max_batch=1, vocode_thread=mode == "worker-thread").__enter__()
-            run = functools.partial(run_worker, worker, tts)
+            run = functools.partial(run_worker, worker, tts, voice)
         rows = []
         try:
             run(args.tokens, args.first_chunk)  # untimed: traces and kernels
@@ -187,8 +191,9 @@ def main() -> None:
                 worker.close()
         med = {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None for k in rows[0]}
         write_line(
-            dict(bench="first_audio", mode=mode, tokens=args.tokens, first_chunk=args.first_chunk,
-                 cfm_dtype=args.cfm_dtype, **med, runs=rows, **info),
+            dict(bench="first_audio", mode=mode, variant=tts.speech.variant, model=args.model or "built",
+                 tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype, **med, runs=rows,
+                 **info),
             args.out,
         )  # fmt: skip
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
