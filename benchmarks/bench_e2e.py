@@ -402,8 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for system in systems:
         print(f"# e2e {system} ...", file=sys.stderr)
-        # A system run before may still hold its model in reference cycles (its compiled steps): collected here,
-        # or its weights count in this one's peak (run Y: 3.6, 5.7, 7.7 and 3.6 GB for four runs in one process).
+        # A system run before may still hold its model in reference cycles: collected here, or its weights count
+        # in this one's peak (run Y: 3.6, 5.7, 7.7 and 3.6 GB for four runs in one process).
         gc.collect()
         mx.clear_cache()
         if system == "ours":

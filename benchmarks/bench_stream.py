@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             "# first audio, part by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
             file=sys.stderr,
         )
-        write_line(dict(bench="stream", mode="first audio parts", **parts, machine=info), args.out)
+        write_line(dict(bench="stream", mode="first audio parts", first_chunk=args.first_chunk,
+                        cfm_dtype=args.cfm_dtype, **parts, machine=info), args.out)  # fmt: skip
     shape = dict(vocode_batch=args.vocode_batch, thread=args.vocode_thread, spread=args.spread,
                  first_chunk=args.first_chunk)  # fmt: skip
     for stream in [f == "streamed" for f in args.formats.split(",")]:

@@ -3,7 +3,8 @@
 # `serve --max-batch 128 --max-queue 256` plus SERVE_FLAGS, then bench_serve.py scenarios, one per remaining
 # argument, into ~/res/serve.jsonl: bash serve.sh english "" "--concurrency 128 --formats whole --requests 128" ...
 # SERVER_PID in a scenario becomes the server's process id (a soak's --pid, for its RSS). SERVE_PATH, when set, is
-# put first on the path: a folder with a sitecustomize.py that sets a library switch serves an A/B in one lease.
+# put first on the path: a folder with a sitecustomize.py that sets a library switch or an environment variable
+# (benchmarks/device/child_nographs: the vocoding process without CUDA graphs) serves an A/B in one lease.
 export PYTHONPATH=${SERVE_PATH:+$SERVE_PATH:}/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 variant=$1 flags=$2
 shift 2
