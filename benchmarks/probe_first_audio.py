@@ -159,11 +159,19 @@ def main() -> None:
     )
     p.add_argument("--voice", help="a voice file for --model (default: its built-in voice)")
     p.add_argument("--memory-budget", default="auto", type=memory_budget, help="S3Gen.memory_budget")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval (seconds; Python's default 0.005): how long a thread that wants the GIL waits "
+        "for one that holds it, a cost of every hand-over between the Worker's threads",
+    )
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     modes = args.modes.split(",")
     if set(modes) - {"stream", "stream-thread", "worker-inline", "worker-thread"}:
         p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     mx.set_default_device(getattr(mx, args.device))
     tts, voice = load(args)  # evaluated here: the Worker's threads cannot evaluate this thread's lazy arrays
     info = machine_info()
@@ -192,8 +200,8 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None for k in rows[0]}
         write_line(
             dict(bench="first_audio", mode=mode, variant=tts.speech.variant, model=args.model or "built",
-                 tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype, **med, runs=rows,
-                 **info),
+                 tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype,
+                 switch_interval=sys.getswitchinterval(), **med, runs=rows, **info),
             args.out,
         )  # fmt: skip
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
