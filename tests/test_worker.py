@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import logging
+import os
 import threading
 import time
 
@@ -704,6 +706,23 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
         wait_idle(worker)
         assert worker.metrics()["requests"]["failed"] == 2
     assert memory_limit() == limit
+
+
+@pytest.mark.parametrize("preset", [None, "1"])
+def test_the_vocoding_process_runs_without_cuda_graphs(tts, monkeypatch, caplog, preset):
+    """The vocoding process sets MLX_USE_CUDA_GRAPHS=0 for itself before its first kernel (its S3Gen calls
+    launch MLX-CUDA's kernels directly), unless the server was started with a value, which it keeps; it says
+    which in the log, and the server's own environment is left as it was."""
+    name = vocoding.GRAPHS_VARIABLE
+    if preset is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, preset)
+    caplog.set_level(logging.INFO, logger=vocoding.__name__)
+    with Worker(tts, vocode_thread=True, vocoding="process"):
+        pass
+    assert f"runs MLX with {name}={preset or '0'}" in caplog.text
+    assert os.environ.get(name) == preset
 
 
 @pytest.mark.parametrize("vocoding", ["thread", "process", "interleaved"])

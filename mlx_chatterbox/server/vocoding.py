@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from ..generation.voice import Voice
 from ..sampling import seed_keys
 
 logger = logging.getLogger(__name__)
+GRAPHS_VARIABLE = "MLX_USE_CUDA_GRAPHS"  # the vocoding process sets it to 0 (_process_main)
 T = TypeVar("T")
 Timed = Callable[..., contextlib.AbstractContextManager]  # (phase, rows, calls)
 
@@ -397,6 +399,7 @@ class VocodingProcess:
         if isinstance(ready, BaseException):
             self._process.join()
             raise RuntimeError(f"the vocoding process could not start: {ready}") from ready
+        logger.info("the vocoding process (pid %d) runs MLX with %s", self._process.pid, ready)
         self._on_turn, self._on_exit = on_turn, on_exit
         self._reader = threading.Thread(target=self._read, name="mlx-chatterbox-vocoder-reader", daemon=True)
         self._reader.start()
@@ -428,6 +431,12 @@ class VocodingProcess:
 def _process_main(conn: Any, spec: ProcessSpec) -> None:
     """The vocoding process: load S3Gen, then take messages (a reader thread receives them meanwhile, so the
     sender never waits for a call) and answer each turn's calls."""
+    # MLX-CUDA records each run of about 100 kernels as a CUDA graph. S3Gen's calls here did better launching
+    # their kernels directly (H200, benchmarks/RESULTS.md run AA: a lone stream's first audio 0.40-0.46 s against
+    # 0.52-0.55, 64 streams 41x real time against 35x); T3's steps, in the server's process, keep the graphs. MLX
+    # reads the variable at the process's first kernel, so it is set before anything runs; a value the server
+    # was started with is kept. Elsewhere (CPU, Metal) MLX does not read it.
+    os.environ.setdefault(GRAPHS_VARIABLE, "0")
     try:
         from ..api import CFM_DTYPES
         from ..weights import load_s3gen
@@ -465,7 +474,7 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
                 return
 
     threading.Thread(target=receive, daemon=True).start()
-    conn.send("ready")
+    conn.send(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]}")  # ready
     while True:
         idle = not engine.busy()
         with timed("idle") if idle else contextlib.nullcontext():
