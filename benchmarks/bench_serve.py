@@ -592,6 +592,7 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
     keys = ("model", "variant", "max_batch", "max_queue", "vocode_batch", "vocode_thread", "cfm_steps")
     # the flags that change the server's speed
     keys += ("cfm_dtype", "stream_context", "first_chunk", "stream_catch_up", "mark_threads", "vocode_memory")
+    keys += ("vocoding",)
     server = {k: health.get(k) for k in keys}
     rows = []
 

@@ -220,3 +220,22 @@ def test_api_keys_and_cors(serve):
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin
     s.signal(signal.SIGTERM)
     assert s.wait(15)[0] == 0
+
+
+def test_vocoding_process_serves_streams_without_cuda_graphs(serve):
+    """``--vocoding process`` through the CLI: S3Gen's work runs in a child process that sets
+    MLX_USE_CUDA_GRAPHS=0 for itself (logged with -v; the server's empty value counts as none), a streamed
+    request comes back whole, the health check reports where vocoding runs, and SIGTERM stops both processes.
+    """
+    s = serve("-v", "--vocode-thread", "on", "--vocoding", "process", env={"MLX_USE_CUDA_GRAPHS": ""})
+    assert httpx.get(f"{s.url}/health").json()["vocoding"] == "process"
+    client = OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+    body = {"seed": 2, "max_new_tokens": 30, "stream": True}
+    args = dict(model="tts-1", voice="default", input="Hello there.", response_format="pcm", extra_body=body)
+    with client.audio.speech.with_streaming_response.create(**args) as r:
+        streamed = b"".join(r.iter_bytes())
+    assert 0 < len(streamed) <= 30 * 960 * 2
+    s.signal(signal.SIGTERM)
+    code, err = s.wait(20)
+    assert code == 0, err
+    assert "runs MLX with MLX_USE_CUDA_GRAPHS=0" in err

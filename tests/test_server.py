@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import mlx.core as mx
@@ -794,13 +795,15 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         (["--vocode-thread", "off", "--mark-threads", "1"], False, False, False, 1),
         (["--vocode-thread", "--vocoding", "process"], False, True, True, "auto"),
         (["--vocode-thread", "--vocoding", "interleaved"], False, True, True, "auto"),
+        (["--vocoding", "thread"], True, True, True, "auto"),
     ],
 )
 def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up, markers):
     """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
     its streams catch up (``--stream-catch-up``, on by default) and its audio is watermarked on
     ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4); ``--vocoding`` places its S3Gen work
-    (thread by default, a process, or interleaved with T3's steps). A streamed request is served either way.
+    (auto by default: a process with MLX-CUDA, else the thread; or interleaved with T3's steps). A streamed
+    request is served either way.
     """
     seen = {}
 
@@ -811,18 +814,31 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
             seen["speech"] = http.post("/v1/audio/speech", json={**body, "stream": True})
 
     monkeypatch.setattr(run_module, "serve", serve)
-    monkeypatch.setattr(worker_module, "default_vocode_thread", lambda: cuda)
+    monkeypatch.setattr(worker_module, "_on_cuda", lambda: cuda)  # the auto settings' test
+    monkeypatch.setattr(worker_module, "default_warm_batches", lambda: False)  # tested below
     monkeypatch.setattr(worker_module.os, "cpu_count", lambda: 8)  # auto: 2 marking threads
     random_voice(seed=7).save(tmp_path / "mine.safetensors")
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main([*args, "--voice", str(tmp_path / "mine.safetensors")]) == 0
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
-    placed = flag[flag.index("--vocoding") + 1] if "--vocoding" in flag else "thread"
+    placed = flag[flag.index("--vocoding") + 1] if "--vocoding" in flag else ("process" if cuda else "thread")
     assert seen["health"]["vocoding"] == (placed if threaded else None)
     assert seen["health"]["stream_catch_up"] is catch_up
     assert seen["health"]["mark_threads"] == (2 if markers == "auto" else markers)
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
 
+
+
+def test_auto_vocoding_keeps_upstreams_s3gen_on_the_thread(monkeypatch):
+    """``--vocoding auto`` sends S3Gen's work to a process with MLX-CUDA only where the thread is on and the
+    S3Gen is ours: a hybrid model's upstream S3Gen stays in the server's process, on the vocoding thread."""
+    monkeypatch.setattr(worker_module, "_on_cuda", lambda: True)
+    ours, hybrid = SimpleNamespace(torch_s3gen=None), SimpleNamespace(torch_s3gen=object())
+    assert worker_module.default_vocoding(ours, True) == "process"
+    assert worker_module.default_vocoding(hybrid, True) == "thread"
+    assert worker_module.default_vocoding(ours, False) == "thread"
+    monkeypatch.setattr(worker_module, "_on_cuda", lambda: False)
+    assert worker_module.default_vocoding(ours, True) == "thread"
 
 @pytest.mark.parametrize(
     "flag,reported,budget",

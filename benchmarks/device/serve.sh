@@ -4,7 +4,7 @@
 # argument, into ~/res/serve.jsonl: bash serve.sh english "" "--concurrency 128 --formats whole --requests 128" ...
 # SERVER_PID in a scenario becomes the server's process id (a soak's --pid, for its RSS). SERVE_PATH, when set, is
 # put first on the path: a folder with a sitecustomize.py that sets a library switch or an environment variable
-# (benchmarks/device/child_nographs: the vocoding process without CUDA graphs) serves an A/B in one lease.
+# serves an A/B in one lease (run AA1 so set MLX_USE_CUDA_GRAPHS=0 in the vocoding process, before it did so itself).
 export PYTHONPATH=${SERVE_PATH:+$SERVE_PATH:}/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 variant=$1 flags=$2
 shift 2

@@ -52,15 +52,16 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--vocoding",
-        choices=VOCODINGS,
-        default="thread",
-        help="with the vocoding thread: where its S3Gen work runs: on that thread (the default); in a process of "
-        "its own, which loads its own S3Gen at start and shares neither MLX's process-wide throttles nor Python's "
-        "GIL with T3 (an H200 64-row T3 step took 23 ms beside S3Gen in another process, 50 ms beside it on a "
-        "thread), and launches MLX-CUDA's kernels without CUDA graphs unless MLX_USE_CUDA_GRAPHS is set (a lone "
-        "stream's first audio 0.40-0.46 s against 0.52-0.55 with them); or interleaved: on the model thread, a part of each S3Gen call (a flow-matching step) between "
-        "two T3 steps, so that the GPU runs them one after the other instead of side by side (on an H200, 32 "
-        "streams: 20.8x real time against the thread's 33.7x, first audio 2.6 s against 2.1)",
+        choices=("auto", *VOCODINGS),
+        default="auto",
+        help="with the vocoding thread: where its S3Gen work runs: on that thread; in a process of its own, which "
+        "loads its own S3Gen at start, shares neither MLX's process-wide throttles nor Python's GIL with T3, and "
+        "launches MLX-CUDA's kernels without CUDA graphs unless MLX_USE_CUDA_GRAPHS is set (on an H200 a lone "
+        "stream's first audio 0.37-0.41 s against the thread's 0.49-0.51, Turbo's 64 streams 76x real time "
+        "against 55x); auto (the default): the process with MLX-CUDA, the thread elsewhere; or interleaved: on "
+        "the model thread, a part of each S3Gen call (a flow-matching step) between two T3 steps, so that the GPU "
+        "runs them one after the other instead of side by side (on an H200, 32 streams: 20.8x real time against "
+        "the thread's 33.7x, first audio 2.6 s against 2.1)",
     )
     p.add_argument(
         "--mark-threads",
@@ -229,7 +230,13 @@ def run(args: argparse.Namespace) -> None:
     from ..server.app import create_app
     from ..server.run import check_shutdown_timeout, serve
     from ..server.voices import VoiceStore, default_voices_dir
-    from ..server.worker import Worker, default_mark_threads, default_vocode_thread, default_warm_batches
+    from ..server.worker import (
+        Worker,
+        default_mark_threads,
+        default_vocode_thread,
+        default_vocoding,
+        default_warm_batches,
+    )
 
     given_voice = common.read_voice(args.voice)
     if args.memory_limit is not None and not args.memory_limit > 0:
@@ -246,7 +253,7 @@ def run(args: argparse.Namespace) -> None:
             f"--mark-threads {args.mark_threads}: the marking threads run beside the vocoding thread, which is off "
             "here; add --vocode-thread on, or leave --mark-threads out"
         )
-    if args.vocoding != "thread" and not vocode_thread:
+    if args.vocoding not in ("auto", "thread") and not vocode_thread:
         raise common.UsageError(
             f"--vocoding {args.vocoding} places the vocoding thread's S3Gen work, and the thread is off here; add "
             "--vocode-thread on, or leave --vocoding out"
@@ -286,7 +293,7 @@ def run(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         vocode_batch=args.vocode_batch,
         vocode_thread=vocode_thread,
-        vocoding=args.vocoding,
+        vocoding=default_vocoding(tts, vocode_thread) if args.vocoding == "auto" else args.vocoding,
         stream_catch_up=args.stream_catch_up != "off",
         mark_threads=mark_threads,
     ) as worker:

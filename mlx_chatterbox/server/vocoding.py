@@ -435,8 +435,9 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
     # their kernels directly (H200, benchmarks/RESULTS.md run AA: a lone stream's first audio 0.40-0.46 s against
     # 0.52-0.55, 64 streams 41x real time against 35x); T3's steps, in the server's process, keep the graphs. MLX
     # reads the variable at the process's first kernel, so it is set before anything runs; a value the server
-    # was started with is kept. Elsewhere (CPU, Metal) MLX does not read it.
-    os.environ.setdefault(GRAPHS_VARIABLE, "0")
+    # was started with is kept (an empty one counts as none). Elsewhere (CPU, Metal) MLX does not read it.
+    if not os.environ.get(GRAPHS_VARIABLE):
+        os.environ[GRAPHS_VARIABLE] = "0"
     try:
         from ..api import CFM_DTYPES
         from ..weights import load_s3gen

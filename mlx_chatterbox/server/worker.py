@@ -114,6 +114,15 @@ def default_vocode_thread() -> bool:
     return _on_cuda()
 
 
+def default_vocoding(tts: TTS, vocode_thread: bool) -> str:
+    """``serve --vocoding auto``: with the vocoding thread on MLX-CUDA, S3Gen's work in a process of its own
+    (which launches its kernels without CUDA graphs): on an H200 (benchmarks/RESULTS.md run AA, against the
+    thread in one lease) a lone English stream's first audio 0.37-0.41 s against 0.49-0.51, Turbo's 0.22
+    against 0.27, 64 Turbo streams 76x real time against 55x, English whole and 64-stream loads the same.
+    Elsewhere (and with upstream's S3Gen, which runs only here) the thread: not measured on Macs."""
+    return "process" if vocode_thread and _on_cuda() and tts.torch_s3gen is None else "thread"
+
+
 def default_mark_threads(vocode_thread: bool) -> int:
     """``serve --mark-threads auto``: with the vocoding thread, a quarter of the CPU's cores, 1 to 4 (Perth's host
     work per 10 s of audio is 55-75 ms: one marking thread was busy 8.4 s of a 19 s burst of 128 whole requests on
