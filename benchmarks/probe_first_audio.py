@@ -1,14 +1,17 @@
 """Where a lone stream's first audio goes (issue 25): one streamed request through ``TTS.stream`` and through the
-server's ``Worker`` (inline and with its vocoding thread), on the full-size English model with random weights,
-with the events of its first audio timed from the request's start: T3's steps up to the first decode (the
-Worker's batch; ``TTS.stream``'s loop is not split), the first decode, its watermark, and the hand-over to the
-reader. A one-off probe for the H200; prints one table.
+server's ``Worker`` (inline, with its vocoding thread, or with the vocoding process), on the full-size English
+model with random weights, with the events of its first audio timed from the request's start: T3's steps up to
+the first decode (the Worker's batch; ``TTS.stream``'s loop is not split), the first decode, its watermark, and
+the hand-over to the reader. A one-off probe for the H200; prints one table.
 
     python benchmarks/probe_first_audio.py --cfm-dtype bfloat16 --first-chunk 15 --out first_audio.jsonl
-    python benchmarks/probe_first_audio.py --model /tmp/serve-turbo/mlx --voice /tmp/serve-turbo/voice.safetensors
+    python benchmarks/probe_first_audio.py --model /tmp/serve-turbo/mlx --voice /tmp/serve-turbo/voice.safetensors \
+        --modes stream,worker-thread,worker-process
 
 Each mode runs the same request once untimed first (its traces and kernels), then ``--repeats`` times timed;
-the table gives the medians. The events are the library's own methods, wrapped here to note when they ran.
+the table gives the medians. The events are the library's own methods, wrapped here to note when they ran; the
+vocoding process's decodes are timed there and noted as ending when their answer reached the server (the pipe's
+time falls in "to the decode"), and that mode needs ``--model`` (the process loads S3Gen from the folder).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ EVENTS = (
 
 
 class Recorder:
-    """Notes (event, start, end) of every wrapped call, from any thread, while on."""
+    """Notes (event, start, end) of every wrapped call, from any thread, while on (the active one)."""
+
+    active: Recorder | None = None
 
     def __init__(self):
         self.notes: list[tuple[str, float, float]] = []
@@ -62,12 +67,14 @@ class Recorder:
             fn = getattr(owner, name)
             self.saved.append((owner, name, fn))
             setattr(owner, name, self.wrap(fn, event))
+        Recorder.active = self
         return self
 
     def __exit__(self, *exc) -> None:
         for owner, name, fn in self.saved:
             setattr(owner, name, fn)
         self.saved = []
+        Recorder.active = None
 
     def wrap(self, fn, event: str):
         @functools.wraps(fn)
@@ -80,6 +87,24 @@ class Recorder:
                     self.notes.append((event, t0, time.perf_counter()))
 
         return timed
+
+
+def note_child_decodes(worker: Worker) -> None:
+    """The worker's vocoding process, each turn's stream decodes (timed there) noted by the active recorder as
+    one decode ending when the turn arrived. Its hand-over was bound at start, so it is wrapped on the instance.
+    """
+    process = worker._process
+    on_turn = process._on_turn
+
+    def answered(answers, times):
+        now, rec = time.perf_counter(), Recorder.active
+        seconds = sum(s for phase, s, _, _ in times if phase == "stream_decode")
+        if seconds and rec is not None:
+            with rec.lock:
+                rec.notes.append(("decode", now - seconds, now))
+        on_turn(answers, times)
+
+    process._on_turn = answered
 
 
 def first_audio(notes: list[tuple[str, float, float]], start: float, read: float) -> dict:
@@ -168,8 +193,10 @@ def main() -> None:
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     modes = args.modes.split(",")
-    if set(modes) - {"stream", "stream-thread", "worker-inline", "worker-thread"}:
-        p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread")
+    if set(modes) - {"stream", "stream-thread", "worker-inline", "worker-thread", "worker-process"}:
+        p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread, worker-process")
+    if "worker-process" in modes and args.model is None:
+        p.error("--modes worker-process needs --model: the vocoding process loads S3Gen from a model folder")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     mx.set_default_device(getattr(mx, args.device))
@@ -186,8 +213,11 @@ def main() -> None:
             thread = OnAThread()
             run, close = functools.partial(thread, run_stream, tts, voice), thread.pool.shutdown
         else:
-            worker = Worker(tts, max_batch=1, vocode_thread=mode == "worker-thread")
+            vocoding = "process" if mode == "worker-process" else "thread"
+            worker = Worker(tts, max_batch=1, vocode_thread=mode != "worker-inline", vocoding=vocoding)
             worker.start()
+            if vocoding == "process":
+                note_child_decodes(worker)
             run, close = functools.partial(run_worker, worker, tts, voice), worker.close
         rows = []
         try:
