@@ -433,8 +433,8 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
     sender never waits for a call) and answer each turn's calls."""
     # MLX-CUDA records each run of about 100 kernels as a CUDA graph. S3Gen's calls here did better launching
     # their kernels directly (H200, benchmarks/RESULTS.md run AA: a lone stream's first audio 0.40-0.46 s against
-    # 0.52-0.55, 64 streams 41x real time against 35x); T3's steps, in the server's process, keep the graphs. MLX
-    # reads the variable at the process's first kernel, so it is set before anything runs; a value the server
+    # 0.52-0.55 with graphs); T3's steps, in the server's process, keep the graphs (18% faster with them, run V).
+    # MLX reads the variable at the process's first kernel, so it is set before anything runs; a value the server
     # was started with is kept (an empty one counts as none). Elsewhere (CPU, Metal) MLX does not read it.
     if not os.environ.get(GRAPHS_VARIABLE):
         os.environ[GRAPHS_VARIABLE] = "0"
