@@ -28,6 +28,7 @@ from openai import OpenAI
 
 from mlx_chatterbox import TTS, SamplingParams
 from mlx_chatterbox.cli import main
+from mlx_chatterbox.cli import serve as serve_module
 from mlx_chatterbox.convert import convert
 from mlx_chatterbox.generation import speech_tokens
 from mlx_chatterbox.generation.stream import CONTEXT, StreamVocoder
@@ -798,7 +799,9 @@ def test_serve_wires_model_voices_and_worker(tts, tmp_path, monkeypatch, capsys)
         (["--vocoding", "thread"], True, True, True, "auto"),
     ],
 )
-def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, threaded, catch_up, markers):
+def test_serve_vocode_thread_flag(
+    tts, tmp_path, monkeypatch, capsys, flag, cuda, threaded, catch_up, markers
+):
     """``--vocode-thread`` is auto by default (a vocoding thread with MLX-CUDA only), ``on`` when given bare;
     its streams catch up (``--stream-catch-up``, on by default) and its audio is watermarked on
     ``--mark-threads`` threads (auto: a quarter of the cores, 1 to 4); ``--vocoding`` places its S3Gen work
@@ -823,10 +826,11 @@ def test_serve_vocode_thread_flag(tts, tmp_path, monkeypatch, flag, cuda, thread
     assert seen["health"]["vocode_thread"] is threaded and seen["health"]["cfm_dtype"] == "float32"
     placed = flag[flag.index("--vocoding") + 1] if "--vocoding" in flag else ("process" if cuda else "thread")
     assert seen["health"]["vocoding"] == (placed if threaded else None)
+    where = serve_module.S3GEN_PLACES[placed] if threaded else "on the model thread"
+    assert f"speech tokens; S3Gen {where})" in capsys.readouterr().err  # said at start
     assert seen["health"]["stream_catch_up"] is catch_up
     assert seen["health"]["mark_threads"] == (2 if markers == "auto" else markers)
     assert seen["speech"].status_code == 200 and len(seen["speech"].content) > 0, seen["speech"].text
-
 
 
 def test_auto_vocoding_keeps_upstreams_s3gen_on_the_thread(monkeypatch):
@@ -839,6 +843,7 @@ def test_auto_vocoding_keeps_upstreams_s3gen_on_the_thread(monkeypatch):
     assert worker_module.default_vocoding(ours, False) == "thread"
     monkeypatch.setattr(worker_module, "_on_cuda", lambda: False)
     assert worker_module.default_vocoding(ours, True) == "thread"
+
 
 @pytest.mark.parametrize(
     "flag,reported,budget",

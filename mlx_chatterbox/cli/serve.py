@@ -13,6 +13,13 @@ from ..api import FIRST_CHUNK, MAX_FIRST_CHUNK, STREAM_CONTEXT, TTS, check_chunk
 from ..server.worker import VOCODINGS
 from . import common
 
+# serve's start line: where the vocoding thread's S3Gen work runs (--vocoding)
+S3GEN_PLACES = {
+    "thread": "on a thread of its own",
+    "process": "in a process of its own",
+    "interleaved": "between T3's steps",
+}
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -328,9 +335,11 @@ def run(args: argparse.Namespace) -> None:
             ui=not args.no_ui,
         )
         log_level = "info" if args.verbose else "warning"
+        # Where S3Gen runs: a vocoding process shows as a second process on the GPU (nvidia-smi, top).
+        where = S3GEN_PLACES[worker.vocoding] if worker.vocode_thread else "on the model thread"
         print(
             f"serving {model_name} on http://{args.host}:{args.port} (voices: {folder}; streams' first chunk: "
-            f"{first_chunk} speech tokens)",
+            f"{first_chunk} speech tokens; S3Gen {where})",
             file=sys.stderr,
         )
         serve(
