@@ -10,8 +10,9 @@ with their projections computed three ways. A one-off probe for the H200; prints
   softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), ours
   with the cache written by two ``slice_update``s a layer as before 2026-12-04 ("ours-slice-update":
   ``layers.KV_IN_PLACE`` off, ADR 13), ours without the ``mx.depends`` that hand the written buffers back
-  ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), and upstream on
-  PyTorch CUDA.
+  ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), ours with five
+  primitives a layer as before 2026-12-04 ("ours-five-kernels": ``layers.FUSED_LAYERS`` off, ADR 15), and
+  upstream on PyTorch CUDA.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ from mlx_chatterbox import sampling
 from mlx_chatterbox.models import layers
 
 MLX_MATH = sampling.mlx_math
-OURS = ("ours", "ours-old-softmax", "ours-slice-update", "ours-no-depends")  # with our CUDA decode kernels
+OURS = (
+    "ours",
+    "ours-old-softmax",
+    "ours-slice-update",
+    "ours-no-depends",
+    "ours-five-kernels",
+)  # with our CUDA decode kernels
 DEPENDS = mx.depends
 
 
@@ -159,14 +166,15 @@ def use(system: str) -> None:
     """The switches of ``system`` (default: ours)."""
     layers.CUDA_DECODE = system in OURS
     layers.KV_IN_PLACE = system != "ours-slice-update"
+    layers.FUSED_LAYERS = system != "ours-five-kernels"
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
     mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
 
 
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
-    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends"
-    or "upstream" (PyTorch CUDA, same inputs)."""
+    before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends",
+    "ours-five-kernels" or "upstream" (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
 
@@ -336,6 +344,9 @@ def main() -> None:
         action="store_true",
         help="the decode attention kernel as before 2026-12-02: one key per warp at a time, 4 warps a block",
     )
+    parser.add_argument(
+        "--layer-blocks", type=int, default=layers.LAYER_BLOCKS, help="thread blocks of the layer kernel"
+    )
     args = parser.parse_args()
     known = ("mlx-ops", *OURS, "upstream")
     unknown = set(args.systems.split(",")) - set(known)
@@ -343,6 +354,7 @@ def main() -> None:
         parser.error(f"unknown --systems {sorted(unknown)}: {', '.join(known)}")
     if args.old_attention:
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
+    layers.LAYER_BLOCKS = args.layer_blocks
     mx.set_default_device(getattr(mx, args.device))
     parts = args.part.split(",")
     dtypes = args.dtypes.split(",")
@@ -382,6 +394,7 @@ def main() -> None:
                     if system != "upstream":
                         prims, views, kinds = step_primitives(model, getattr(mx, dn))
                     in_place = layers.CUDA_DECODE and layers.KV_IN_PLACE  # as use(system) set them
+                    fused = in_place and layers.FUSED_LAYERS
                     use("ours")
                     row = dict(
                         model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views
@@ -391,6 +404,7 @@ def main() -> None:
                         primitive_kinds=kinds,
                         kv_in_place=in_place,
                         decode_attention="old" if args.old_attention else "new",
+                        layer_kernel_blocks=layers.LAYER_BLOCKS if fused else None,
                     )
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -165,6 +165,8 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
     the cache by ``slice_update`` or by the q/k/v kernel (``layers.KV_IN_PLACE``, ADR 13: sound when every step
     is evaluated on its own; in one lazy graph of 300 steps it failed on the H200 before ``mx.depends``)."""
     monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
+    # The layer kernel (ADR 15) step by step, as the loops run it; the lazy graph keeps the q/k/v kernel's write.
+    monkeypatch.setattr(layers, "FUSED_LAYERS", step_by_step)
     mx.random.seed(3)
     if which == "t3":
         model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
@@ -184,9 +186,9 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
 @cuda
 @pytest.mark.parametrize("which", ["t3", "turbo"])
 def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which, monkeypatch):
-    """The real loops (pipelined, compiled, past one 256-position capacity step) with the q/k/v kernel
-    writing the cache and with two ``slice_update``s a layer: the same tokens, since the same numbers are
-    written and read (head dim 64, so the kernel runs)."""
+    """The real loops (pipelined, compiled, past one 256-position capacity step) with each layer one kernel
+    (``decode_layer``), with the q/k/v kernel writing the cache and with two ``slice_update``s a layer: the same
+    tokens, since the same numbers are written and read (head dim 64, so the kernels run)."""
     mx.random.seed(4)
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
     if which == "t3":
@@ -200,11 +202,13 @@ def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which,
         return list(generate(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False))
 
     tokens = {}
-    for in_place in (False, True):
+    for in_place, fused in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
-        model.compiled_steps.clear()  # traced with the switch as it was
-        tokens[in_place] = run()
-    assert len(tokens[True]) == 300 + (which == "turbo") and tokens[True] == tokens[False]  # Turbo: 1 + n
+        monkeypatch.setattr(layers, "FUSED_LAYERS", fused)
+        model.compiled_steps.clear()  # traced with the switches as they were
+        tokens[in_place, fused] = run()
+    assert len(tokens[True, True]) == 300 + (which == "turbo")  # Turbo: 1 + n
+    assert tokens[True, True] == tokens[True, False] == tokens[False, False]
 
 
 @cuda
@@ -240,13 +244,17 @@ def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monk
     step's cache write has no GPU-side edge to the next step's readers), so every loop must queue step t for
     evaluation before it builds step t + 1's cache writes. Checked on any device: compilation off, so that the
     steps' Python runs every step, and every decode step of a layer (``heads``, which the step's cache or window
-    write follows) must have an evaluation between it and that layer's previous one."""
+    write follows, or the layer's kernel) must have an evaluation between it and that layer's previous one."""
     events: list[object] = []
-    heads, evaluate, queue = layers.heads, mx.eval, mx.async_eval
+    heads, fused_layer, evaluate, queue = layers.heads, layers._fused_layer, mx.eval, mx.async_eval
 
     def recorded_heads(layer, *args, **kwargs):
         events.append(id(layer))
         return heads(layer, *args, **kwargs)
+
+    def recorded_fused_layer(x, state, parts):  # on CUDA: the layer's one kernel writes its cache
+        events.append(id(parts.qkv))
+        return fused_layer(x, state, parts)
 
     def recorded(run):
         def call(*args):
@@ -256,6 +264,7 @@ def test_every_decode_loop_evaluates_a_step_before_it_builds_the_next(loop, monk
         return call
 
     monkeypatch.setattr(layers, "heads", recorded_heads)
+    monkeypatch.setattr(layers, "_fused_layer", recorded_fused_layer)
     monkeypatch.setattr(mx, "eval", recorded(evaluate))
     monkeypatch.setattr(mx, "async_eval", recorded(queue))
     mx.random.seed(0)
@@ -513,3 +522,52 @@ def test_heads_kernel_equals_composed(dtype, tol, rows, rotate, with_pad, with_c
         assert err <= tol, (i, err, rel_l2(got, exact[i]), rel_l2(want, exact[i]))
         if dtype == mx.float32:
             assert rel_l2(got, exact[i]) <= 1e-5, (i, rel_l2(got, exact[i]), rel_l2(want, exact[i]))
+
+
+def layer_parts(model: str, rng: np.random.Generator, dtype: mx.Dtype) -> layers.LayerParts:
+    """A random full-width layer: T3's (RMSNorm, RoPE, SwiGLU, no biases) or GPT-2's (LayerNorm, biases, GELU)."""
+    d, h, f = 1024, 16, 4096
+    kind, bias = ("rms", False) if model == "t3" else ("layer", True)
+    norms = [norm_module(kind, d, rng, dtype)[0] for _ in range(2)]
+    up = random_linear(rng, d, 2 * f if model == "t3" else f, bias, dtype)[0]
+    linears = [random_linear(rng, k, n, bias, dtype)[0] for k, n in ((d, 3 * d), (d, d), (f, d))]
+    periods = mx.array(10000 ** (np.arange(32) / 32), mx.float32) if model == "t3" else None
+    act = "swiglu" if model == "t3" else "gelu"
+    return layers.LayerParts(linears[0], norms[0], linears[1], norms[1], up, linears[2], act, h, periods)
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-6), (mx.bfloat16, 1e-2)])
+@pytest.mark.parametrize("model,rows,with_pad", [("turbo", 1, False), ("t3", 2, False), ("t3", 2, True)])
+@pytest.mark.parametrize("blocks", [1, 7, 256])
+def test_layer_kernel_equals_the_composed_layer(dtype, tol, model, rows, with_pad, blocks, monkeypatch):
+    """``decode_layer`` as one kernel against its five primitives (each compared with MLX's ops above): the
+    layer's output and the buffers with k and v written in, at a full layer's widths and a position past 1,000.
+    Any number of thread blocks gives the same numbers (they claim their work as they start: 1 block does all of
+    it, 7 take many items each); so does a second step on the same counters (each kernel sets them back)."""
+    monkeypatch.setattr(layers, "LAYER_BLOCKS", blocks)
+    rng = np.random.default_rng(rows + 10 * with_pad)
+    parts = layer_parts(model, rng, dtype)
+    capacity, position = 1280, 1100
+    pad = mx.array([0, 37], mx.int32) if with_pad else None
+    x = mx.array(rng.standard_normal((rows, 1, 1024)), mx.float32).astype(dtype)
+    buffers = [rng.standard_normal((rows, 16, capacity, 64)) for _ in range(2)]
+
+    def run(fused: bool) -> list[mx.array]:
+        monkeypatch.setattr(layers, "FUSED_LAYERS", fused)
+        keys, values = (mx.array(a, mx.float32).astype(dtype) for a in buffers)
+        outs = []
+        for p in (position, position + 1):  # two steps, each evaluated alone, as the decode loops run them
+            state = layers.BufferState.per_layer([keys, values], mx.array(p, mx.int32), pad)[0]
+            assert (state.sync is not None) == fused
+            y, state = layers.decode_layer(x, state, parts)
+            keys, values = state.keys, state.values
+            mx.eval(y, keys, values)
+            outs.append(y)
+        rows_written = [a[:, :, position : position + 2] for a in (keys, values)]
+        return [a.astype(mx.float32) for a in (*outs, keys, values, *rows_written)]
+
+    fused, composed = run(True), run(False)
+    for i, (got, want) in enumerate(zip(fused, composed)):
+        err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+        assert err <= tol, (i, err)

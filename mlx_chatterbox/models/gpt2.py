@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import BufferState, Linear, WindowState, left_pad_mask, project
+from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,6 @@ class Attention(nn.Module):
         )
         return self.c_proj(out.transpose(0, 2, 1, 3).reshape(b, n, d))
 
-    def decode(
-        self, x: mx.array, norm: nn.Module, state: BufferState | WindowState
-    ) -> tuple[mx.array, BufferState | WindowState]:
-        """One token: x (B, 1, D), the block's input, plus attention over ``norm(x)``, with ``state`` this
-        block's keys and values; returns that and the state with this token written in. On CUDA the norm and
-        the projection are one primitive, as are the output projection and the residual add (``layers.heads``,
-        ``layers.project``). Nothing depends on the values of positions, so a compiled step is traced once per
-        shape."""
-        out, state = state.attend(self.c_attn, x, self.num_heads, norm=norm)
-        return project(self.c_proj, out, residual=x), state
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: T3TurboConfig):
@@ -104,13 +93,8 @@ class MLP(nn.Module):
         self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def __call__(
-        self, x: mx.array, norm: nn.Module | None = None, residual: mx.array | None = None
-    ) -> mx.array:
-        """c_proj(gelu(c_fc(norm(x)))), plus ``residual``, each when given (on CUDA two primitives for a decode
-        step: ``layers.project``)."""
-        h = project(self.c_fc, x, norm=norm, act="gelu")
-        return project(self.c_proj, h, residual=residual)
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.c_proj(nn.gelu_approx(self.c_fc(x)))  # GPT-2's "gelu_new" is this tanh approximation
 
 
 class Block(nn.Module):
@@ -132,8 +116,14 @@ class Block(nn.Module):
     def decode(
         self, x: mx.array, state: BufferState | WindowState
     ) -> tuple[mx.array, BufferState | WindowState]:
-        h, state = self.attn.decode(x, self.ln_1, state)
-        return self.mlp(h, self.ln_2, residual=h), state
+        """One token x (B, 1, D) with ``state`` this block's keys and values (``layers.decode_layer``: on CUDA
+        one kernel, or five primitives). Nothing depends on the values of positions, so a compiled step is
+        traced once per shape."""
+        parts = LayerParts(
+            self.attn.c_attn, self.ln_1, self.attn.c_proj, self.ln_2, self.mlp.c_fc, self.mlp.c_proj, "gelu",
+            self.attn.num_heads,
+        )  # fmt: skip
+        return decode_layer(x, state, parts)
 
 
 class GPT2(nn.Module):

@@ -524,11 +524,14 @@ def _fusable(layer: nn.Module, x: mx.array, norm: nn.Module | None) -> bool:
 # reads its weight rows once for all M rows (16-byte loads, fp32 sums). Before: the rows' norm, computed by every
 # warp (the rows are a few KiB, in cache). After: bias, activation, residual, or the q/k/v split with RoPE.
 # Intermediate values are rounded to T where MLX's separate ops would store them, so that fp32 is the same math.
-_GEMV = """
-    constexpr int V = 16 / sizeof(T);
-    int lane = threadIdx.x & 31;
-    int unit = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (unit >= UNITS) return;
+# LOAD_X reads 16 bytes of x, LOAD one element of an activation: plain loads, except in the fused layer kernel
+# (``_BLOCK``), whose activations other thread blocks of the same kernel wrote: it reads them from L2
+# (``__ldcg``), never from an SM's L1 cache, which is not coherent.
+_PLAIN_LOADS = """
+#define LOAD_X(p) (*reinterpret_cast<const uint4*>(p))
+#define LOAD(p) (*(p))
+"""
+_GEMV_UNIT = """
     %(columns)s
     const T* w0 = w + (size_t)n0 * K;
     const T* w1 = w + (size_t)n1 * K;
@@ -550,7 +553,7 @@ _GEMV = """
         %(norm_load)s
         #pragma unroll
         for (int m = 0; m < M; ++m) {
-            uint4 xr = *reinterpret_cast<const uint4*>(x + m * K + k);
+            uint4 xr = LOAD_X(x + m * K + k);
             const T* xv = reinterpret_cast<const T*>(&xr);
             #pragma unroll
             for (int j = 0; j < V; ++j) {
@@ -577,7 +580,7 @@ _GEMV = """
 _ROW_SUM = """
         float s_%(name)s = 0.f;
         for (int k = lane * V; k < K; k += 32 * V) {
-            uint4 xr = *reinterpret_cast<const uint4*>(x + m * K + k);
+            uint4 xr = LOAD_X(x + m * K + k);
             const T* xv = reinterpret_cast<const T*>(&xr);
             #pragma unroll
             for (int j = 0; j < V; ++j) {
@@ -612,6 +615,12 @@ _X_VALUES = {
     "layer": f"static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(gv[j]) * "
     f"{_NORMED})) + static_cast<float>(bv[j])))",
 }
+_GEMV = """
+    constexpr int V = 16 / sizeof(T);
+    int lane = threadIdx.x & 31;
+    int unit = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (unit >= UNITS) return;
+""" + _GEMV_UNIT
 _ROWS_COLUMNS = "int n0 = unit, n1 = PAIR ? unit + UNITS : unit;"
 _ROWS_EPILOGUE = """
         float y = g;
@@ -710,7 +719,11 @@ def _gemv(
             epilogue = _ROWS_EPILOGUE % dict(
                 bias="y += static_cast<float>(bias[n0]);" if bias is not None else "",
                 act=_ACT_CODE[act],
-                residual="y += static_cast<float>(residual[m * UNITS + n0]);" if residual is not None else "",
+                residual=(
+                    "y += static_cast<float>(LOAD(residual + m * UNITS + n0));"
+                    if residual is not None
+                    else ""
+                ),
             )
         source = _GEMV % dict(
             columns=columns,
@@ -722,7 +735,7 @@ def _gemv(
         name = "_".join(
             ["gemv", kind, act] + [n for n in names if n in ("bias", "residual", "periods", "pad", "keys")]
         )
-        _gemv_kernels[key] = mx.fast.cuda_kernel(name, names, outputs, source)
+        _gemv_kernels[key] = mx.fast.cuda_kernel(name, names, outputs, source, header=_PLAIN_LOADS)
     k = x.shape[-1]
     m = x.size // k
     inputs = [x, layer.weight]
@@ -775,10 +788,7 @@ def visible_mask(capacity: int, position: mx.array, pad: mx.array | None = None)
 # used, so UNROLL loads are in flight per warp instead of one, and a key costs one memory latency per UNROLL.
 # All in fp32 whatever T. at = [position, base]: indices from base on are read from the window buffers
 # (models/cache.py BatchKVCache), those before from keys/values; without a window base is past position.
-_DECODE_ATTENTION = """
-    constexpr int PER = D / 32;
-    int bh = blockIdx.x;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+_ATTENTION_ITEM = """
     int capacity = keys_shape[2];
     int last = at[0];
     int first = %(first)s;
@@ -788,7 +798,7 @@ _DECODE_ATTENTION = """
     float qv[PER], acc[PER];
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * (1.0f / sqrtf((float)D));
+        qv[i] = static_cast<float>(LOAD(q + (size_t)bh * D + lane * PER + i)) * (1.0f / sqrtf((float)D));
         acc[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
@@ -802,8 +812,8 @@ _DECODE_ATTENTION = """
                 const T* vr = %(value_row)s;
                 #pragma unroll
                 for (int i = 0; i < PER; ++i) {
-                    kf[u][i] = static_cast<float>(kr[i]);
-                    vf[u][i] = static_cast<float>(vr[i]);
+                    kf[u][i] = static_cast<float>(LOAD(kr + i));
+                    vf[u][i] = static_cast<float>(LOAD(vr + i));
                 }
             } else {  // past the last key: its score is computed but never used
                 #pragma unroll
@@ -847,23 +857,30 @@ _DECODE_ATTENTION = """
     #pragma unroll
     for (int i = 0; i < PER; ++i) warp_acc[warp][lane * PER + i] = acc[i];
     __syncthreads();
-    if (warp != 0) return;
-    float m_all = -INFINITY;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, warp_m[w]);
-    float l_all = 0.f, o[PER];
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) o[i] = 0.f;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-        float c = warp_l[w] > 0.f ? expf(warp_m[w] - m_all) : 0.f;  // a warp that saw no key adds nothing
-        l_all += warp_l[w] * c;
+    if (warp == 0) {
+        float m_all = -INFINITY;
         #pragma unroll
-        for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * c;
+        for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, warp_m[w]);
+        float l_all = 0.f, o[PER];
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] = 0.f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            float c = warp_l[w] > 0.f ? expf(warp_m[w] - m_all) : 0.f;  // a warp that saw no key adds nothing
+            l_all += warp_l[w] * c;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * c;
+        }
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
     }
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
 """
+# The kernel: one block per (row, head).
+_DECODE_ATTENTION = """
+    constexpr int PER = D / 32;
+    int bh = blockIdx.x;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+""" + _ATTENTION_ITEM
 # Keys a warp loads at a time (1 is one key per memory latency).
 DECODE_UNROLL = 4
 # Up to this many (row, head) blocks, 16 warps a block (a lone stream's 32 blocks leave most of the GPU idle, so
@@ -921,7 +938,7 @@ def _attention_kernel(
         )
         name = "decode_attention" + ("_pad" if has_pad else "") + ("_window" if window else "")
         _decode_attention_kernels[has_pad, window, write] = mx.fast.cuda_kernel(
-            name + ("_write" if write else ""), names, ["out"], _DECODE_ATTENTION % rows
+            name + ("_write" if write else ""), names, ["out"], _DECODE_ATTENTION % rows, header=_PLAIN_LOADS
         )
     b, h, _, hd = q.shape
     warps = 16 if b * h <= DECODE_WIDE_BLOCKS else 4
@@ -978,6 +995,7 @@ class BufferState(NamedTuple):
     """Fixed-size buffers (``KVCache``): keys, values (B, H, capacity, hd), the token at buffer index
     ``position`` (int32 scalar array), ``pad`` (B,) int32 for rows left-padded to a common length (row b
     starts at index pad[b]). tap: called with q, the keys, the mask and the scale (t3.py ``AttentionTaps``).
+    sync: the step's counters for ``decode_layer``'s kernel (``per_layer``).
     """
 
     keys: mx.array
@@ -985,13 +1003,16 @@ class BufferState(NamedTuple):
     position: mx.array
     pad: mx.array | None = None
     tap: Callable | None = None
+    sync: mx.array | None = None
 
     @classmethod
     def per_layer(
         cls, kv: list[mx.array], position: mx.array, pad: mx.array | None = None
     ) -> list[BufferState]:
-        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``."""
-        return [cls(k, v, position, pad) for k, v in zip(kv[::2], kv[1::2])]
+        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; on CUDA they share the
+        step's counters for ``decode_layer``'s kernel, zeros (one primitive a step)."""
+        sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if FUSED_LAYERS and _use_cuda_paths() else None
+        return [cls(k, v, position, pad, sync=sync) for k, v in zip(kv[::2], kv[1::2])]
 
     @property
     def written(self) -> tuple[mx.array, mx.array]:
@@ -1045,3 +1066,296 @@ class WindowState(NamedTuple):
             q, k, v, self.at, self.pad, self.keys, self.values, self.window_keys, self.window_values
         )
         return out, self._replace(window_keys=window_keys, window_values=window_values)
+
+
+# --- one kernel per decoder layer (ADR 15) ---
+
+
+class LayerParts(NamedTuple):
+    """A pre-norm decoder layer as a decode step runs it (T3's Llama layer, GPT-2's block): h = x +
+    out(attention(qkv(norm1(x)))), then h + down(act(up(norm2(h)))). act: "gelu" or "swiglu" (``project``);
+    rope_periods: T3's RoPE (``heads``)."""
+
+    qkv: nn.Module
+    norm1: nn.Module
+    out: nn.Module
+    norm2: nn.Module
+    up: nn.Module
+    down: nn.Module
+    act: str
+    num_heads: int
+    rope_periods: mx.array | None = None
+
+
+# Whether a decode step's layer is one kernel on CUDA where it fits (``decode_layer``); False keeps five
+# primitives a layer (benchmarks/probe_step.py compares the two in one run).
+FUSED_LAYERS = True
+# Thread blocks of the layer kernel. Blocks claim their work as they start (``_BLOCK``), so any number is
+# correct; this many keep an H200's 132 SMs busy.
+LAYER_BLOCKS = 256
+_LAYER_WARPS = (
+    16  # warps a block: 16 as ``_attention_kernel`` for a lone stream, so its sums add in one order
+)
+# The counters a layer kernel claims and reports its work with: five claims, four "done", one exit count.
+_SYNC_INTS = 16
+
+
+def decode_layer(
+    x: mx.array, state: BufferState | WindowState, parts: LayerParts
+) -> tuple[mx.array, BufferState | WindowState]:
+    """One token x (B, 1, D) through a pre-norm decoder layer whose keys and values are ``state``'s; returns
+    the layer's output and the state with the token written in.
+
+    On CUDA, with a ``BufferState`` (a lone request's decode loop) and no tap, one kernel (``_layer_kernel``):
+    a decode step is bound by MLX's host work per primitive (ADR 12, 13), and this is one primitive where the
+    composed path is five (``heads``, the attention kernel, three ``project``s), with the same arithmetic.
+    Elsewhere the composed path: ``BufferState.attend`` or ``WindowState.attend``, then the projections."""
+    if _layer_kernel_fits(x, state, parts):
+        return _fused_layer(x, state, parts)
+    out, state = state.attend(
+        parts.qkv, x, parts.num_heads, norm=parts.norm1, rope_periods=parts.rope_periods
+    )
+    h = project(parts.out, out, residual=x)
+    return project(parts.down, project(parts.up, h, norm=parts.norm2, act=parts.act), residual=h), state
+
+
+def _layer_kernel_fits(x: mx.array, state: BufferState | WindowState, parts: LayerParts) -> bool:
+    if not (FUSED_LAYERS and KV_IN_PLACE and type(state) is BufferState and state.tap is None):
+        return False
+    if state.sync is None or parts.act == "swiglu" and "bias" in parts.up:
+        return False
+    hd = parts.qkv.weight.shape[0] // (3 * parts.num_heads)
+    widths = (x, parts.out.weight, parts.down.weight)  # the inputs of the three products that read x, q, up
+    return (
+        hd % 32 == 0
+        and _fusable(parts.qkv, x, parts.norm1)
+        and _fusable(parts.up, x, parts.norm2)
+        and all(isinstance(p, Linear) and p.weight.dtype == x.dtype for p in (parts.out, parts.down))
+        and all(a.shape[-1] % (32 * 16 // x.dtype.size) == 0 for a in widths)
+    )
+
+
+# The layer kernel's phases, each run by whichever blocks claim its items (``claimed``: thread 0 takes the next
+# item for its block) and ended by a wait until every item is done, so that each phase reads only what the
+# previous one finished. A block waits only for items that blocks already running have claimed, so the kernel
+# cannot deadlock however many of its blocks the GPU holds at once (a software barrier over all blocks would, if
+# some of them could not start: MLX launches no cooperative kernels). The last block out sets the counters back
+# to zero for the next layer's kernel (kernels on one stream run in order); every step starts from zeros
+# (``BufferState.per_layer``). A block that finds no item left reports the count of the items it did.
+_PHASE = """
+    {  // %(name)s
+        %(setup)s
+        constexpr int ITEMS = %(items)s;
+        int done = 0;
+        while (true) {
+            if (threadIdx.x == 0) claimed = atomicAdd(counters + %(index)d, 1);
+            __syncthreads();
+            int item = claimed;
+            __syncthreads();
+            if (item >= ITEMS) break;
+            %(body)s
+            ++done;
+        }
+        %(wait)s
+    }
+"""
+_WAIT = """
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(counters + 5 + %(index)d, done);
+            while (*reinterpret_cast<volatile int*>(counters + 5 + %(index)d) < ITEMS) {}
+            __threadfence();
+        }
+        __syncthreads();
+"""
+_GEMV_ITEM = """
+            int unit = item * WARPS + warp;
+            if (unit < UNITS) {
+"""
+_BLOCK = """
+    constexpr int V = 16 / sizeof(T);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int* counters = const_cast<int*>(sync);
+    __shared__ int claimed;
+    %(phases)s
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(counters + 15, 1) == gridDim.x - 1) {
+            for (int i = 0; i < 16; ++i) atomicExch(counters + i, 0);
+        }
+    }
+"""
+_BLOCK_LOADS = """
+#define LOAD_X(p) __ldcg(reinterpret_cast<const uint4*>(p))
+#define LOAD(p) __ldcg(p)
+"""
+_layer_kernels: dict[tuple, object] = {}
+
+
+def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pair: bool, wait: bool) -> str:
+    body = (
+        _GEMV_ITEM
+        + _GEMV_UNIT
+        % dict(
+            columns=_HEADS_COLUMNS if index == 0 else _ROWS_COLUMNS,
+            prologue=_PROLOGUES[kind],
+            norm_load=_NORM_LOADS[kind],
+            x_value=_X_VALUES[kind],
+            epilogue=epilogue,
+        )
+        + "\n            }"
+    )
+    setup += f"\n        constexpr bool PAIR = {'true' if pair else 'false'};"
+    return _PHASE % dict(
+        name=name,
+        setup=setup,
+        items="(UNITS + WARPS - 1) / WARPS",
+        index=index,
+        body=body,
+        wait=_WAIT % dict(index=index) if wait else "",
+    )
+
+
+def _layer_source(
+    kinds: tuple[str, str], biases: tuple[bool, ...], act: str, rope: bool, has_pad: bool
+) -> str:
+    """The layer kernel's body: ``_GEMV_UNIT`` and ``_ATTENTION_ITEM`` in five phases over the scratch output
+    (q | attention | h | the up projection's activation, each M rows)."""
+    bias_qkv, bias_out, bias_up, bias_down = biases
+
+    def bias(has: bool, n: str) -> str:
+        return f"+ static_cast<float>(bias[{n}])" if has else ""
+
+    def rows_epilogue(has_bias: bool, act: str, residual: bool) -> str:
+        return _ROWS_EPILOGUE % dict(
+            bias="y += static_cast<float>(bias[n0]);" if has_bias else "",
+            act=_ACT_CODE[act],
+            residual="y += static_cast<float>(LOAD(residual + m * UNITS + n0));" if residual else "",
+        )
+
+    norm_aliases = [
+        "const T* norm_w = norm%d_w; const float* eps = norm%d_eps;" % (i, i)
+        + (" const T* norm_b = norm%d_b;" % i if kind == "layer" else "")
+        for i, kind in ((1, kinds[0]), (2, kinds[1]))
+    ]
+    heads_epilogue = _HEADS_EPILOGUE % dict(
+        bias0=bias(bias_qkv, "n0"),
+        bias1=bias(bias_qkv, "n1"),
+        rope="" if not rope else _ROPE % dict(position="position[0] - pad[m]" if has_pad else "position[0]"),
+        store=_STORE_CACHE,
+    )
+    phases = [
+        _gemv_phase(
+            0,
+            "q, k, v: q to the scratch, k and v into the cache",
+            "const T* x = layer_x; const T* w = qkv_w; T* q = scratch; constexpr int K = DIM;"
+            " constexpr int UNITS = 3 * H * HD / 2;"
+            + (" const T* bias = qkv_b;" if bias_qkv else "")
+            + norm_aliases[0],
+            kinds[0],
+            heads_epilogue,
+            True,
+            True,
+        ),
+        _PHASE
+        % dict(
+            name="attention, one (row, head) an item",
+            setup="constexpr int D = HD, PER = D / 32; const T* q = scratch; T* out = scratch + M * H * HD;"
+            " const int* at = position;",
+            items="M * H",
+            index=1,
+            body="int bh = item;\n"
+            + _ATTENTION_ITEM
+            % dict(
+                window="",
+                key_row="kb + (size_t)j * D",
+                value_row="vb + (size_t)j * D",
+                first="pad[bh / H]" if has_pad else "0",
+            ),
+            wait=_WAIT % dict(index=1),
+        ),
+        _gemv_phase(
+            2,
+            "the output projection and the residual: h",
+            "const T* x = scratch + M * H * HD; const T* w = out_w; const T* residual = layer_x;"
+            " T* out = scratch + 2 * M * H * HD; constexpr int K = H * HD, UNITS = DIM;"
+            + (" const T* bias = out_b;" if bias_out else ""),
+            "none",
+            rows_epilogue(bias_out, "none", True),
+            False,
+            True,
+        ),
+        _gemv_phase(
+            3,
+            "norm, up projection, activation",
+            "const T* x = scratch + 2 * M * H * HD; const T* w = up_w; T* out = scratch + 2 * M * H * HD + M * DIM;"
+            " constexpr int K = DIM, UNITS = FW;"
+            + (" const T* bias = up_b;" if bias_up else "")
+            + norm_aliases[1],
+            kinds[1],
+            rows_epilogue(bias_up, act, False),
+            act == "swiglu",
+            True,
+        ),
+        _gemv_phase(
+            4,
+            "the down projection and the residual: the layer's output",
+            "const T* x = scratch + 2 * M * H * HD + M * DIM; const T* w = down_w; T* out = layer_out;"
+            " const T* residual = scratch + 2 * M * H * HD; constexpr int K = FW, UNITS = DIM;"
+            + (" const T* bias = down_b;" if bias_down else ""),
+            "none",
+            rows_epilogue(bias_down, "none", True),
+            False,
+            False,
+        ),
+    ]
+    return _BLOCK % dict(phases="".join(phases))
+
+
+def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx.array, BufferState]:
+    """``decode_layer`` as one kernel: the phases of ``_layer_source``, with the keys and values written into
+    ``state``'s buffers in place (as ``heads`` with ``KV_IN_PLACE``) and returned through ``mx.depends`` on the
+    layer's output."""
+    kinds = (_norm_kind(parts.norm1), _norm_kind(parts.norm2))
+    layers = (parts.qkv, parts.out, parts.up, parts.down)
+    biases = tuple("bias" in layer for layer in layers)
+    rope, has_pad = parts.rope_periods is not None, state.pad is not None
+    key = (kinds, biases, parts.act, rope, has_pad)
+    names = ["layer_x", "sync", "position"] + (["pad"] if has_pad else []) + (["periods"] if rope else [])
+    names += ["keys", "values"]
+    inputs = [x, state.sync, state.position.reshape(1)] + ([state.pad] if has_pad else [])
+    inputs += [parts.rope_periods.astype(mx.float32)] if rope else []
+    inputs += [state.keys, state.values]
+    for i, (layer, norm) in enumerate(zip(layers, (parts.norm1, None, parts.norm2, None))):
+        label = ("qkv", "out", "up", "down")[i]
+        if norm is not None:
+            n = 1 if i == 0 else 2
+            names += (
+                [f"norm{n}_w"] + ([f"norm{n}_b"] if _norm_kind(norm) == "layer" else []) + [f"norm{n}_eps"]
+            )
+            inputs += [norm.weight] + ([norm.bias] if _norm_kind(norm) == "layer" else [])
+            inputs.append(mx.array([norm.eps], dtype=mx.float32))
+        names += [f"{label}_w"] + ([f"{label}_b"] if "bias" in layer else [])
+        inputs += [layer.weight] + ([layer.bias] if "bias" in layer else [])
+    if key not in _layer_kernels:
+        name = "_".join(["decode_layer", *kinds, parts.act] + ["rope"] * rope + ["pad"] * has_pad)
+        _layer_kernels[key] = mx.fast.cuda_kernel(
+            name, names, ["layer_out", "scratch"], _layer_source(*key), header=_BLOCK_LOADS
+        )
+    m, d = x.size // x.shape[-1], x.shape[-1]
+    h, hd = parts.num_heads, parts.qkv.weight.shape[0] // (3 * parts.num_heads)
+    fw = parts.up.weight.shape[0] // (2 if parts.act == "swiglu" else 1)
+    out, _ = _layer_kernels[key](
+        inputs=inputs,
+        template=[
+            ("T", x.dtype), ("M", m), ("DIM", d), ("H", h), ("HD", hd), ("FW", fw),
+            ("WARPS", _LAYER_WARPS), ("UNROLL", DECODE_UNROLL),
+        ],  # fmt: skip
+        grid=(LAYER_BLOCKS * 32 * _LAYER_WARPS, 1, 1),
+        threadgroup=(32 * _LAYER_WARPS, 1, 1),
+        output_shapes=[x.shape, (m * (2 * h * hd + d + fw),)],
+        output_dtypes=[x.dtype, x.dtype],
+    )
+    keys, values = mx.depends([state.keys, state.values], [out])
+    return out, state._replace(keys=keys, values=values)

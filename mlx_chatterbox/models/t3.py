@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .layers import BufferState, Linear, WindowState, left_pad_mask, project
+from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
 
 @dataclass(frozen=True)
@@ -191,20 +191,6 @@ class Attention(nn.Module):
         )
         return self._out(out)
 
-    def decode(
-        self, x: mx.array, norm: nn.Module, state: BufferState | WindowState
-    ) -> tuple[mx.array, BufferState | WindowState]:
-        """One token: x (B, 1, D), the layer's input, plus attention over ``norm(x)``, with ``state`` this
-        layer's keys and values; returns that and the state with this token written in. On CUDA the norm,
-        projection and RoPE are one primitive, as are the output projection and the residual add
-        (``layers.heads``, ``layers.project``). A left-padded row b's token sits at sequence position (buffer
-        index - pad[b]) and sees nothing before pad[b]. Nothing here depends on the values of positions or pad,
-        so a compiled step is traced once per shape."""
-        out, state = state.attend(
-            self.qkv_proj, x, self.num_heads, norm=norm, rope_periods=self._rope_periods
-        )
-        return project(self.o_proj, out, residual=x), state
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: T3Config):
@@ -213,13 +199,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def __call__(
-        self, x: mx.array, norm: nn.Module | None = None, residual: mx.array | None = None
-    ) -> mx.array:
-        """down(silu(gate) * up) of ``norm(x)``, plus ``residual``, each when given (on CUDA two primitives for a
-        decode step: ``layers.project``)."""
-        h = project(self.gate_up_proj, x, norm=norm, act="swiglu")
-        return project(self.down_proj, h, residual=residual)
+    def __call__(self, x: mx.array) -> mx.array:
+        """down(silu(gate) * up) of x."""
+        return self.down_proj(project(self.gate_up_proj, x, act="swiglu"))
 
 
 class DecoderLayer(nn.Module):
@@ -244,8 +226,16 @@ class DecoderLayer(nn.Module):
     def decode(
         self, x: mx.array, state: BufferState | WindowState
     ) -> tuple[mx.array, BufferState | WindowState]:
-        h, state = self.self_attn.decode(x, self.input_layernorm, state)
-        return self.mlp(h, self.post_attention_layernorm, residual=h), state
+        """One token x (B, 1, D) with ``state`` this layer's keys and values (``layers.decode_layer``: on CUDA
+        one kernel, or five primitives). A left-padded row b's token sits at sequence position (buffer index -
+        pad[b]) and sees nothing before pad[b]. Nothing depends on the values of positions or pad, so a compiled
+        step is traced once per shape."""
+        attn, mlp = self.self_attn, self.mlp
+        parts = LayerParts(
+            attn.qkv_proj, self.input_layernorm, attn.o_proj, self.post_attention_layernorm, mlp.gate_up_proj,
+            mlp.down_proj, "swiglu", attn.num_heads, attn._rope_periods,
+        )  # fmt: skip
+        return decode_layer(x, state, parts)
 
 
 class Llama(nn.Module):
@@ -427,7 +417,7 @@ class T3(nn.Module):
         """One speech token (B,) at ``speech_position`` of the speech position table (an int32 scalar, or (B,)
         for rows at different points of their speech) and at buffer index ``position`` (an int32 scalar) -> its
         logits (B, V) and the key/value buffers with it written in. ``pad``: rows left-padded to a common length
-        (``Attention.decode``; generation/batch.py). ``taps``: attention maps to fill in as well
+        (``layers.decode_layer``; generation/batch.py). ``taps``: attention maps to fill in as well
         (``AttentionTaps``, first_row 0). Pure in its arrays, so that it can be compiled
         (generation/speech_tokens.py, generation/aligned.py)."""
         if taps is not None and taps.first_row:
