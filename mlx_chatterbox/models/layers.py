@@ -545,6 +545,7 @@ _GEMV_UNIT = """
     float a0[M], a1[M];
     #pragma unroll
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
+    #pragma unroll 4
     for (int k = lane * V; k < K; k += 32 * V) {
         uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
         uint4 r1 = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
@@ -579,6 +580,7 @@ _GEMV_UNIT = """
 # (rsqrt of the mean square + eps) and LayerNorm (mean, then the mean squared deviation).
 _ROW_SUM = """
         float s_%(name)s = 0.f;
+        #pragma unroll 4
         for (int k = lane * V; k < K; k += 32 * V) {
             uint4 xr = LOAD_X(x + m * K + k);
             const T* xv = reinterpret_cast<const T*>(&xr);
@@ -1147,14 +1149,19 @@ _PHASE = """
         %(setup)s
         constexpr int ITEMS = %(items)s;
         int done = 0;
-        while (true) {
-            if (threadIdx.x == 0) claimed = atomicAdd(counters + %(index)d, 1);
-            __syncthreads();
-            int item = claimed;
-            __syncthreads();
-            if (item >= ITEMS) break;
+        if (threadIdx.x == 0) claimed = atomicAdd(counters + %(index)d, 1);
+        __syncthreads();
+        int item = claimed;
+        __syncthreads();
+        while (item < ITEMS) {
+            int next = 0;  // the next claim is in flight while this item runs
+            if (threadIdx.x == 0) next = atomicAdd(counters + %(index)d, 1);
             %(body)s
             ++done;
+            if (threadIdx.x == 0) claimed = next;
+            __syncthreads();
+            item = claimed;
+            __syncthreads();
         }
         %(wait)s
     }
