@@ -1,0 +1,155 @@
+"""Where the layer kernel's GPU time goes (issue 25, ADR 15): one Turbo- or English-sized layer kernel with
+timestamps (the GPU's global timer) written by block 0 at its start and after each phase's wait, and by the
+last block out; medians of repeated single calls. A one-off probe for the H200 (CUDA only).
+
+    python benchmarks/probe_layer.py --models turbo,english --dtypes float32,bfloat16 --position 600
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx_chatterbox  # noqa: F401  isort: skip
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_chatterbox.models import layers
+
+STAMP = (
+    'if (blockIdx.x == 0) { unsigned long long t; asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t)); '
+)
+PHASES = ("q/k/v", "attention", "output", "up", "down")
+CUDA_KERNEL = mx.fast.cuda_kernel
+
+
+def stamped(source: str) -> str:
+    """The kernel's source with the timer read into stamps[0] (block 0's start), stamps[1 + p] (block 0 past
+    phase p's wait) and stamps[5] (the last block out)."""
+    start = STAMP.replace("%%", "%") + "stamps[0] = t; }\n"
+    source = re.sub(
+        r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ 5 \+ (\d)\) < ITEMS\) \{\})",
+        lambda m: m.group(1) + STAMP.replace("%%", "%") + f"stamps[{1 + int(m.group(2))}] = t; }}",
+        source,
+    )
+    source = source.replace(
+        "== gridDim.x - 1) {",
+        '== gridDim.x - 1) { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); '
+        "stamps[5] = t;",
+    )
+    return "if (threadIdx.x == 0) {" + start + "}\n" + source
+
+
+class Stamped:
+    """Stands in for the layer kernel: the same inputs, plus a stamps output it keeps."""
+
+    def __init__(self, name, names, outputs, source, header=""):
+        self.kernel = CUDA_KERNEL(
+            name + "_stamped", names, outputs + ["stamps"], stamped(source), header
+        )
+        self.stamps = None
+
+    def __call__(self, **kw):
+        kw["output_shapes"] = list(kw["output_shapes"]) + [(8,)]
+        kw["output_dtypes"] = list(kw["output_dtypes"]) + [mx.uint64]
+        out = self.kernel(**kw)
+        self.stamps = out[-1]
+        return out[:-1]
+
+
+def parts(model: str, dtype: mx.Dtype) -> tuple[layers.LayerParts, int]:
+    d, h, f = 1024, 16, 4096
+    if model == "turbo":
+        p = layers.LayerParts(
+            layers.Linear(d, 3 * d), nn.LayerNorm(d), layers.Linear(d, d), nn.LayerNorm(d),
+            layers.Linear(d, f), layers.Linear(f, d), "gelu", h,
+        )  # fmt: skip
+        rows = 1
+    else:
+        p = layers.LayerParts(
+            layers.Linear(d, 3 * d, bias=False), nn.RMSNorm(d), layers.Linear(d, d, bias=False), nn.RMSNorm(d),
+            layers.Linear(d, 2 * f, bias=False), layers.Linear(f, d, bias=False), "swiglu", h,
+            mx.array(10000 ** (mx.arange(32) / 32).astype(mx.float32)),
+        )  # fmt: skip
+        rows = 2
+    for m in p[:6]:
+        m.set_dtype(dtype)
+        mx.eval(m.parameters())
+    return p, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="turbo,english")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--position", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--blocks", default=str(layers.LAYER_BLOCKS), help="comma-separated LAYER_BLOCKS values"
+    )
+    parser.add_argument("--out", help="append JSON lines here")
+    args = parser.parse_args()
+    print("\n| model | dtype | blocks | " + " | ".join(f"{p} us" for p in PHASES) + " | all us | wall us |")
+    print("|---|---|---|" + "---|" * (len(PHASES) + 2))
+    for model in args.models.split(","):
+        for dn in args.dtypes.split(","):
+            dtype = getattr(mx, dn)
+            p, rows = parts(model, dtype)
+            keys = mx.zeros((rows, 16, 768, 64), dtype)
+            values = mx.zeros((rows, 16, 768, 64), dtype)
+            x = mx.random.normal((rows, 1, 1024)).astype(dtype)
+            mx.eval(keys, values, x)
+            for blocks in (int(b) for b in args.blocks.split(",")):
+                layers.LAYER_BLOCKS = blocks
+                layers._layer_kernels.clear()
+                made = []
+
+                def make(*a, **kw):
+                    made.append(Stamped(*a, **kw))
+                    return made[-1]
+
+                mx.fast.cuda_kernel = make
+                try:
+                    rows_us, walls = [], []
+                    for i in range(args.repeats + 3):
+                        sync = mx.zeros((layers._SYNC_INTS,), mx.int32)
+                        state = layers.BufferState(keys, values, mx.array(args.position, mx.int32), sync=sync)
+                        t0 = time.perf_counter()
+                        out, state = layers._fused_layer(x, state, p)
+                        mx.eval(out, made[0].stamps)
+                        walls.append((time.perf_counter() - t0) * 1e6)
+                        s = [int(v) for v in made[0].stamps.tolist()]
+                        rows_us.append([(s[k + 1] - s[k]) / 1e3 for k in range(5)] + [(s[5] - s[0]) / 1e3])
+                finally:
+                    mx.fast.cuda_kernel = CUDA_KERNEL
+                med = [statistics.median(r[k] for r in rows_us[3:]) for k in range(6)]
+                wall = statistics.median(walls[3:])
+                print(
+                    f"| {model} | {dn} | {blocks} | "
+                    + " | ".join(f"{v:.1f}" for v in med)
+                    + f" | {wall:.0f} |"
+                )
+                if args.out:
+                    with open(args.out, "a") as f:
+                        row = dict(
+                            model=model,
+                            dtype=dn,
+                            blocks=blocks,
+                            position=args.position,
+                            phases_us=dict(zip(PHASES, med[:5])),
+                            all_us=med[5],
+                            wall_us=wall,
+                        )  # noqa: E501
+                        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
