@@ -36,8 +36,11 @@ def stamped(source: str) -> str:
     phase p's wait) and stamps[5] (the last block out)."""
     start = STAMP.replace("%%", "%") + "stamps[0] = t; }\n"
     source = re.sub(
-        r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ 5 \+ (\d)\) < ITEMS\) \{\})",
-        lambda m: m.group(1) + STAMP.replace("%%", "%") + f"stamps[{1 + int(m.group(2))}] = t; }}",
+        r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ (\d+)\) < ITEMS\) __nanosleep\(32\);)",
+        # phase p's "done" counter sits at line 5 + p (``layers._SYNC_LINE``)
+        lambda m: m.group(1)
+        + STAMP.replace("%%", "%")
+        + f"stamps[{int(m.group(2)) // layers._SYNC_LINE - 4}] = t; }}",
         source,
     )
     source = source.replace(
@@ -52,9 +55,7 @@ class Stamped:
     """Stands in for the layer kernel: the same inputs, plus a stamps output it keeps."""
 
     def __init__(self, name, names, outputs, source, header=""):
-        self.kernel = CUDA_KERNEL(
-            name + "_stamped", names, outputs + ["stamps"], stamped(source), header
-        )
+        self.kernel = CUDA_KERNEL(name + "_stamped", names, outputs + ["stamps"], stamped(source), header)
         self.stamps = None
 
     def __call__(self, **kw):

@@ -1098,8 +1098,10 @@ LAYER_BLOCKS = 256
 _LAYER_WARPS = (
     16  # warps a block: 16 as ``_attention_kernel`` for a lone stream, so its sums add in one order
 )
-# The counters a layer kernel claims and reports its work with: five claims, four "done", one exit count.
-_SYNC_INTS = 16
+# The counters a layer kernel claims and reports its work with: five claims, four "done", one exit count, each
+# on a 128-byte line of its own (the blocks polling one do not hold up the atomics on another).
+_SYNC_LINE = 32
+_SYNC_INTS = 10 * _SYNC_LINE
 
 
 def decode_layer(
@@ -1149,13 +1151,13 @@ _PHASE = """
         %(setup)s
         constexpr int ITEMS = %(items)s;
         int done = 0;
-        if (threadIdx.x == 0) claimed = atomicAdd(counters + %(index)d, 1);
+        if (threadIdx.x == 0) claimed = atomicAdd(counters + %(claim)d, 1);
         __syncthreads();
         int item = claimed;
         __syncthreads();
         while (item < ITEMS) {
             int next = 0;  // the next claim is in flight while this item runs
-            if (threadIdx.x == 0) next = atomicAdd(counters + %(index)d, 1);
+            if (threadIdx.x == 0) next = atomicAdd(counters + %(claim)d, 1);
             %(body)s
             ++done;
             if (threadIdx.x == 0) claimed = next;
@@ -1169,8 +1171,8 @@ _PHASE = """
 _WAIT = """
         if (threadIdx.x == 0) {
             __threadfence();
-            atomicAdd(counters + 5 + %(index)d, done);
-            while (*reinterpret_cast<volatile int*>(counters + 5 + %(index)d) < ITEMS) {}
+            atomicAdd(counters + %(done)d, done);
+            while (*reinterpret_cast<volatile int*>(counters + %(done)d) < ITEMS) __nanosleep(32);
             __threadfence();
         }
         __syncthreads();
@@ -1180,7 +1182,7 @@ _GEMV_ITEM = """
             if (unit < UNITS) {
 """
 _BLOCK = """
-    constexpr int V = 16 / sizeof(T);
+    constexpr int V = 16 / sizeof(T), LINE = %(line)d;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* counters = const_cast<int*>(sync);
     __shared__ int claimed;
@@ -1188,8 +1190,8 @@ _BLOCK = """
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(counters + 15, 1) == gridDim.x - 1) {
-            for (int i = 0; i < 16; ++i) atomicExch(counters + i, 0);
+        if (atomicAdd(counters + 9 * LINE, 1) == gridDim.x - 1) {
+            for (int i = 0; i < 10; ++i) atomicExch(counters + i * LINE, 0);
         }
     }
 """
@@ -1218,9 +1220,9 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
         name=name,
         setup=setup,
         items="(UNITS + WARPS - 1) / WARPS",
-        index=index,
+        claim=_SYNC_LINE * index,
         body=body,
-        wait=_WAIT % dict(index=index) if wait else "",
+        wait=_WAIT % dict(done=_SYNC_LINE * (5 + index)) if wait else "",
     )
 
 
@@ -1271,7 +1273,7 @@ def _layer_source(
             setup="constexpr int D = HD, PER = D / 32; const T* q = scratch; T* out = scratch + M * H * HD;"
             " const int* at = position;",
             items="M * H",
-            index=1,
+            claim=_SYNC_LINE,
             body="int bh = item;\n"
             + _ATTENTION_ITEM
             % dict(
@@ -1280,7 +1282,7 @@ def _layer_source(
                 value_row="vb + (size_t)j * D",
                 first="pad[bh / H]" if has_pad else "0",
             ),
-            wait=_WAIT % dict(index=1),
+            wait=_WAIT % dict(done=_SYNC_LINE * 6),
         ),
         _gemv_phase(
             2,
@@ -1317,7 +1319,7 @@ def _layer_source(
             False,
         ),
     ]
-    return _BLOCK % dict(phases="".join(phases))
+    return _BLOCK % dict(phases="".join(phases), line=_SYNC_LINE)
 
 
 def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx.array, BufferState]:
