@@ -27,26 +27,26 @@ from mlx_chatterbox.models import layers
 STAMP = (
     'if (blockIdx.x == 0) { unsigned long long t; asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t)); '
 )
-PHASES = ("q/k/v", "attention", "output", "up", "down")
+PHASES = ("q/k/v", "attention", "merge", "output", "up", "down")
 CUDA_KERNEL = mx.fast.cuda_kernel
 
 
 def stamped(source: str) -> str:
     """The kernel's source with the timer read into stamps[0] (block 0's start), stamps[1 + p] (block 0 past
-    phase p's wait) and stamps[5] (the last block out)."""
+    phase p's wait) and stamps[6] (the last block out)."""
     start = STAMP.replace("%%", "%") + "stamps[0] = t; }\n"
     source = re.sub(
         r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ (\d+)\) < ITEMS\) __nanosleep\(32\);)",
-        # phase p's "done" counter sits at line 5 + p (``layers._SYNC_LINE``)
+        # phase p's "done" counter sits at line _PHASES + p (``layers._SYNC_LINE``)
         lambda m: m.group(1)
         + STAMP.replace("%%", "%")
-        + f"stamps[{int(m.group(2)) // layers._SYNC_LINE - 4}] = t; }}",
+        + f"stamps[{int(m.group(2)) // layers._SYNC_LINE - layers._PHASES + 1}] = t; }}",
         source,
     )
     source = source.replace(
         "== gridDim.x - 1) {",
         '== gridDim.x - 1) { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); '
-        "stamps[5] = t;",
+        f"stamps[{len(PHASES)}] = t;",
     )
     return "if (threadIdx.x == 0) {" + start + "}\n" + source
 
@@ -128,10 +128,11 @@ def main() -> None:
                         mx.eval(out, made[0].stamps)
                         walls.append((time.perf_counter() - t0) * 1e6)
                         s = [int(v) for v in made[0].stamps.tolist()]
-                        rows_us.append([(s[k + 1] - s[k]) / 1e3 for k in range(5)] + [(s[5] - s[0]) / 1e3])
+                        n = len(PHASES)
+                        rows_us.append([(s[k + 1] - s[k]) / 1e3 for k in range(n)] + [(s[n] - s[0]) / 1e3])
                 finally:
                     mx.fast.cuda_kernel = CUDA_KERNEL
-                med = [statistics.median(r[k] for r in rows_us[3:]) for k in range(6)]
+                med = [statistics.median(r[k] for r in rows_us[3:]) for k in range(len(PHASES) + 1)]
                 wall = statistics.median(walls[3:])
                 print(
                     f"| {model} | {dn} | {blocks} | "
@@ -145,8 +146,8 @@ def main() -> None:
                             dtype=dn,
                             blocks=blocks,
                             position=args.position,
-                            phases_us=dict(zip(PHASES, med[:5])),
-                            all_us=med[5],
+                            phases_us=dict(zip(PHASES, med[:-1])),
+                            all_us=med[-1],
                             wall_us=wall,
                         )  # noqa: E501
                         f.write(json.dumps(row) + "\n")

@@ -794,6 +794,7 @@ _ATTENTION_ITEM = """
     int capacity = keys_shape[2];
     int last = at[0];
     int first = %(first)s;
+    %(range)s
     const T* kb = keys + (size_t)bh * capacity * D + lane * PER;
     const T* vb = values + (size_t)bh * capacity * D + lane * PER;
     %(window)s
@@ -804,12 +805,12 @@ _ATTENTION_ITEM = """
         acc[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
-    for (int j0 = first + warp; j0 <= last; j0 += WARPS * UNROLL) {
+    for (int j0 = first + warp; j0 <= stop; j0 += WARPS * UNROLL) {
         float kf[UNROLL][PER], vf[UNROLL][PER], s[UNROLL];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             int j = j0 + u * WARPS;
-            if (j <= last) {
+            if (j <= stop) {
                 const T* kr = %(key_row)s;
                 const T* vr = %(value_row)s;
                 #pragma unroll
@@ -835,14 +836,14 @@ _ATTENTION_ITEM = """
         }
         float m_new = m;
         #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) if (j0 + u * WARPS <= last) m_new = fmaxf(m_new, s[u]);
+        for (int u = 0; u < UNROLL; ++u) if (j0 + u * WARPS <= stop) m_new = fmaxf(m_new, s[u]);
         float correction = expf(m - m_new);
         l *= correction;
         #pragma unroll
         for (int i = 0; i < PER; ++i) acc[i] *= correction;
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (j0 + u * WARPS <= last) {
+            if (j0 + u * WARPS <= stop) {
                 float p = expf(s[u] - m_new);
                 l += p;
                 #pragma unroll
@@ -873,10 +874,15 @@ _ATTENTION_ITEM = """
             #pragma unroll
             for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * c;
         }
-        #pragma unroll
-        for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
+        %(store)s
     }
 """
+# Keys first .. last, and the heads' output normalised (the whole range of one (row, head) in one block).
+_WHOLE_RANGE = dict(
+    range="int stop = last;",
+    store="""#pragma unroll
+        for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);""",
+)
 # The kernel: one block per (row, head).
 _DECODE_ATTENTION = """
     constexpr int PER = D / 32;
@@ -937,7 +943,7 @@ def _attention_kernel(
                 value_row="vb + (size_t)j * D",
                 first="pad[bh / H]" if has_pad else "0",
             )
-        )
+        ) | _WHOLE_RANGE
         name = "decode_attention" + ("_pad" if has_pad else "") + ("_window" if window else "")
         _decode_attention_kernels[has_pad, window, write] = mx.fast.cuda_kernel(
             name + ("_write" if write else ""), names, ["out"], _DECODE_ATTENTION % rows, header=_PLAIN_LOADS
@@ -1098,10 +1104,11 @@ LAYER_BLOCKS = 256
 _LAYER_WARPS = (
     16  # warps a block: 16 as ``_attention_kernel`` for a lone stream, so its sums add in one order
 )
-# The counters a layer kernel claims and reports its work with: five claims, four "done", one exit count, each
-# on a 128-byte line of its own (the blocks polling one do not hold up the atomics on another).
+# The counters a layer kernel claims and reports its work with: a claim per phase, a "done" per phase but the
+# last, and the exit count, each on a 128-byte line of its own (blocks polling one hold up no atomic on another).
 _SYNC_LINE = 32
-_SYNC_INTS = 10 * _SYNC_LINE
+_PHASES = 6
+_SYNC_INTS = 2 * _PHASES * _SYNC_LINE
 
 
 def decode_layer(
@@ -1182,7 +1189,7 @@ _GEMV_ITEM = """
             if (unit < UNITS) {
 """
 _BLOCK = """
-    constexpr int V = 16 / sizeof(T), LINE = %(line)d;
+    constexpr int V = 16 / sizeof(T), LINE = %(line)d, PHASES = %(phases_count)d;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* counters = const_cast<int*>(sync);
     __shared__ int claimed;
@@ -1190,14 +1197,49 @@ _BLOCK = """
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(counters + 9 * LINE, 1) == gridDim.x - 1) {
-            for (int i = 0; i < 10; ++i) atomicExch(counters + i * LINE, 0);
+        if (atomicAdd(counters + (2 * PHASES - 1) * LINE, 1) == gridDim.x - 1) {
+            for (int i = 0; i < 2 * PHASES; ++i) atomicExch(counters + i * LINE, 0);
         }
     }
 """
 _BLOCK_LOADS = """
 #define LOAD_X(p) __ldcg(reinterpret_cast<const uint4*>(p))
 #define LOAD(p) __ldcg(p)
+"""
+# The attention phase splits each (row, head)'s keys into SPLIT chunks, one a block, so that a lone stream's few
+# (row, head) pairs keep many blocks busy; each chunk's max, sum and unnormalised sums go to the fp32 partials,
+# (SPLIT, 2 + D) per (row, head), and the next phase merges them as a block merges its warps'.
+_CHUNK_RANGE = """int stop;
+    {
+        int n = last - first + 1, size = (n + SPLIT - 1) / SPLIT;
+        first += chunk * size;
+        stop = min(last, first + size - 1);
+    }"""
+_CHUNK_STORE = """float* part = partials + ((size_t)bh * SPLIT + chunk) * (2 + D);
+        if (lane == 0) {
+            part[0] = m_all;
+            part[1] = l_all;
+        }
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) part[2 + lane * PER + i] = o[i];"""
+_MERGE_CHUNKS = """
+            if (warp == 0) {
+                const float* part = partials + (size_t)bh * SPLIT * (2 + D);
+                float m_all = -INFINITY;
+                for (int c = 0; c < SPLIT; ++c) m_all = fmaxf(m_all, LOAD(part + c * (2 + D)));
+                float l_all = 0.f, o[PER];
+                #pragma unroll
+                for (int i = 0; i < PER; ++i) o[i] = 0.f;
+                for (int c = 0; c < SPLIT; ++c) {
+                    float l = LOAD(part + c * (2 + D) + 1);
+                    float scale = l > 0.f ? expf(LOAD(part + c * (2 + D)) - m_all) : 0.f;  // an empty chunk: none
+                    l_all += l * scale;
+                    #pragma unroll
+                    for (int i = 0; i < PER; ++i) o[i] += LOAD(part + c * (2 + D) + 2 + lane * PER + i) * scale;
+                }
+                #pragma unroll
+                for (int i = 0; i < PER; ++i) out[(size_t)bh * D + lane * PER + i] = static_cast<T>(o[i] / l_all);
+            }
 """
 _layer_kernels: dict[tuple, object] = {}
 
@@ -1222,7 +1264,7 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
         items="(UNITS + WARPS - 1) / WARPS",
         claim=_SYNC_LINE * index,
         body=body,
-        wait=_WAIT % dict(done=_SYNC_LINE * (5 + index)) if wait else "",
+        wait=_WAIT % dict(done=_SYNC_LINE * (_PHASES + index)) if wait else "",
     )
 
 
@@ -1269,23 +1311,33 @@ def _layer_source(
         ),
         _PHASE
         % dict(
-            name="attention, one (row, head) an item",
-            setup="constexpr int D = HD, PER = D / 32; const T* q = scratch; T* out = scratch + M * H * HD;"
-            " const int* at = position;",
-            items="M * H",
+            name="attention: a (row, head, chunk of its keys) an item, its softmax's max, sum and sums to partials",
+            setup="constexpr int D = HD, PER = D / 32; const T* q = scratch; const int* at = position;",
+            items="M * H * SPLIT",
             claim=_SYNC_LINE,
-            body="int bh = item;\n"
+            body="int bh = item / SPLIT, chunk = item % SPLIT;\n"
             + _ATTENTION_ITEM
             % dict(
                 window="",
                 key_row="kb + (size_t)j * D",
                 value_row="vb + (size_t)j * D",
                 first="pad[bh / H]" if has_pad else "0",
+                range=_CHUNK_RANGE,
+                store=_CHUNK_STORE,
             ),
-            wait=_WAIT % dict(done=_SYNC_LINE * 6),
+            wait=_WAIT % dict(done=_SYNC_LINE * (_PHASES + 1)),
+        ),
+        _PHASE
+        % dict(
+            name="attention: a (row, head) an item, its chunks merged",
+            setup="constexpr int D = HD, PER = D / 32; T* out = scratch + M * H * HD;",
+            items="M * H",
+            claim=_SYNC_LINE * 2,
+            body="int bh = item;\n" + _MERGE_CHUNKS,
+            wait=_WAIT % dict(done=_SYNC_LINE * (_PHASES + 2)),
         ),
         _gemv_phase(
-            2,
+            3,
             "the output projection and the residual: h",
             "const T* x = scratch + M * H * HD; const T* w = out_w; const T* residual = layer_x;"
             " T* out = scratch + 2 * M * H * HD; constexpr int K = H * HD, UNITS = DIM;"
@@ -1296,7 +1348,7 @@ def _layer_source(
             True,
         ),
         _gemv_phase(
-            3,
+            4,
             "norm, up projection, activation",
             "const T* x = scratch + 2 * M * H * HD; const T* w = up_w; T* out = scratch + 2 * M * H * HD + M * DIM;"
             " constexpr int K = DIM, UNITS = FW;"
@@ -1308,7 +1360,7 @@ def _layer_source(
             True,
         ),
         _gemv_phase(
-            4,
+            5,
             "the down projection and the residual: the layer's output",
             "const T* x = scratch + 2 * M * H * HD + M * DIM; const T* w = down_w; T* out = layer_out;"
             " const T* residual = scratch + 2 * M * H * HD; constexpr int K = FW, UNITS = DIM;"
@@ -1319,7 +1371,7 @@ def _layer_source(
             False,
         ),
     ]
-    return _BLOCK % dict(phases="".join(phases), line=_SYNC_LINE)
+    return _BLOCK % dict(phases="".join(phases), line=_SYNC_LINE, phases_count=_PHASES)
 
 
 def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx.array, BufferState]:
@@ -1350,21 +1402,22 @@ def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx
     if key not in _layer_kernels:
         name = "_".join(["decode_layer", *kinds, parts.act] + ["rope"] * rope + ["pad"] * has_pad)
         _layer_kernels[key] = mx.fast.cuda_kernel(
-            name, names, ["layer_out", "scratch"], _layer_source(*key), header=_BLOCK_LOADS
+            name, names, ["layer_out", "scratch", "partials"], _layer_source(*key), header=_BLOCK_LOADS
         )
     m, d = x.size // x.shape[-1], x.shape[-1]
     h, hd = parts.num_heads, parts.qkv.weight.shape[0] // (3 * parts.num_heads)
     fw = parts.up.weight.shape[0] // (2 if parts.act == "swiglu" else 1)
-    out, _ = _layer_kernels[key](
+    split = max(1, min(LAYER_BLOCKS // (m * h), 16))
+    out, *_ = _layer_kernels[key](
         inputs=inputs,
         template=[
             ("T", x.dtype), ("M", m), ("DIM", d), ("H", h), ("HD", hd), ("FW", fw),
-            ("WARPS", _LAYER_WARPS), ("UNROLL", DECODE_UNROLL),
+            ("WARPS", _LAYER_WARPS), ("UNROLL", DECODE_UNROLL), ("SPLIT", split),
         ],  # fmt: skip
         grid=(LAYER_BLOCKS * 32 * _LAYER_WARPS, 1, 1),
         threadgroup=(32 * _LAYER_WARPS, 1, 1),
-        output_shapes=[x.shape, (m * (2 * h * hd + d + fw),)],
-        output_dtypes=[x.dtype, x.dtype],
+        output_shapes=[x.shape, (m * (2 * h * hd + d + fw),), (m * h * split * (2 + hd),)],
+        output_dtypes=[x.dtype, x.dtype, mx.float32],
     )
     keys, values = mx.depends([state.keys, state.values], [out])
     return out, state._replace(keys=keys, values=values)
