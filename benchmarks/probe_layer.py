@@ -36,7 +36,7 @@ def stamped(source: str) -> str:
     phase p's wait) and stamps[6] (the last block out)."""
     start = STAMP.replace("%%", "%") + "stamps[0] = t; }\n"
     source = re.sub(
-        r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ (\d+)\) < ITEMS\) __nanosleep\(32\);)",
+        r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ (\d+)\) < ITEMS\) \{\})",
         # phase p's "done" counter sits at line _PHASES + p (``layers._SYNC_LINE``)
         lambda m: m.group(1)
         + STAMP.replace("%%", "%")

@@ -10,9 +10,8 @@ with their projections computed three ways. A one-off probe for the H200; prints
   softmax as before 2026-12-04 ("ours-old-softmax": our exp and tree sum, ``sampling.mlx_math`` off), ours
   with the cache written by two ``slice_update``s a layer as before 2026-12-04 ("ours-slice-update":
   ``layers.KV_IN_PLACE`` off, ADR 13), ours without the ``mx.depends`` that hand the written buffers back
-  ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), ours with five
-  primitives a layer as before 2026-12-04 ("ours-five-kernels": ``layers.FUSED_LAYERS`` off, ADR 15), and
-  upstream on PyTorch CUDA.
+  ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), ours with each
+  layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on, ADR 15), and upstream on PyTorch CUDA.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ OURS = (
     "ours-old-softmax",
     "ours-slice-update",
     "ours-no-depends",
-    "ours-five-kernels",
+    "ours-layer-kernel",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 
@@ -166,7 +165,7 @@ def use(system: str) -> None:
     """The switches of ``system`` (default: ours)."""
     layers.CUDA_DECODE = system in OURS
     layers.KV_IN_PLACE = system != "ours-slice-update"
-    layers.FUSED_LAYERS = system != "ours-five-kernels"
+    layers.FUSED_LAYERS = system == "ours-layer-kernel"
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
     mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
 
@@ -174,7 +173,7 @@ def use(system: str) -> None:
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
     before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends",
-    "ours-five-kernels" or "upstream" (PyTorch CUDA, same inputs)."""
+    "ours-layer-kernel" or "upstream" (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
 

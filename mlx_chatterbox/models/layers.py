@@ -545,7 +545,6 @@ _GEMV_UNIT = """
     float a0[M], a1[M];
     #pragma unroll
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
-    #pragma unroll 4
     for (int k = lane * V; k < K; k += 32 * V) {
         uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
         uint4 r1 = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
@@ -580,7 +579,6 @@ _GEMV_UNIT = """
 # (rsqrt of the mean square + eps) and LayerNorm (mean, then the mean squared deviation).
 _ROW_SUM = """
         float s_%(name)s = 0.f;
-        #pragma unroll 4
         for (int k = lane * V; k < K; k += 32 * V) {
             uint4 xr = LOAD_X(x + m * K + k);
             const T* xv = reinterpret_cast<const T*>(&xr);
@@ -1017,8 +1015,8 @@ class BufferState(NamedTuple):
     def per_layer(
         cls, kv: list[mx.array], position: mx.array, pad: mx.array | None = None
     ) -> list[BufferState]:
-        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; on CUDA they share the
-        step's counters for ``decode_layer``'s kernel, zeros (one primitive a step)."""
+        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; with ``FUSED_LAYERS`` on
+        CUDA they share the step's counters for ``decode_layer``'s kernel, zeros (one primitive a step)."""
         sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if FUSED_LAYERS and _use_cuda_paths() else None
         return [cls(k, v, position, pad, sync=sync) for k, v in zip(kv[::2], kv[1::2])]
 
@@ -1095,15 +1093,15 @@ class LayerParts(NamedTuple):
     rope_periods: mx.array | None = None
 
 
-# Whether a decode step's layer is one kernel on CUDA where it fits (``decode_layer``); False keeps five
-# primitives a layer (benchmarks/probe_step.py compares the two in one run).
-FUSED_LAYERS = True
+# Whether a decode step's layer is one kernel on CUDA where it fits (``decode_layer``). Off (ADR 15): it cuts a
+# step's primitives by half and the host's time by 40%, but on the H200 its GPU time made Turbo's and English's
+# steps slower than five primitives a layer (Nano's 2-14% faster). benchmarks/probe_step.py runs it
+# ("ours-layer-kernel") beside the default in one process.
+FUSED_LAYERS = False
 # Thread blocks of the layer kernel. Blocks claim their work as they start (``_BLOCK``), so any number is
 # correct; this many keep an H200's 132 SMs busy.
 LAYER_BLOCKS = 256
-_LAYER_WARPS = (
-    16  # warps a block: 16 as ``_attention_kernel`` for a lone stream, so its sums add in one order
-)
+_LAYER_WARPS = 16  # warps a block, as ``_attention_kernel`` gives a lone stream's
 # The counters a layer kernel claims and reports its work with: a claim per phase, a "done" per phase but the
 # last, and the exit count, each on a 128-byte line of its own (blocks polling one hold up no atomic on another).
 _SYNC_LINE = 32
@@ -1117,10 +1115,10 @@ def decode_layer(
     """One token x (B, 1, D) through a pre-norm decoder layer whose keys and values are ``state``'s; returns
     the layer's output and the state with the token written in.
 
-    On CUDA, with a ``BufferState`` (a lone request's decode loop) and no tap, one kernel (``_layer_kernel``):
-    a decode step is bound by MLX's host work per primitive (ADR 12, 13), and this is one primitive where the
-    composed path is five (``heads``, the attention kernel, three ``project``s), with the same arithmetic.
-    Elsewhere the composed path: ``BufferState.attend`` or ``WindowState.attend``, then the projections."""
+    With ``FUSED_LAYERS`` on CUDA, a ``BufferState`` (a lone request's decode loop) and no tap, one kernel
+    (``_fused_layer``): one primitive where the composed path is five (``heads``, the attention kernel, three
+    ``project``s), the same arithmetic but for the attention's sums (its keys split over blocks). Otherwise the
+    composed path: ``BufferState.attend`` or ``WindowState.attend``, then the projections."""
     if _layer_kernel_fits(x, state, parts):
         return _fused_layer(x, state, parts)
     out, state = state.attend(
@@ -1179,7 +1177,7 @@ _WAIT = """
         if (threadIdx.x == 0) {
             __threadfence();
             atomicAdd(counters + %(done)d, done);
-            while (*reinterpret_cast<volatile int*>(counters + %(done)d) < ITEMS) __nanosleep(32);
+            while (*reinterpret_cast<volatile int*>(counters + %(done)d) < ITEMS) {}
             __threadfence();
         }
         __syncthreads();
@@ -1271,8 +1269,9 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
 def _layer_source(
     kinds: tuple[str, str], biases: tuple[bool, ...], act: str, rope: bool, has_pad: bool
 ) -> str:
-    """The layer kernel's body: ``_GEMV_UNIT`` and ``_ATTENTION_ITEM`` in five phases over the scratch output
-    (q | attention | h | the up projection's activation, each M rows)."""
+    """The layer kernel's body: ``_GEMV_UNIT`` and ``_ATTENTION_ITEM`` in six phases (q/k/v, attention by
+    chunks of keys, their merge, output projection, up projection, down projection) over the scratch output
+    (q | attention | h | the up projection's activation, each M rows) and the attention's fp32 partials."""
     bias_qkv, bias_out, bias_up, bias_down = biases
 
     def bias(has: bool, n: str) -> str:
@@ -1379,8 +1378,8 @@ def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx
     ``state``'s buffers in place (as ``heads`` with ``KV_IN_PLACE``) and returned through ``mx.depends`` on the
     layer's output."""
     kinds = (_norm_kind(parts.norm1), _norm_kind(parts.norm2))
-    layers = (parts.qkv, parts.out, parts.up, parts.down)
-    biases = tuple("bias" in layer for layer in layers)
+    linears = (parts.qkv, parts.out, parts.up, parts.down)
+    biases = tuple("bias" in layer for layer in linears)
     rope, has_pad = parts.rope_periods is not None, state.pad is not None
     key = (kinds, biases, parts.act, rope, has_pad)
     names = ["layer_x", "sync", "position"] + (["pad"] if has_pad else []) + (["periods"] if rope else [])
@@ -1388,7 +1387,7 @@ def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx
     inputs = [x, state.sync, state.position.reshape(1)] + ([state.pad] if has_pad else [])
     inputs += [parts.rope_periods.astype(mx.float32)] if rope else []
     inputs += [state.keys, state.values]
-    for i, (layer, norm) in enumerate(zip(layers, (parts.norm1, None, parts.norm2, None))):
+    for i, (layer, norm) in enumerate(zip(linears, (parts.norm1, None, parts.norm2, None))):
         label = ("qkv", "out", "up", "down")[i]
         if norm is not None:
             n = 1 if i == 0 else 2
