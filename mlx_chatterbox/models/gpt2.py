@@ -117,8 +117,8 @@ class Block(nn.Module):
         self, x: mx.array, state: BufferState | WindowState
     ) -> tuple[mx.array, BufferState | WindowState]:
         """One token x (B, 1, D) with ``state`` this block's keys and values (``layers.decode_layer``: on CUDA
-        one kernel, or five primitives). Nothing depends on the values of positions, so a compiled step is
-        traced once per shape."""
+        five primitives, or one kernel with ``FUSED_LAYERS``). Nothing depends on the values of positions, so a
+        compiled step is traced once per shape."""
         parts = LayerParts(
             self.attn.c_attn, self.ln_1, self.attn.c_proj, self.ln_2, self.mlp.c_fc, self.mlp.c_proj, "gelu",
             self.attn.num_heads,

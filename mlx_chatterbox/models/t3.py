@@ -227,8 +227,8 @@ class DecoderLayer(nn.Module):
         self, x: mx.array, state: BufferState | WindowState
     ) -> tuple[mx.array, BufferState | WindowState]:
         """One token x (B, 1, D) with ``state`` this layer's keys and values (``layers.decode_layer``: on CUDA
-        one kernel, or five primitives). A left-padded row b's token sits at sequence position (buffer index -
-        pad[b]) and sees nothing before pad[b]. Nothing depends on the values of positions or pad, so a compiled
+        five primitives, or one kernel with ``FUSED_LAYERS``). A left-padded row b's token sits at sequence
+        position (buffer index - pad[b]) and sees nothing before pad[b]. Nothing depends on the values of positions or pad, so a compiled
         step is traced once per shape."""
         attn, mlp = self.self_attn, self.mlp
         parts = LayerParts(
