@@ -1242,7 +1242,8 @@ _MERGE_CHUNKS = """
 _layer_kernels: dict[tuple, object] = {}
 
 
-def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pair: bool, wait: bool) -> str:
+def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pair: bool) -> str:
+    """A phase of ``_GEMV_UNIT``s, 16 output columns (or column pairs) an item; every phase but the last waits."""
     body = (
         _GEMV_ITEM
         + _GEMV_UNIT
@@ -1262,8 +1263,18 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
         items="(UNITS + WARPS - 1) / WARPS",
         claim=_SYNC_LINE * index,
         body=body,
-        wait=_WAIT % dict(done=_SYNC_LINE * (_PHASES + index)) if wait else "",
+        wait=_WAIT % dict(done=_SYNC_LINE * (_PHASES + index)) if index < _PHASES - 1 else "",
     )
+
+
+# The scratch output's regions, M rows each: q, the attention's output, h (the layer's input plus attention), and
+# the up projection's activation.
+_REGIONS = dict(
+    q="scratch",
+    attention="scratch + M * H * HD",
+    h="scratch + 2 * M * H * HD",
+    up="scratch + 2 * M * H * HD + M * DIM",
+)
 
 
 def _layer_source(
@@ -1271,41 +1282,45 @@ def _layer_source(
 ) -> str:
     """The layer kernel's body: ``_GEMV_UNIT`` and ``_ATTENTION_ITEM`` in six phases (q/k/v, attention by
     chunks of keys, their merge, output projection, up projection, down projection) over the scratch output
-    (q | attention | h | the up projection's activation, each M rows) and the attention's fp32 partials."""
-    bias_qkv, bias_out, bias_up, bias_down = biases
+    (``_REGIONS``) and the attention's fp32 partials."""
 
-    def bias(has: bool, n: str) -> str:
-        return f"+ static_cast<float>(bias[{n}])" if has else ""
+    def setup(x: str, w: str, out: str, k: str, units: str, has_bias: bool, norm: int = 0) -> str:
+        """The names a phase's ``_GEMV_UNIT`` reads: x, w, out, bias, the norm's parameters, K and UNITS."""
+        text = (
+            f"const T* x = {x}; const T* w = {w}_w; T* out = {out}; constexpr int K = {k}, UNITS = {units};"
+        )
+        text += f" const T* bias = {w}_b;" if has_bias else ""
+        if norm:
+            text += f" const T* norm_w = norm{norm}_w; const float* eps = norm{norm}_eps;"
+            text += f" const T* norm_b = norm{norm}_b;" if kinds[norm - 1] == "layer" else ""
+        return text
 
-    def rows_epilogue(has_bias: bool, act: str, residual: bool) -> str:
+    def rows_epilogue(has_bias: bool, act: str, residual: str | None) -> str:
         return _ROWS_EPILOGUE % dict(
             bias="y += static_cast<float>(bias[n0]);" if has_bias else "",
             act=_ACT_CODE[act],
-            residual="y += static_cast<float>(LOAD(residual + m * UNITS + n0));" if residual else "",
+            residual=(
+                f"const T* residual = {residual}; y += static_cast<float>(LOAD(residual + m * UNITS + n0));"
+                if residual
+                else ""
+            ),
         )
 
-    norm_aliases = [
-        "const T* norm_w = norm%d_w; const float* eps = norm%d_eps;" % (i, i)
-        + (" const T* norm_b = norm%d_b;" % i if kind == "layer" else "")
-        for i, kind in ((1, kinds[0]), (2, kinds[1]))
-    ]
+    bias_qkv, bias_out, bias_up, bias_down = biases
     heads_epilogue = _HEADS_EPILOGUE % dict(
-        bias0=bias(bias_qkv, "n0"),
-        bias1=bias(bias_qkv, "n1"),
+        bias0="+ static_cast<float>(bias[n0])" if bias_qkv else "",
+        bias1="+ static_cast<float>(bias[n1])" if bias_qkv else "",
         rope="" if not rope else _ROPE % dict(position="position[0] - pad[m]" if has_pad else "position[0]"),
         store=_STORE_CACHE,
     )
+    r = _REGIONS
     phases = [
         _gemv_phase(
             0,
             "q, k, v: q to the scratch, k and v into the cache",
-            "const T* x = layer_x; const T* w = qkv_w; T* q = scratch; constexpr int K = DIM;"
-            " constexpr int UNITS = 3 * H * HD / 2;"
-            + (" const T* bias = qkv_b;" if bias_qkv else "")
-            + norm_aliases[0],
+            setup("layer_x", "qkv", r["q"], "DIM", "3 * H * HD / 2", bias_qkv, norm=1) + " T* q = out;",
             kinds[0],
             heads_epilogue,
-            True,
             True,
         ),
         _PHASE
@@ -1329,7 +1344,7 @@ def _layer_source(
         _PHASE
         % dict(
             name="attention: a (row, head) an item, its chunks merged",
-            setup="constexpr int D = HD, PER = D / 32; T* out = scratch + M * H * HD;",
+            setup=f"constexpr int D = HD, PER = D / 32; T* out = {r['attention']};",
             items="M * H",
             claim=_SYNC_LINE * 2,
             body="int bh = item;\n" + _MERGE_CHUNKS,
@@ -1338,35 +1353,25 @@ def _layer_source(
         _gemv_phase(
             3,
             "the output projection and the residual: h",
-            "const T* x = scratch + M * H * HD; const T* w = out_w; const T* residual = layer_x;"
-            " T* out = scratch + 2 * M * H * HD; constexpr int K = H * HD, UNITS = DIM;"
-            + (" const T* bias = out_b;" if bias_out else ""),
+            setup(r["attention"], "out", r["h"], "H * HD", "DIM", bias_out),
             "none",
-            rows_epilogue(bias_out, "none", True),
+            rows_epilogue(bias_out, "none", "layer_x"),
             False,
-            True,
         ),
         _gemv_phase(
             4,
             "norm, up projection, activation",
-            "const T* x = scratch + 2 * M * H * HD; const T* w = up_w; T* out = scratch + 2 * M * H * HD + M * DIM;"
-            " constexpr int K = DIM, UNITS = FW;"
-            + (" const T* bias = up_b;" if bias_up else "")
-            + norm_aliases[1],
+            setup(r["h"], "up", r["up"], "DIM", "FW", bias_up, norm=2),
             kinds[1],
-            rows_epilogue(bias_up, act, False),
+            rows_epilogue(bias_up, act, None),
             act == "swiglu",
-            True,
         ),
         _gemv_phase(
             5,
             "the down projection and the residual: the layer's output",
-            "const T* x = scratch + 2 * M * H * HD + M * DIM; const T* w = down_w; T* out = layer_out;"
-            " const T* residual = scratch + 2 * M * H * HD; constexpr int K = FW, UNITS = DIM;"
-            + (" const T* bias = down_b;" if bias_down else ""),
+            setup(r["up"], "down", "layer_out", "FW", "DIM", bias_down),
             "none",
-            rows_epilogue(bias_down, "none", True),
-            False,
+            rows_epilogue(bias_down, "none", r["h"]),
             False,
         ),
     ]
