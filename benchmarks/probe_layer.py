@@ -1,6 +1,7 @@
 """Where the layer kernel's GPU time goes (issue 25, ADR 15): one Turbo- or English-sized layer kernel with
-timestamps (the GPU's global timer) written by block 0 at its start and after each phase's wait, and by the
-last block out; medians of repeated single calls. A one-off probe for the H200 (CUDA only).
+timestamps (the GPU's global timer) taken when its first item is claimed, when each phase's last item is
+reported and when the last block leaves; medians of repeated single calls. A one-off probe for the H200 (CUDA
+only).
 
     python benchmarks/probe_layer.py --models turbo,english --dtypes float32,bfloat16 --position 600
 """
@@ -24,31 +25,36 @@ import mlx.nn as nn
 
 from mlx_chatterbox.models import layers
 
-STAMP = (
-    'if (blockIdx.x == 0) { unsigned long long t; asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t)); '
-)
+# Reads the GPU's global timer (ns, the same clock on every SM) into t.
+TIMER = 'unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); '
 PHASES = ("q/k/v", "attention", "merge", "output", "up", "down")
 CUDA_KERNEL = mx.fast.cuda_kernel
 
 
 def stamped(source: str) -> str:
-    """The kernel's source with the timer read into stamps[0] (block 0's start), stamps[1 + p] (block 0 past
-    phase p's wait) and stamps[6] (the last block out)."""
-    start = STAMP.replace("%%", "%") + "stamps[0] = t; }\n"
-    source = re.sub(
-        r"(while \(\*reinterpret_cast<volatile int\*>\(counters \+ (\d+)\) < ITEMS\) \{\})",
+    """The kernel's source with the timer read into stamps[0] when the first item of the first phase is claimed,
+    stamps[1 + p] by the block whose report completes phase p, and stamps[6] by the last block out."""
+    first = "if (threadIdx.x == 0) claimed = atomicAdd(counters + 0, 1);"
+    assert first in source
+    source = source.replace(
+        first,
+        "if (threadIdx.x == 0) { claimed = atomicAdd(counters + 0, 1); if (claimed == 0) { "
+        + TIMER
+        + "stamps[0] = t; } }",
+        1,
+    )
+    source, n = re.subn(
+        r"atomicAdd\(counters \+ (\d+), done\);",
         # phase p's "done" counter sits at line _PHASES + p (``layers._SYNC_LINE``)
-        lambda m: m.group(1)
-        + STAMP.replace("%%", "%")
-        + f"stamps[{int(m.group(2)) // layers._SYNC_LINE - layers._PHASES + 1}] = t; }}",
+        lambda m: f"if (done > 0 && atomicAdd(counters + {m.group(1)}, done) + done == ITEMS) {{ "
+        + TIMER
+        + f"stamps[{int(m.group(1)) // layers._SYNC_LINE - layers._PHASES + 1}] = t; }}",
         source,
     )
-    source = source.replace(
-        "== gridDim.x - 1) {",
-        '== gridDim.x - 1) { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); '
-        f"stamps[{len(PHASES)}] = t;",
+    assert n == len(PHASES) - 1
+    return source.replace(
+        "== gridDim.x - 1) {", "== gridDim.x - 1) { " + TIMER + f"stamps[{len(PHASES)}] = t;"
     )
-    return "if (threadIdx.x == 0) {" + start + "}\n" + source
 
 
 class Stamped:
