@@ -188,7 +188,8 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
 def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which, monkeypatch):
     """The real loops (pipelined, compiled, past one 256-position capacity step) with each layer one kernel
     (``decode_layer``), with the q/k/v kernel writing the cache and with two ``slice_update``s a layer: the same
-    tokens, since the same numbers are written and read (head dim 64, so the kernels run)."""
+    tokens (head dim 64, so the kernels run). The last two write and read the same numbers; the layer kernel
+    adds the attention's sums in another order (ADR 15), which drew the same tokens on the H200."""
     mx.random.seed(4)
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
     if which == "t3":
@@ -543,8 +544,9 @@ def layer_parts(model: str, rng: np.random.Generator, dtype: mx.Dtype) -> layers
 def test_layer_kernel_equals_the_composed_layer(dtype, tol, model, rows, with_pad, blocks, monkeypatch):
     """``decode_layer`` as one kernel against its five primitives (each compared with MLX's ops above): the
     layer's output and the buffers with k and v written in, at a full layer's widths and a position past 1,000.
-    Any number of thread blocks gives the same numbers (they claim their work as they start: 1 block does all of
-    it, 7 take many items each); so does a second step on the same counters (each kernel sets them back)."""
+    Any number of thread blocks is as close (they claim their work as they start: 1 block does all of it, 7
+    take many items each; the attention's keys are split over as many blocks as there are, up to 16 a head); so
+    is a second step on the same counters (each kernel sets them back)."""
     monkeypatch.setattr(layers, "LAYER_BLOCKS", blocks)
     rng = np.random.default_rng(rows + 10 * with_pad)
     parts = layer_parts(model, rng, dtype)
