@@ -1134,7 +1134,7 @@ def _layer_kernel_fits(x: mx.array, state: BufferState | WindowState, parts: Lay
     if state.sync is None or parts.act == "swiglu" and "bias" in parts.up:
         return False
     hd = parts.qkv.weight.shape[0] // (3 * parts.num_heads)
-    widths = (x, parts.out.weight, parts.down.weight)  # the inputs of the three products that read x, q, up
+    widths = (x, parts.out.weight, parts.down.weight)  # K of the products: x's, the attention's, up's
     return (
         hd % 32 == 0
         and _fusable(parts.qkv, x, parts.norm1)
