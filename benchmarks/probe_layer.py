@@ -155,7 +155,7 @@ def main() -> None:
                             phases_us=dict(zip(PHASES, med[:-1])),
                             all_us=med[-1],
                             wall_us=wall,
-                        )  # noqa: E501
+                        )
                         f.write(json.dumps(row) + "\n")
 
 
