@@ -467,44 +467,49 @@ def main() -> None:
             )
         )
     s3gen = random_s3gen() if {"call", "solve", "device", "batch"} & set(parts) else None
+
+    def table(part: str, header: str, rows, line) -> None:
+        """Print a part's markdown header, then each row as it comes (``line``), each also emitted."""
+        print(header)
+        for row in rows:
+            emit(dict(part=part, **row))
+            print(line(row), flush=True)
+
     if "call" in parts:
-        print(
+        table(
+            "call",
             "\n| dtype | estimator | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> "
-            "read by) |\n|---|---|---|---|---|---|---|---|"
+            "read by) |\n|---|---|---|---|---|---|---|---|",
+            (
+                call(s3gen, d, r, args.repeats, args.frames, way == "compiled")
+                for d, r, way in itertools.product(dtypes, requests, ways)
+            ),
+            lambda row: f"| {row['dtype']} | {'compiled' if row['compiled'] else 'plain'} | {row['rows']} | "
+            f"{row['primitives']} ({row['views']}) | {row['build_ms']:.1f} | {row['eval_ms']:.1f} | "
+            + ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
+            + " | "
+            + ", ".join(f"{k} {v}" for k, v in list(row["casts"].items())[:4])
+            + " |",
         )
-        for d, r, way in itertools.product(dtypes, requests, ways):
-            row = call(s3gen, d, r, args.repeats, args.frames, way == "compiled")
-            emit(dict(part="call", **row))
-            top = ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
-            print(
-                f"| {row['dtype']} | {way} | {row['rows']} | {row['primitives']} ({row['views']}) | "
-                f"{row['build_ms']:.1f} | {row['eval_ms']:.1f} | {top} | "
-                + ", ".join(f"{k} {v}" for k, v in list(row["casts"].items())[:4])
-                + " |",
-                flush=True,
-            )
     if "solve" in parts:
-        print(
-            "\n| dtype | rows | frames | estimator | solve ms (10 steps) | first solve ms |\n|---|---|---|---|---|---|"
+        table(
+            "solve",
+            "\n| dtype | rows | frames | estimator | solve ms (10 steps) | first solve ms |\n|---|---|---|---|---|---|",
+            (
+                solve_time(s3gen, d, r, args.frames, way, args.repeats)
+                for d, r, way in itertools.product(dtypes, requests, ways)
+            ),
+            lambda row: f"| {row['dtype']} | {row['rows']} | {row['frames']} | {row['estimator']} | "
+            f"{row['solve_ms']:.1f} | {row['first_ms']:.0f} |",
         )
-        for d, r, way in itertools.product(dtypes, requests, ways):
-            row = solve_time(s3gen, d, r, args.frames, way, args.repeats)
-            emit(dict(part="solve", **row))
-            print(
-                f"| {row['dtype']} | {row['rows']} | {row['frames']} | {way} | {row['solve_ms']:.1f} | "
-                f"{row['first_ms']:.0f} |",
-                flush=True,
-            )
     if "device" in parts:
-        print("\n| dtype | rows | GPU ms a call (rounds) | chain ms | valid |\n|---|---|---|---|---|")
-        for d, r in itertools.product(dtypes, requests):
-            row = device_time(s3gen, d, r, args.frames)
-            emit(dict(part="device", **row))
-            print(
-                f"| {row['dtype']} | {row['rows']} | {row['device_ms']:.1f} ({row['device_ms_rounds']}) | "
-                f"{row['chain_ms']:.0f} | {row['valid']} |",
-                flush=True,
-            )
+        table(
+            "device",
+            "\n| dtype | rows | GPU ms a call (rounds) | chain ms | valid |\n|---|---|---|---|---|",
+            (device_time(s3gen, d, r, args.frames) for d, r in itertools.product(dtypes, requests)),
+            lambda row: f"| {row['dtype']} | {row['rows']} | {row['device_ms']:.1f} ({row['device_ms_rounds']}) | "
+            f"{row['chain_ms']:.0f} | {row['valid']} |",
+        )
     if "batch" in parts:
         print(
             "\n| CFM | HiFT | requests (spread) | budget | total ms | RTF | encoder ms | CFM ms | HiFT ms | peak MiB |"
