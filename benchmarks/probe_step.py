@@ -12,6 +12,12 @@ with their projections computed three ways. A one-off probe for the H200; prints
   ``layers.KV_IN_PLACE`` off, ADR 13), ours without the ``mx.depends`` that hand the written buffers back
   ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), ours with each
   layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on, ADR 15), and upstream on PyTorch CUDA.
+- split: where the host's time of a step goes (building, queueing, waiting for the token).
+- device: the GPU's own time for a decode step, queued behind a chain that keeps the GPU busy (run with
+  MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000); with split, whether a step is bound by the host
+  or by the GPU.
+- gemv: the GPU's time for one projection in a dependent chain of MLPs (our kernels and MLX's ops) and the
+  bandwidth it reaches (same settings as device).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import collections
 import gc
 import io
 import json
+import os
 import re
 import statistics
 import time
@@ -50,7 +57,9 @@ DEPENDS = mx.depends
 
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
     """x (M, K) @ w (N, K).T through our matrix-vector kernel (models/layers.py)."""
-    return layers._gemv(x, w, None, None, swiglu=False)
+    linear = layers.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight = w
+    return layers._gemv(x, linear, None, None, "none")
 
 
 def primitives(*outputs: mx.array) -> collections.Counter:
@@ -273,6 +282,112 @@ def host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
     return result
 
 
+# --- the GPU's own time ---
+
+
+CHAIN_SIZE = [8192]  # the busy chain's square products (--chain-size: small for a CPU smoke run)
+
+
+def behind_a_chain(queue, items: int, rounds: int = 5) -> dict:
+    """The GPU's time per item of what ``queue()`` puts on the stream, apart from the host's: ``queue`` runs
+    while a chain of large products keeps the GPU busy for about 0.2 s, so the wall time past the chain's own
+    is the GPU's work. Each ``mx.async_eval`` must be one CUDA graph (run with MLX_MAX_OPS_PER_BUFFER=1000000
+    MLX_MAX_MB_PER_BUFFER=1000000: MLX holds the host back at 10 graphs in flight). ``queue(prepare=True)``
+    makes its inputs before the chain starts. Median of ``rounds`` after a warm-up; valid when the host
+    finished queueing before the chain did."""
+    n = CHAIN_SIZE[0]
+    a = (mx.random.normal((n, n)) * n**-0.5).astype(mx.bfloat16)  # keeps the chain's scale
+    mx.eval(a)
+
+    def chain() -> mx.array:
+        y = a
+        for _ in range(120):
+            y = y @ a
+        return y
+
+    chains, totals, queued = [], [], []
+    for _ in range(rounds + 1):
+        queue(prepare=True)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(chain())
+        chains.append(time.perf_counter() - t0)
+        queue(prepare=True)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.async_eval(chain())
+        queue(prepare=False)
+        queued.append(time.perf_counter() - t0)
+        mx.synchronize()
+        totals.append(time.perf_counter() - t0)
+    per_item = [1e3 * (total - c) / items for total, c in zip(totals[1:], chains[1:])]
+    return dict(
+        gpu_ms=statistics.median(per_item),
+        gpu_ms_rounds=[round(v, 3) for v in per_item],
+        chain_ms=1e3 * statistics.median(chains[1:]),
+        queued_ms=1e3 * max(queued[1:]),
+        valid=max(queued[1:]) < min(chains[1:]),
+    )
+
+
+def device_split(model_name: str, dtype_name: str, steps: int = 8) -> dict:
+    """The GPU's time for one decode step (``behind_a_chain``): from a fresh prefill each round, ``steps``
+    steps queued as the decode loop queues them (each fed the lazy token of the one before, no wait)."""
+    start, arguments, step = (_english_loop if model_name == "english" else _turbo_loop)(
+        model_name, dtype_name, steps + 2
+    )
+    state = {}
+
+    def queue(prepare: bool) -> None:
+        if prepare:
+            token, seen, cache = start()
+            mx.eval(token, seen, cache.kv)
+            state.update(token=token, seen=seen, cache=cache)
+            return
+        token, seen, cache = state["token"], state["seen"], state["cache"]
+        for i in range(steps):
+            token, seen, cache.kv = step(*arguments(i, token, seen, cache))
+            mx.async_eval(token, seen)
+
+    return behind_a_chain(queue, steps)
+
+
+def gemv_chain(dtype: mx.Dtype, shape: str, layers_count: int = 24) -> dict:
+    """The GPU's time a projection in a dependent chain of MLPs as a decode step runs them (``project``: the
+    norm with the up projection and its activation, then the down projection with the residual), distinct
+    weights a layer (read from memory, not L2), one row: Turbo's GPT-2 MLP (LayerNorm, 1024 -> 4096 GELU ->
+    1024, biases) or English's Llama MLP (RMSNorm, 1024 -> 2 x 4096 SwiGLU -> 1024)."""
+    import mlx.nn as nn
+
+    d, f = 1024, 4096
+    turbo = shape == "turbo"
+    mlps = []
+    for _ in range(layers_count):
+        up = layers.Linear(d, f if turbo else 2 * f, bias=turbo)
+        down = layers.Linear(f, d, bias=turbo)
+        norm = nn.LayerNorm(d) if turbo else nn.RMSNorm(d)
+        for m in (up, down, norm):
+            m.set_dtype(dtype)
+        mlps.append((norm, up, down))
+    x = mx.random.normal((1, 1, d)).astype(dtype)
+    mx.eval(x, [[m.parameters() for m in mlp] for mlp in mlps])
+    weight_bytes = sum(up.weight.nbytes + down.weight.nbytes for _, up, down in mlps)
+
+    def queue(prepare: bool) -> None:
+        if prepare:
+            return
+        h = x
+        for norm, up, down in mlps:
+            h = layers.project(
+                down, layers.project(up, h, norm=norm, act="gelu" if turbo else "swiglu"), residual=h
+            )
+        mx.async_eval(h)
+
+    r = behind_a_chain(queue, 2 * layers_count)
+    r.update(gb_s=weight_bytes / (2 * layers_count) / (r["gpu_ms"] * 1e-3) / 1e9)
+    return r
+
+
 def _english_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
     """``host_split``'s start (prefill, first token) and one step for English T3 (CFG, default knobs)."""
     import bench_t3
@@ -348,6 +463,10 @@ def main() -> None:
         action="store_true",
         help="the decode attention kernel as before 2026-12-02: one key per warp at a time, 4 warps a block",
     )
+    parser.add_argument("--steps", type=int, default=8, help="device: decode steps queued behind the chain")
+    parser.add_argument(
+        "--chain-size", type=int, default=8192, help="device, gemv: the busy chain's products"
+    )
     parser.add_argument(
         "--layer-blocks", type=int, default=layers.LAYER_BLOCKS, help="thread blocks of the layer kernel"
     )
@@ -359,6 +478,7 @@ def main() -> None:
     if args.old_attention:
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     layers.LAYER_BLOCKS = args.layer_blocks
+    CHAIN_SIZE[0] = args.chain_size
     mx.set_default_device(getattr(mx, args.device))
     parts = args.part.split(",")
     dtypes = args.dtypes.split(",")
@@ -369,6 +489,52 @@ def main() -> None:
             print(f"\n| {dn}: primitive | us each |\n|---|---|")
             for name, us in micro(dtype):
                 print(f"| {name} | {us:.1f} |", flush=True)
+    if ("device" in parts or "gemv" in parts) and int(
+        os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0")
+    ) < 100_000:
+        parser.error(
+            "--part device and gemv need MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
+        )
+
+    def emit(row: dict) -> None:
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if "gemv" in parts:
+        print(
+            "\n| MLP | dtype | system | GPU us a projection (rounds) | GB/s | valid |\n|---|---|---|---|---|---|"
+        )
+        for shape, dn in [(s, d) for s in ("turbo", "english") for d in dtypes]:
+            for system in ("ours", "mlx-ops"):
+                use(system)
+                r = gemv_chain(getattr(mx, dn), shape)
+                use("ours")
+                emit(dict(part="gemv", mlp=shape, dtype=dn, system=system, **r))
+                rounds = ", ".join(f"{1e3 * v:.1f}" for v in r["gpu_ms_rounds"])
+                print(
+                    f"| {shape} | {dn} | {system} | {1e3 * r['gpu_ms']:.1f} ({rounds}) | {r['gb_s']:.0f} | "
+                    f"{r['valid']} |",
+                    flush=True,
+                )
+    if "device" in parts:
+        print(
+            "\n| model | dtype | system | GPU ms a step (rounds) | chain ms | queued ms | valid |\n|---|---|---|---|---|---|---|"
+        )
+        for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
+            for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
+                use(system)
+                r = device_split(model, dn, args.steps)
+                gc.collect()
+                mx.clear_cache()
+                use("ours")
+                emit(dict(part="device", model=model, dtype=dn, system=system, steps=args.steps, **r))
+                rounds = ", ".join(f"{v:.2f}" for v in r["gpu_ms_rounds"])
+                print(
+                    f"| {model} | {dn} | {system} | {r['gpu_ms']:.3f} ({rounds}) | {r['chain_ms']:.0f} | "
+                    f"{r['queued_ms']:.1f} | {r['valid']} |",
+                    flush=True,
+                )
     if "split" in parts:
         print(
             "\n| model | dtype | system | ms/step | build ms (arguments + call) | queue ms | wait ms | peak MiB |"
@@ -381,6 +547,7 @@ def main() -> None:
                 gc.collect()
                 mx.clear_cache()
                 use("ours")
+                emit(dict(part="split", model=model, dtype=dn, system=system, tokens=args.tokens, **r))
                 print(
                     f"| {model} | {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} ({r['args_ms']:.2f} + "
                     f"{r['call_ms']:.2f}) | {r['queue_ms']:.2f} | "
@@ -413,9 +580,7 @@ def main() -> None:
                     )
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if args.out:
-                        with open(args.out, "a") as f:
-                            f.write(json.dumps(row) + "\n")
+                    emit(row)
                     gc.collect()  # a model's compiled steps hold it in a cycle: free it before the next row
                     mx.clear_cache()
         print(
