@@ -100,10 +100,13 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument(
-        "--blocks", default=str(layers.LAYER_BLOCKS), help="comma-separated LAYER_BLOCKS values"
+        "--blocks",
+        default="sm",
+        help="comma-separated LAYER_BLOCKS values; sm: the GPU's SM count (the default)",
     )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()
+    sms = layers._sm_count()  # read now: the kernel factory is swapped while the layer kernel is made
     print("\n| model | dtype | blocks | " + " | ".join(f"{p} us" for p in PHASES) + " | all us | wall us |")
     print("|---|---|---|" + "---|" * (len(PHASES) + 2))
     for model in args.models.split(","):
@@ -114,7 +117,7 @@ def main() -> None:
             values = mx.zeros((rows, 16, 768, 64), dtype)
             x = mx.random.normal((rows, 1, 1024)).astype(dtype)
             mx.eval(keys, values, x)
-            for blocks in (int(b) for b in args.blocks.split(",")):
+            for blocks in (None if b == "sm" else int(b) for b in args.blocks.split(",")):
                 layers.LAYER_BLOCKS = blocks
                 layers._layer_kernels.clear()
                 made = []
@@ -141,7 +144,7 @@ def main() -> None:
                 med = [statistics.median(r[k] for r in rows_us[3:]) for k in range(len(PHASES) + 1)]
                 wall = statistics.median(walls[3:])
                 print(
-                    f"| {model} | {dn} | {blocks} | "
+                    f"| {model} | {dn} | {blocks or sms} | "
                     + " | ".join(f"{v:.1f}" for v in med)
                     + f" | {wall:.0f} |"
                 )
@@ -150,7 +153,7 @@ def main() -> None:
                         row = dict(
                             model=model,
                             dtype=dn,
-                            blocks=blocks,
+                            blocks=blocks or sms,
                             position=args.position,
                             phases_us=dict(zip(PHASES, med[:-1])),
                             all_us=med[-1],

@@ -11,7 +11,9 @@ with their projections computed three ways. A one-off probe for the H200; prints
   with the cache written by two ``slice_update``s a layer as before 2026-12-04 ("ours-slice-update":
   ``layers.KV_IN_PLACE`` off, ADR 13), ours without the ``mx.depends`` that hand the written buffers back
   ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), ours with each
-  layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on, ADR 15), and upstream on PyTorch CUDA.
+  layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on for every architecture, ADR 15), ours with
+  five kernels a layer ("ours-five-kernels": off for every one; "ours" has GPT-2's on), and upstream on PyTorch
+  CUDA.
 - split: where the host's time of a step goes (building, queueing, waiting for the token).
 - device: the GPU's own time for a decode step, queued behind a chain that keeps the GPU busy (run with
   MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000); with split, whether a step is bound by the host
@@ -51,8 +53,10 @@ OURS = (
     "ours-slice-update",
     "ours-no-depends",
     "ours-layer-kernel",
+    "ours-five-kernels",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
+FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
 
 
 def kernel_gemv(x: mx.array, w: mx.array) -> mx.array:
@@ -174,7 +178,11 @@ def use(system: str) -> None:
     """The switches of ``system`` (default: ours)."""
     layers.CUDA_DECODE = system in OURS
     layers.KV_IN_PLACE = system != "ours-slice-update"
-    layers.FUSED_LAYERS = system == "ours-layer-kernel"
+    layers.FUSED_LAYERS = (
+        dict.fromkeys(FUSED, system == "ours-layer-kernel")
+        if system in ("ours-layer-kernel", "ours-five-kernels")
+        else FUSED
+    )
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
     mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
 
@@ -182,7 +190,7 @@ def use(system: str) -> None:
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
     before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends",
-    "ours-layer-kernel" or "upstream" (PyTorch CUDA, same inputs)."""
+    "ours-layer-kernel", "ours-five-kernels" or "upstream" (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
 
@@ -452,6 +460,9 @@ def main() -> None:
     parser.add_argument("--part", default="micro,step")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="step: every row this many times, one round after another"
+    )
     parser.add_argument("--systems", default="mlx-ops,ours,upstream")
     parser.add_argument("--upstream-src", help="folder holding upstream's chatterbox/ (bench_t3.py)")
     parser.add_argument("--out", help="append JSON lines here")
@@ -468,7 +479,7 @@ def main() -> None:
         "--chain-size", type=int, default=8192, help="device, gemv: the busy chain's products"
     )
     parser.add_argument(
-        "--layer-blocks", type=int, default=layers.LAYER_BLOCKS, help="thread blocks of the layer kernel"
+        "--layer-blocks", type=int, help="thread blocks of the layer kernel (default: the GPU's SM count)"
     )
     args = parser.parse_args()
     known = ("mlx-ops", *OURS, "upstream")
@@ -556,33 +567,36 @@ def main() -> None:
                 )
     if "step" in parts:
         rows = []
-        for model in args.models.split(","):
-            for dn in dtypes:
-                for system in args.systems.split(","):
-                    if system == "upstream" and model == "nano" and dn != "float32":
-                        continue
-                    r = step_row(model, dn, system, args.tokens, args.repeats, args.upstream_src)
-                    prims = views = kinds = None
-                    if system != "upstream":
-                        prims, views, kinds = step_primitives(model, getattr(mx, dn))
-                    in_place = layers.CUDA_DECODE and layers.KV_IN_PLACE  # as use(system) set them
-                    fused = in_place and layers.FUSED_LAYERS
-                    use("ours")
-                    row = dict(
-                        model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views
-                    )
-                    row |= dict(
-                        **r,
-                        primitive_kinds=kinds,
-                        kv_in_place=in_place,
-                        decode_attention="old" if args.old_attention else "new",
-                        layer_kernel_blocks=layers.LAYER_BLOCKS if fused else None,
-                    )
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    emit(row)
-                    gc.collect()  # a model's compiled steps hold it in a cycle: free it before the next row
-                    mx.clear_cache()
+        combos = [
+            (m, d, s)
+            for _ in range(args.rounds)
+            for m in args.models.split(",")
+            for d in dtypes
+            for s in args.systems.split(",")
+        ]
+        for model, dn, system in combos:
+            if system == "upstream" and model == "nano" and dn != "float32":
+                continue
+            r = step_row(model, dn, system, args.tokens, args.repeats, args.upstream_src)
+            prims = views = kinds = None
+            if system != "upstream":
+                prims, views, kinds = step_primitives(model, getattr(mx, dn))
+            in_place = layers.CUDA_DECODE and layers.KV_IN_PLACE  # as use(system) set them
+            fused = in_place and layers.FUSED_LAYERS["llama" if model == "english" else "gpt2"]
+            use("ours")
+            row = dict(model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views)
+            row |= dict(
+                **r,
+                primitive_kinds=kinds,
+                kv_in_place=in_place,
+                decode_attention="old" if args.old_attention else "new",
+                layer_kernel_blocks=(layers.LAYER_BLOCKS or layers._sm_count()) if fused else None,
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            emit(row)
+            gc.collect()  # a model's compiled steps hold it in a cycle: free it before the next row
+            mx.clear_cache()
         print(
             "\n| model | dtype | system | prefill ms | tok/s | ms/step | primitives/step (views) |"
             "\n|---|---|---|---|---|---|---|"

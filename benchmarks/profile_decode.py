@@ -74,11 +74,13 @@ def main() -> None:
 
         parts = {
             "llama decode, pad": (
-                mx.compile(lambda s: model.tfmr.decode(s[0], BufferState.per_layer(s[1], pos, pad))),
+                mx.compile(lambda s: model.tfmr.decode(s[0], BufferState.per_layer(s[1], pos, pad, "llama"))),
                 (x, kv),
             ),
             "llama decode, no pad": (
-                mx.compile(lambda s: model.tfmr.decode(s[0], BufferState.per_layer(s[1], pos))),
+                mx.compile(
+                    lambda s: model.tfmr.decode(s[0], BufferState.per_layer(s[1], pos, None, "llama"))
+                ),
                 (x, kv),
             ),
             "one layer, pad": (

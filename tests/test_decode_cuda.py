@@ -145,6 +145,11 @@ def decode_logits(model, embeds: mx.array, tokens: list[int], step_by_step: bool
     return mx.stack(out)
 
 
+def fused_layers(on: bool) -> dict[str, bool]:
+    """``layers.FUSED_LAYERS`` with every architecture's layers one kernel (on) or five (off)."""
+    return dict.fromkeys(layers.FUSED_LAYERS, on)
+
+
 @cuda
 @pytest.mark.parametrize(
     "in_place,step_by_step",
@@ -166,7 +171,7 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
     is evaluated on its own; in one lazy graph of 300 steps it failed on the H200 before ``mx.depends``)."""
     monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
     # The layer kernel (ADR 15) step by step, as the loops run it; the lazy graph keeps the q/k/v kernel's write.
-    monkeypatch.setattr(layers, "FUSED_LAYERS", step_by_step)
+    monkeypatch.setattr(layers, "FUSED_LAYERS", fused_layers(step_by_step))
     mx.random.seed(3)
     if which == "t3":
         model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
@@ -205,7 +210,7 @@ def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which,
     tokens = {}
     for in_place, fused in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(layers, "KV_IN_PLACE", in_place)
-        monkeypatch.setattr(layers, "FUSED_LAYERS", fused)
+        monkeypatch.setattr(layers, "FUSED_LAYERS", fused_layers(fused))
         model.compiled_steps.clear()  # traced with the switches as they were
         tokens[in_place, fused] = run()
     assert len(tokens[True, True]) == 300 + (which == "turbo")  # Turbo: 1 + n
@@ -540,13 +545,13 @@ def layer_parts(model: str, rng: np.random.Generator, dtype: mx.Dtype) -> layers
 @cuda
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-6), (mx.bfloat16, 1e-2)])
 @pytest.mark.parametrize("model,rows,with_pad", [("turbo", 1, False), ("t3", 2, False), ("t3", 2, True)])
-@pytest.mark.parametrize("blocks", [1, 7, 256])
+@pytest.mark.parametrize("blocks", [1, 7, None, 256])  # None: the GPU's SM count, the default
 def test_layer_kernel_equals_the_composed_layer(dtype, tol, model, rows, with_pad, blocks, monkeypatch):
     """``decode_layer`` as one kernel against its five primitives (each compared with MLX's ops above): the
     layer's output and the buffers with k and v written in, at a full layer's widths and a position past 1,000.
     Any number of thread blocks is as close (they claim their work as they start: 1 block does all of it, 7
-    take many items each; the attention's keys are split over as many blocks as there are, up to 16 a head); so
-    is a second step. The counters' reset between layers (the last block out zeroes them for the next layer's
+    take many items each, the SM count's one or two each, and blocks past the SM count stay idle; the
+    attention's keys are split over as many blocks as work, up to 16 a head); so is a second step. The counters' reset between layers (the last block out zeroes them for the next layer's
     kernel) is exercised by the loops below, three layers a step."""
     monkeypatch.setattr(layers, "LAYER_BLOCKS", blocks)
     rng = np.random.default_rng(rows + 10 * with_pad)
@@ -557,11 +562,12 @@ def test_layer_kernel_equals_the_composed_layer(dtype, tol, model, rows, with_pa
     buffers = [rng.standard_normal((rows, 16, capacity, 64)) for _ in range(2)]
 
     def run(fused: bool) -> list[mx.array]:
-        monkeypatch.setattr(layers, "FUSED_LAYERS", fused)
+        monkeypatch.setattr(layers, "FUSED_LAYERS", fused_layers(fused))
         keys, values = (mx.array(a, mx.float32).astype(dtype) for a in buffers)
         outs = []
         for p in (position, position + 1):  # two steps, each evaluated alone, as the decode loops run them
-            state = layers.BufferState.per_layer([keys, values], mx.array(p, mx.int32), pad)[0]
+            arch = "gpt2" if model == "turbo" else "llama"
+            state = layers.BufferState.per_layer([keys, values], mx.array(p, mx.int32), pad, arch)[0]
             assert (state.sync is not None) == fused
             y, state = layers.decode_layer(x, state, parts)
             keys, values = state.keys, state.values

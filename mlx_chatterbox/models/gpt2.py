@@ -117,7 +117,7 @@ class Block(nn.Module):
         self, x: mx.array, state: BufferState | WindowState
     ) -> tuple[mx.array, BufferState | WindowState]:
         """One token x (B, 1, D) with ``state`` this block's keys and values (``layers.decode_layer``: on CUDA
-        five primitives, or one kernel with ``FUSED_LAYERS``). Nothing depends on the values of positions, so a
+        five primitives, or one kernel: ``FUSED_LAYERS``). Nothing depends on the values of positions, so a
         compiled step is traced once per shape."""
         parts = LayerParts(
             self.attn.c_attn, self.ln_1, self.attn.c_proj, self.ln_2, self.mlp.c_fc, self.mlp.c_proj, "gelu",
@@ -251,7 +251,7 @@ class T3Turbo(nn.Module):
         starts at buffer index pad[b], so its absolute position is ``position - pad[b]``, and it sees nothing
         before pad[b]."""
         positions = position if pad is None else position - pad
-        return self._step(token, positions, BufferState.per_layer(kv, position, pad))
+        return self._step(token, positions, BufferState.per_layer(kv, position, pad, "gpt2"))
 
     def decode_window(
         self,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -533,6 +533,9 @@ _PLAIN_LOADS = """
 """
 _GEMV_UNIT = """
     %(columns)s
+    // A lane reads 16 bytes at each of STEPS places along a row, C of them at once.
+    constexpr int STEPS = K / (32 * V);
+    constexpr int C = [] { int c = 8; while (STEPS %% c || c * (1 + PAIR + M + %(norm_count)d) > 16) --c; return c; }();
     const T* w0 = w + (size_t)n0 * K;
     const T* w1 = w + (size_t)n1 * K;
     float scale[M], shift[M];
@@ -545,21 +548,33 @@ _GEMV_UNIT = """
     float a0[M], a1[M];
     #pragma unroll
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = 0.f;
-    for (int k = lane * V; k < K; k += 32 * V) {
-        uint4 r0 = *reinterpret_cast<const uint4*>(w0 + k);
-        uint4 r1 = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0;
-        const T* wv0 = reinterpret_cast<const T*>(&r0);
-        const T* wv1 = reinterpret_cast<const T*>(&r1);
-        %(norm_load)s
+    for (int s0 = 0; s0 < STEPS; s0 += C) {
+        uint4 r0[C], r1[C], xs[C][M], gs[C], bs[C];
         #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            uint4 xr = LOAD_X(x + m * K + k);
-            const T* xv = reinterpret_cast<const T*>(&xr);
+        for (int c = 0; c < C; ++c) {
+            int k = (s0 + c) * 32 * V + lane * V;
+            r0[c] = *reinterpret_cast<const uint4*>(w0 + k);
+            r1[c] = PAIR ? *reinterpret_cast<const uint4*>(w1 + k) : r0[c];
+            %(norm_load)s
             #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                float xj = %(x_value)s;
-                a0[m] += static_cast<float>(wv0[j]) * xj;
-                if (PAIR) a1[m] += static_cast<float>(wv1[j]) * xj;
+            for (int m = 0; m < M; ++m) xs[c][m] = LOAD_X(x + m * K + k);
+        }
+        __syncwarp();  // every load above issued before the products wait on the first
+        #pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const T* wv0 = reinterpret_cast<const T*>(&r0[c]);
+            const T* wv1 = reinterpret_cast<const T*>(&r1[c]);
+            const T* gv = reinterpret_cast<const T*>(&gs[c]);
+            const T* bv = reinterpret_cast<const T*>(&bs[c]);
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const T* xv = reinterpret_cast<const T*>(&xs[c][m]);
+                #pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    float xj = %(x_value)s;
+                    a0[m] += static_cast<float>(wv0[j]) * xj;
+                    if (PAIR) a1[m] += static_cast<float>(wv1[j]) * xj;
+                }
             }
         }
     }
@@ -579,13 +594,18 @@ _GEMV_UNIT = """
 # (rsqrt of the mean square + eps) and LayerNorm (mean, then the mean squared deviation).
 _ROW_SUM = """
         float s_%(name)s = 0.f;
-        for (int k = lane * V; k < K; k += 32 * V) {
-            uint4 xr = LOAD_X(x + m * K + k);
-            const T* xv = reinterpret_cast<const T*>(&xr);
+        for (int s0 = 0; s0 < STEPS; s0 += C) {
+            uint4 xr[C];
             #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                float t = static_cast<float>(xv[j]) - shift[m];
-                s_%(name)s += %(term)s;
+            for (int c = 0; c < C; ++c) xr[c] = LOAD_X(x + m * K + (s0 + c) * 32 * V + lane * V);
+            #pragma unroll
+            for (int c = 0; c < C; ++c) {
+                const T* xv = reinterpret_cast<const T*>(&xr[c]);
+                #pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    float t = static_cast<float>(xv[j]) - shift[m];
+                    s_%(name)s += %(term)s;
+                }
             }
         }
         #pragma unroll
@@ -601,13 +621,11 @@ _PROLOGUES = {
 }
 _NORM_LOADS = {
     "none": "",
-    "rms": """uint4 gr = *reinterpret_cast<const uint4*>(norm_w + k);
-        const T* gv = reinterpret_cast<const T*>(&gr);""",
-    "layer": """uint4 gr = *reinterpret_cast<const uint4*>(norm_w + k);
-        uint4 br = *reinterpret_cast<const uint4*>(norm_b + k);
-        const T* gv = reinterpret_cast<const T*>(&gr);
-        const T* bv = reinterpret_cast<const T*>(&br);""",
+    "rms": "gs[c] = *reinterpret_cast<const uint4*>(norm_w + k);",
+    "layer": """gs[c] = *reinterpret_cast<const uint4*>(norm_w + k);
+            bs[c] = *reinterpret_cast<const uint4*>(norm_b + k);""",
 }
+_NORM_COUNT = {"none": 0, "rms": 1, "layer": 2}  # the norm's parameter loads a step (``_GEMV_UNIT``'s C)
 _NORMED = "static_cast<float>(static_cast<T>((static_cast<float>(xv[j]) - shift[m]) * scale[m]))"
 _X_VALUES = {
     "none": "static_cast<float>(xv[j])",
@@ -729,6 +747,7 @@ def _gemv(
             columns=columns,
             prologue=_PROLOGUES[kind],
             norm_load=_NORM_LOADS[kind],
+            norm_count=_NORM_COUNT[kind],
             x_value=_X_VALUES[kind],
             epilogue=epilogue,
         )
@@ -1013,11 +1032,12 @@ class BufferState(NamedTuple):
 
     @classmethod
     def per_layer(
-        cls, kv: list[mx.array], position: mx.array, pad: mx.array | None = None
+        cls, kv: list[mx.array], position: mx.array, pad: mx.array | None, arch: str
     ) -> list[BufferState]:
-        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; with ``FUSED_LAYERS`` on
-        CUDA they share the step's counters for ``decode_layer``'s kernel, zeros (one primitive a step)."""
-        sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if FUSED_LAYERS and _use_cuda_paths() else None
+        """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; where ``FUSED_LAYERS``
+        holds for the model's ``arch`` ("gpt2" or "llama") on CUDA, they share the step's counters for
+        ``decode_layer``'s kernel, zeros (one primitive a step)."""
+        sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if FUSED_LAYERS[arch] and _use_cuda_paths() else None
         return [cls(k, v, position, pad, sync=sync) for k, v in zip(kv[::2], kv[1::2])]
 
     @property
@@ -1093,14 +1113,18 @@ class LayerParts(NamedTuple):
     rope_periods: mx.array | None = None
 
 
-# Whether a decode step's layer is one kernel on CUDA where it fits (``decode_layer``). Off (ADR 15): it cuts a
-# step's primitives by half and the host's time by 40%, but on the H200 its GPU time made Turbo's and English's
-# steps slower than five primitives a layer (Nano's 2-14% faster). benchmarks/probe_step.py runs it
-# ("ours-layer-kernel") beside the default in one process.
-FUSED_LAYERS = False
-# Thread blocks of the layer kernel. Blocks claim their work as they start (``_BLOCK``), so any number is
-# correct; this many keep an H200's 132 SMs busy.
-LAYER_BLOCKS = 256
+# Whether a decode step's layers are one kernel each on CUDA where they fit (``decode_layer``), by architecture
+# (ADR 15): it halves a step's primitives and cuts the host's time by 40%, but its GPU time is longer than five
+# kernels'. GPT-2's smaller layers (Turbo, Nano) come out ahead on the H200, Llama's (English) behind.
+# benchmarks/probe_step.py runs both ways in one process ("ours-layer-kernel", "ours-five-kernels").
+FUSED_LAYERS = {"gpt2": True, "llama": False}
+# Thread blocks of the layer kernel; None: the GPU's SM count. Blocks claim their work as they start (``_BLOCK``),
+# so any number is correct, but one block fills an SM (512 threads of ~90 registers), and blocks past the SM
+# count start only as others leave, with nothing left to claim: on the H200 (132 SMs) a 256-block grid was 3-26%
+# slower than 132 (run AC2), and still as slow with those blocks leaving at once (run AC3). The kernel leaves
+# blocks past the SM count idle all the same.
+LAYER_BLOCKS: int | None = None
+_MAX_SPLIT = 16  # chunks of keys a (row, head) at most in the attention phase
 _LAYER_WARPS = 16  # warps a block, as ``_attention_kernel`` gives a lone stream's
 # The counters a layer kernel claims and reports its work with: a claim per phase, a "done" per phase but the
 # last, and the exit count, each on a 128-byte line of its own (blocks polling one hold up no atomic on another).
@@ -1115,7 +1139,7 @@ def decode_layer(
     """One token x (B, 1, D) through a pre-norm decoder layer whose keys and values are ``state``'s; returns
     the layer's output and the state with the token written in.
 
-    With ``FUSED_LAYERS`` on CUDA, a ``BufferState`` (a lone request's decode loop) and no tap, one kernel
+    With a ``BufferState`` that has counters (``per_layer``: a lone request's decode loop) and no tap, one kernel
     (``_fused_layer``): one primitive where the composed path is five (``heads``, the attention kernel, three
     ``project``s), the same arithmetic but for the attention's sums (its keys split over blocks). Otherwise the
     composed path: ``BufferState.attend`` or ``WindowState.attend``, then the projections."""
@@ -1129,9 +1153,9 @@ def decode_layer(
 
 
 def _layer_kernel_fits(x: mx.array, state: BufferState | WindowState, parts: LayerParts) -> bool:
-    if not (FUSED_LAYERS and KV_IN_PLACE and type(state) is BufferState and state.tap is None):
+    if not (KV_IN_PLACE and type(state) is BufferState and state.sync is not None and state.tap is None):
         return False
-    if state.sync is None or parts.act == "swiglu" and "bias" in parts.up:
+    if parts.act == "swiglu" and "bias" in parts.up:
         return False
     hd = parts.qkv.weight.shape[0] // (3 * parts.num_heads)
     widths = (x, parts.out.weight, parts.down.weight)  # K of the products: x's, the attention's, up's
@@ -1154,7 +1178,7 @@ def _layer_kernel_fits(x: mx.array, state: BufferState | WindowState, parts: Lay
 _PHASE = """
     {  // %(name)s
         %(setup)s
-        constexpr int ITEMS = %(items)s;
+        const int ITEMS = %(items)s;
         int done = 0;
         if (threadIdx.x == 0) claimed = atomicAdd(counters + %(claim)d, 1);
         __syncthreads();
@@ -1191,7 +1215,14 @@ _BLOCK = """
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* counters = const_cast<int*>(sync);
     __shared__ int claimed;
-    %(phases)s
+    unsigned sms;
+    asm("mov.u32 %%0, %%%%nsmid;" : "=r"(sms));
+    const int working = min((int)gridDim.x, (int)sms);
+    // The attention's keys of each (row, head) in as many chunks as fill the working blocks once, up to MAX_SPLIT.
+    const int SPLIT = max(1, min(MAX_SPLIT, working / (M * H)));
+    if (blockIdx.x < working) {
+        %(phases)s
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -1251,6 +1282,7 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
             columns=_HEADS_COLUMNS if index == 0 else _ROWS_COLUMNS,
             prologue=_PROLOGUES[kind],
             norm_load=_NORM_LOADS[kind],
+            norm_count=_NORM_COUNT[kind],
             x_value=_X_VALUES[kind],
             epilogue=epilogue,
         )
@@ -1378,6 +1410,23 @@ def _layer_source(
     return _BLOCK % dict(phases="".join(phases), line=_SYNC_LINE, phases_count=_PHASES)
 
 
+@cache
+def _sm_count() -> int:
+    """The GPU's streaming multiprocessors, read once by a one-thread kernel (MLX's device_info has no such
+    field)."""
+    kernel = mx.fast.cuda_kernel(
+        "sm_count", ["unused"], ["out"], 'unsigned n; asm("mov.u32 %0, %%nsmid;" : "=r"(n)); out[0] = n;'
+    )
+    (count,) = kernel(
+        inputs=[mx.zeros((1,), mx.int32)],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )
+    return count.item()
+
+
 def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx.array, BufferState]:
     """``decode_layer`` as one kernel: the phases of ``_layer_source``, with the keys and values written into
     ``state``'s buffers in place (as ``heads`` with ``KV_IN_PLACE``) and returned through ``mx.depends`` on the
@@ -1411,16 +1460,15 @@ def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx
     m, d = x.size // x.shape[-1], x.shape[-1]
     h, hd = parts.num_heads, parts.qkv.weight.shape[0] // (3 * parts.num_heads)
     fw = parts.up.weight.shape[0] // (2 if parts.act == "swiglu" else 1)
-    split = max(1, min(LAYER_BLOCKS // (m * h), 16))
     out, *_ = _layer_kernels[key](
         inputs=inputs,
         template=[
             ("T", x.dtype), ("M", m), ("DIM", d), ("H", h), ("HD", hd), ("FW", fw),
-            ("WARPS", _LAYER_WARPS), ("UNROLL", DECODE_UNROLL), ("SPLIT", split),
+            ("WARPS", _LAYER_WARPS), ("UNROLL", DECODE_UNROLL), ("MAX_SPLIT", _MAX_SPLIT),
         ],  # fmt: skip
-        grid=(LAYER_BLOCKS * 32 * _LAYER_WARPS, 1, 1),
+        grid=((LAYER_BLOCKS or _sm_count()) * 32 * _LAYER_WARPS, 1, 1),
         threadgroup=(32 * _LAYER_WARPS, 1, 1),
-        output_shapes=[x.shape, (m * (2 * h * hd + d + fw),), (m * h * split * (2 + hd),)],
+        output_shapes=[x.shape, (m * (2 * h * hd + d + fw),), (m * h * _MAX_SPLIT * (2 + hd),)],
         output_dtypes=[x.dtype, x.dtype, mx.float32],
     )
     keys, values = mx.depends([state.keys, state.values], [out])

@@ -227,7 +227,7 @@ class DecoderLayer(nn.Module):
         self, x: mx.array, state: BufferState | WindowState
     ) -> tuple[mx.array, BufferState | WindowState]:
         """One token x (B, 1, D) with ``state`` this layer's keys and values (``layers.decode_layer``: on CUDA
-        five primitives, or one kernel with ``FUSED_LAYERS``). A left-padded row b's token sits at sequence
+        five primitives, or one kernel: ``FUSED_LAYERS``). A left-padded row b's token sits at sequence
         position (buffer index - pad[b]) and sees nothing before pad[b]. Nothing depends on the values of positions or pad, so a compiled
         step is traced once per shape."""
         attn, mlp = self.self_attn, self.mlp
@@ -422,7 +422,7 @@ class T3(nn.Module):
         (generation/speech_tokens.py, generation/aligned.py)."""
         if taps is not None and taps.first_row:
             raise ValueError(f"a decode step has one query row; got taps with first_row={taps.first_row}")
-        states = BufferState.per_layer(kv, position, pad)
+        states = BufferState.per_layer(kv, position, pad, "llama")
         if taps is not None:
             states = [state._replace(tap=taps.at(i)) for i, state in enumerate(states)]
         return self._step(token, speech_position, states)
