@@ -15,7 +15,7 @@ with their projections computed three ways. A one-off probe for the H200; prints
   five kernels a layer ("ours-five-kernels": off for every one; "ours" has GPT-2's on), and upstream on PyTorch
   CUDA.
 - split: where the host's time of a step goes (building, queueing, waiting for the token).
-- device: the GPU's own time for a decode step, queued behind a chain that keeps the GPU busy (run with
+- device: the GPU's own time for a decode step, queued behind a wait that keeps the GPU busy (run with
   MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000); with split, whether a step is bound by the host
   or by the GPU.
 - gemv: the GPU's time for one projection in a dependent chain of MLPs (our kernels and MLX's ops) and the
@@ -293,37 +293,50 @@ def host_split(model_name: str, dtype_name: str, tokens: int) -> dict:
 # --- the GPU's own time ---
 
 
-CHAIN_SIZE = [8192]  # the busy chain's square products (--chain-size: small for a CPU smoke run)
+_SPIN = """
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < 1000ull * us[0]);
+    out[0] = 1;
+"""
 
 
-def behind_a_chain(queue, items: int, rounds: int = 5) -> dict:
+def busy(ms: float) -> mx.array:
+    """Keeps the GPU's stream busy for ``ms``: on CUDA one thread spinning on the GPU's global timer (as long
+    whatever the clocks do: runs AC1's chain of 8192-wide products spread by milliseconds from round to round);
+    elsewhere (a smoke run) a chain of small products."""
+    if mx.default_device() == mx.gpu and layers._CUDA:
+        kernel = mx.fast.cuda_kernel("spin", ["us"], ["out"], _SPIN)
+        us = mx.array([int(1000 * ms)], dtype=mx.uint32)
+        return kernel(
+            inputs=[us], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32]
+        )[0]
+    y = a = mx.random.normal((256, 256)) * 256**-0.5
+    for _ in range(int(ms)):
+        y = y @ a
+    return y
+
+
+def behind_a_chain(queue, items: int, rounds: int = 5, busy_ms: float = 50.0) -> dict:
     """The GPU's time per item of what ``queue()`` puts on the stream, apart from the host's: ``queue`` runs
-    while a chain of large products keeps the GPU busy for about 0.2 s, so the wall time past the chain's own
-    is the GPU's work. Each ``mx.async_eval`` must be one CUDA graph (run with MLX_MAX_OPS_PER_BUFFER=1000000
+    while ``busy`` keeps the GPU's stream busy for ``busy_ms``, so the wall time past that is the GPU's work.
+    Each ``mx.async_eval`` must be one CUDA graph (run with MLX_MAX_OPS_PER_BUFFER=1000000
     MLX_MAX_MB_PER_BUFFER=1000000: MLX holds the host back at 10 graphs in flight). ``queue(prepare=True)``
-    makes its inputs before the chain starts. Median of ``rounds`` after a warm-up; valid when the host
-    finished queueing before the chain did."""
-    n = CHAIN_SIZE[0]
-    a = (mx.random.normal((n, n)) * n**-0.5).astype(mx.bfloat16)  # keeps the chain's scale
-    mx.eval(a)
-
-    def chain() -> mx.array:
-        y = a
-        for _ in range(120):
-            y = y @ a
-        return y
-
+    makes its inputs before the wait starts. Median of ``rounds`` after a warm-up; valid when the host finished
+    queueing before the wait did."""
     chains, totals, queued = [], [], []
     for _ in range(rounds + 1):
         queue(prepare=True)
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(chain())
+        mx.eval(busy(busy_ms))
         chains.append(time.perf_counter() - t0)
         queue(prepare=True)
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.async_eval(chain())
+        mx.async_eval(busy(busy_ms))
         queue(prepare=False)
         queued.append(time.perf_counter() - t0)
         mx.synchronize()
@@ -360,10 +373,10 @@ def device_split(model_name: str, dtype_name: str, steps: int = 8) -> dict:
     return behind_a_chain(queue, steps)
 
 
-def gemv_chain(dtype: mx.Dtype, shape: str, layers_count: int = 24) -> dict:
+def gemv_chain(dtype: mx.Dtype, shape: str, layers_count: int = 24, passes: int = 10) -> dict:
     """The GPU's time a projection in a dependent chain of MLPs as a decode step runs them (``project``: the
     norm with the up projection and its activation, then the down projection with the residual), distinct
-    weights a layer (read from memory, not L2), one row: Turbo's GPT-2 MLP (LayerNorm, 1024 -> 4096 GELU ->
+    weights a layer (read from memory, not L2), ``passes`` times through the layers in one graph, one row: Turbo's GPT-2 MLP (LayerNorm, 1024 -> 4096 GELU ->
     1024, biases) or English's Llama MLP (RMSNorm, 1024 -> 2 x 4096 SwiGLU -> 1024)."""
     import mlx.nn as nn
 
@@ -385,13 +398,13 @@ def gemv_chain(dtype: mx.Dtype, shape: str, layers_count: int = 24) -> dict:
         if prepare:
             return
         h = x
-        for norm, up, down in mlps:
+        for norm, up, down in mlps * passes:
             h = layers.project(
                 down, layers.project(up, h, norm=norm, act="gelu" if turbo else "swiglu"), residual=h
             )
         mx.async_eval(h)
 
-    r = behind_a_chain(queue, 2 * layers_count)
+    r = behind_a_chain(queue, 2 * layers_count * passes)
     r.update(gb_s=weight_bytes / (2 * layers_count) / (r["gpu_ms"] * 1e-3) / 1e9)
     return r
 
@@ -474,7 +487,7 @@ def main() -> None:
         action="store_true",
         help="the decode attention kernel as before 2026-12-02: one key per warp at a time, 4 warps a block",
     )
-    parser.add_argument("--steps", type=int, default=8, help="device: decode steps queued behind the chain")
+    parser.add_argument("--steps", type=int, default=8, help="device: decode steps queued behind the wait")
     parser.add_argument(
         "--chain-size", type=int, default=8192, help="device, gemv: the busy chain's products"
     )
@@ -489,7 +502,6 @@ def main() -> None:
     if args.old_attention:
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     layers.LAYER_BLOCKS = args.layer_blocks
-    CHAIN_SIZE[0] = args.chain_size
     mx.set_default_device(getattr(mx, args.device))
     parts = args.part.split(",")
     dtypes = args.dtypes.split(",")
