@@ -523,6 +523,9 @@ def _fusable(layer: nn.Module, x: mx.array, norm: nn.Module | None) -> bool:
 # One warp per output column (two for SwiGLU's gate and up, or a rotary pair: columns i and i + hd/2 of a head)
 # reads its weight rows once for all M rows (16-byte loads, fp32 sums). Before: the rows' norm, computed by every
 # warp (the rows are a few KiB, in cache). After: bias, activation, residual, or the q/k/v split with RoPE.
+# A lane issues a chunk of its loads (weights, x, the norm's parameters: C steps of 16 bytes) before it adds up
+# any: written as one loop, the compiler did not unroll it and a warp waited on each load in turn, 8-32 trips to
+# memory a row (benchmarks/RESULTS.md run AC). Each lane still adds its products in the order of k.
 # Intermediate values are rounded to T where MLX's separate ops would store them, so that fp32 is the same math.
 # LOAD_X reads 16 bytes of x, LOAD one element of an activation: plain loads, except in the fused layer kernel
 # (``_BLOCK``), whose activations other thread blocks of the same kernel wrote: it reads them from L2
@@ -533,9 +536,14 @@ _PLAIN_LOADS = """
 """
 _GEMV_UNIT = """
     %(columns)s
-    // A lane reads 16 bytes at each of STEPS places along a row, C of them at once.
+    // A lane reads 16 bytes at each of STEPS places along a row, C of them at once: at most 8, and at most 16
+    // loads in flight (the weight rows, M rows of x, the norm's parameters), which keeps it to 64 registers.
     constexpr int STEPS = K / (32 * V);
-    constexpr int C = [] { int c = 8; while (STEPS %% c || c * (1 + PAIR + M + %(norm_count)d) > 16) --c; return c; }();
+    constexpr int C = [] {
+        int c = 8;
+        while (STEPS %% c || c * (1 + PAIR + M + %(norm_count)d) > 16) --c;
+        return c;
+    }();
     const T* w0 = w + (size_t)n0 * K;
     const T* w1 = w + (size_t)n1 * K;
     float scale[M], shift[M];
