@@ -40,8 +40,10 @@ import os
 import re
 import statistics
 import time
+from functools import partial
 
 import mlx.core as mx
+from common import write_line
 
 from mlx_chatterbox import sampling
 from mlx_chatterbox.models import layers
@@ -345,10 +347,18 @@ def behind_a_chain(queue, items: int, rounds: int = 5, busy_ms: float = 50.0) ->
     return dict(
         gpu_ms=statistics.median(per_item),
         gpu_ms_rounds=[round(v, 3) for v in per_item],
-        chain_ms=1e3 * statistics.median(chains[1:]),
+        busy_ms=1e3 * statistics.median(chains[1:]),
         queued_ms=1e3 * max(queued[1:]),
         valid=max(queued[1:]) < min(chains[1:]),
     )
+
+
+def gpu_row(cells: list[str], r: dict, unit: float, digits: int, *more: str) -> str:
+    """A table row of ``behind_a_chain``'s result: the cells, the GPU's time (times ``unit``) with its rounds,
+    ``more`` cells, whether it is valid."""
+    rounds = ", ".join(f"{unit * v:.{digits}f}" for v in r["gpu_ms_rounds"])
+    timing = f"{unit * r['gpu_ms']:.{digits}f} ({rounds})"
+    return "| " + " | ".join([*cells, timing, *more, str(r["valid"])]) + " |"
 
 
 def device_split(model_name: str, dtype_name: str, steps: int = 8) -> dict:
@@ -519,10 +529,18 @@ def main() -> None:
             "--part device and gemv need MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
         )
 
-    def emit(row: dict) -> None:
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    def each_system(part: str, measure, **extra):
+        """(model, dtype, system, result) for each of --models x --dtypes x --systems but upstream: measured
+        by ``measure(model, dtype)`` under the system's switches, written out as a row."""
+        for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
+            for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
+                use(system)
+                r = measure(model, dn)
+                gc.collect()
+                mx.clear_cache()
+                use("ours")
+                write_line(dict(part=part, model=model, dtype=dn, system=system, **extra, **r), args.out)
+                yield model, dn, system, r
 
     if "gemv" in parts:
         print(
@@ -533,50 +551,28 @@ def main() -> None:
                 use(system)
                 r = gemv_chain(getattr(mx, dn), shape)
                 use("ours")
-                emit(dict(part="gemv", mlp=shape, dtype=dn, system=system, **r))
-                rounds = ", ".join(f"{1e3 * v:.1f}" for v in r["gpu_ms_rounds"])
-                print(
-                    f"| {shape} | {dn} | {system} | {1e3 * r['gpu_ms']:.1f} ({rounds}) | {r['gb_s']:.0f} | "
-                    f"{r['valid']} |",
-                    flush=True,
-                )
+                write_line(dict(part="gemv", mlp=shape, dtype=dn, system=system, **r), args.out)
+                print(gpu_row([shape, dn, system], r, 1e3, 1, f"{r['gb_s']:.0f}"), flush=True)
     if "device" in parts:
         print(
-            "\n| model | dtype | system | GPU ms a step (rounds) | chain ms | queued ms | valid |\n|---|---|---|---|---|---|---|"
+            "\n| model | dtype | system | GPU ms a step (rounds) | busy ms | queued ms | valid |\n|---|---|---|---|---|---|---|"
         )
-        for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
-            for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
-                use(system)
-                r = device_split(model, dn, args.steps)
-                gc.collect()
-                mx.clear_cache()
-                use("ours")
-                emit(dict(part="device", model=model, dtype=dn, system=system, steps=args.steps, **r))
-                rounds = ", ".join(f"{v:.2f}" for v in r["gpu_ms_rounds"])
-                print(
-                    f"| {model} | {dn} | {system} | {r['gpu_ms']:.3f} ({rounds}) | {r['chain_ms']:.0f} | "
-                    f"{r['queued_ms']:.1f} | {r['valid']} |",
-                    flush=True,
-                )
+        measure = partial(device_split, steps=args.steps)
+        for model, dn, system, r in each_system("device", measure, steps=args.steps):
+            more = f"{r['busy_ms']:.0f}", f"{r['queued_ms']:.1f}"
+            print(gpu_row([model, dn, system], r, 1, 3, *more), flush=True)
     if "split" in parts:
         print(
             "\n| model | dtype | system | ms/step | build ms (arguments + call) | queue ms | wait ms | peak MiB |"
             "\n|---|---|---|---|---|---|---|---|"
         )
-        for model, dn in [(m, d) for m in args.models.split(",") for d in dtypes]:
-            for system in args.systems.replace(",upstream", "").replace("upstream", "").split(","):
-                use(system)
-                r = host_split(model, dn, args.tokens)
-                gc.collect()
-                mx.clear_cache()
-                use("ours")
-                emit(dict(part="split", model=model, dtype=dn, system=system, tokens=args.tokens, **r))
-                print(
-                    f"| {model} | {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} ({r['args_ms']:.2f} + "
-                    f"{r['call_ms']:.2f}) | {r['queue_ms']:.2f} | "
-                    f"{r['wait_ms']:.2f} | {r['peak_mb']:.0f} |",
-                    flush=True,
-                )
+        measure = partial(host_split, tokens=args.tokens)
+        for model, dn, system, r in each_system("split", measure, tokens=args.tokens):
+            print(
+                f"| {model} | {dn} | {system} | {r['ms_step']:.2f} | {r['build_ms']:.2f} ({r['args_ms']:.2f} + "
+                f"{r['call_ms']:.2f}) | {r['queue_ms']:.2f} | {r['wait_ms']:.2f} | {r['peak_mb']:.0f} |",
+                flush=True,
+            )
     if "step" in parts:
         rows = []
         combos = [
@@ -605,8 +601,7 @@ def main() -> None:
                 layer_kernel_blocks=(layers.LAYER_BLOCKS or layers._sm_count()) if fused else None,
             )
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            emit(row)
+            write_line(row, args.out)
             gc.collect()  # a model's compiled steps hold it in a cycle: free it before the next row
             mx.clear_cache()
         print(

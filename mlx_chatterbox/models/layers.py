@@ -1043,9 +1043,10 @@ class BufferState(NamedTuple):
         cls, kv: list[mx.array], position: mx.array, pad: mx.array | None, arch: str
     ) -> list[BufferState]:
         """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; where ``FUSED_LAYERS``
-        holds for the model's ``arch`` ("gpt2" or "llama") on CUDA, they share the step's counters for
-        ``decode_layer``'s kernel, zeros (one primitive a step)."""
-        sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if FUSED_LAYERS[arch] and _use_cuda_paths() else None
+        holds for the model's ``arch`` ("gpt2" or "llama") on CUDA, with ``KV_IN_PLACE``, they share the step's
+        counters for ``decode_layer``'s kernel, zeros (one primitive a step)."""
+        fused = FUSED_LAYERS[arch] and KV_IN_PLACE and _use_cuda_paths()
+        sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if fused else None
         return [cls(k, v, position, pad, sync=sync) for k, v in zip(kv[::2], kv[1::2])]
 
     @property
@@ -1161,7 +1162,7 @@ def decode_layer(
 
 
 def _layer_kernel_fits(x: mx.array, state: BufferState | WindowState, parts: LayerParts) -> bool:
-    if not (KV_IN_PLACE and type(state) is BufferState and state.sync is not None and state.tap is None):
+    if not (type(state) is BufferState and state.sync is not None and state.tap is None):
         return False
     if parts.act == "swiglu" and "bias" in parts.up:
         return False
