@@ -567,7 +567,9 @@ _GEMV_UNIT = """
             #pragma unroll
             for (int m = 0; m < M; ++m) xs[c][m] = LOAD_X(x + m * K + k);
         }
-        __syncwarp();  // every load above issued before the products wait on the first
+        // Loads may not move past it; the compiler still interleaves the chunk's loads with the products 2-3
+        // steps deep (sm_90a, 64 registers), more than the one step of a plain loop.
+        __syncwarp();
         #pragma unroll
         for (int c = 0; c < C; ++c) {
             const T* wv0 = reinterpret_cast<const T*>(&r0[c]);
