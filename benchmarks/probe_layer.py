@@ -104,8 +104,13 @@ def main() -> None:
         default="sm",
         help="comma-separated LAYER_BLOCKS values; sm: the GPU's SM count (the default)",
     )
+    parser.add_argument("--gemv-loads", type=int, default=layers.GEMV_LOADS, help="layers.GEMV_LOADS")
+    parser.add_argument(
+        "--decode-unroll", type=int, default=layers.DECODE_UNROLL, help="layers.DECODE_UNROLL"
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()
+    layers.GEMV_LOADS, layers.DECODE_UNROLL = args.gemv_loads, args.decode_unroll
     sms = layers._sm_count()  # read now: the kernel factory is swapped while the layer kernel is made
     print("\n| model | dtype | blocks | " + " | ".join(f"{p} us" for p in PHASES) + " | all us | wall us |")
     print("|---|---|---|" + "---|" * (len(PHASES) + 2))
@@ -155,6 +160,8 @@ def main() -> None:
                             dtype=dn,
                             blocks=blocks or sms,
                             position=args.position,
+                            gemv_loads=layers.GEMV_LOADS,
+                            decode_unroll=layers.DECODE_UNROLL,
                             phases_us=dict(zip(PHASES, med[:-1])),
                             all_us=med[-1],
                             wall_us=wall,

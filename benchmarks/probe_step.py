@@ -499,7 +499,13 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="device: decode steps queued behind the wait")
     parser.add_argument(
-        "--chain-size", type=int, default=8192, help="device, gemv: the busy chain's products"
+        "--gemv-loads", type=int, default=layers.GEMV_LOADS, help="loads a matrix-vector lane has in flight"
+    )
+    parser.add_argument(
+        "--decode-unroll",
+        type=int,
+        default=layers.DECODE_UNROLL,
+        help="keys a decode attention warp loads at once",
     )
     parser.add_argument(
         "--layer-blocks", type=int, help="thread blocks of the layer kernel (default: the GPU's SM count)"
@@ -509,6 +515,7 @@ def main() -> None:
     unknown = set(args.systems.split(",")) - set(known)
     if unknown:
         parser.error(f"unknown --systems {sorted(unknown)}: {', '.join(known)}")
+    layers.GEMV_LOADS, layers.DECODE_UNROLL = args.gemv_loads, args.decode_unroll
     if args.old_attention:
         layers.DECODE_UNROLL, layers.DECODE_WIDE_BLOCKS = 1, 0
     layers.LAYER_BLOCKS = args.layer_blocks
@@ -539,7 +546,9 @@ def main() -> None:
                 gc.collect()
                 mx.clear_cache()
                 use("ours")
-                write_line(dict(part=part, model=model, dtype=dn, system=system, **extra, **r), args.out)
+                knobs = dict(gemv_loads=layers.GEMV_LOADS, decode_unroll=layers.DECODE_UNROLL)
+                row = dict(part=part, model=model, dtype=dn, system=system, **knobs, **extra, **r)
+                write_line(row, args.out)
                 yield model, dn, system, r
 
     if "gemv" in parts:
@@ -590,7 +599,9 @@ def main() -> None:
             if system != "upstream":
                 prims, views, kinds = step_primitives(model, getattr(mx, dn))
             in_place = layers.CUDA_DECODE and layers.KV_IN_PLACE  # as use(system) set them
-            fused = in_place and layers.FUSED_LAYERS["llama" if model == "english" else "gpt2"]
+            fused = (
+                in_place and layers.FUSED_LAYERS["llama" if model == "english" else "gpt2"] and layers._CUDA
+            )
             use("ours")
             row = dict(model=model, dtype=dn, system=system, primitives_per_step=prims, views_per_step=views)
             row |= dict(
@@ -598,6 +609,8 @@ def main() -> None:
                 primitive_kinds=kinds,
                 kv_in_place=in_place,
                 decode_attention="old" if args.old_attention else "new",
+                gemv_loads=layers.GEMV_LOADS,
+                decode_unroll=layers.DECODE_UNROLL,
                 layer_kernel_blocks=(layers.LAYER_BLOCKS or layers._sm_count()) if fused else None,
             )
             rows.append(row)

@@ -536,12 +536,12 @@ _PLAIN_LOADS = """
 """
 _GEMV_UNIT = """
     %(columns)s
-    // A lane reads 16 bytes at each of STEPS places along a row, C of them at once: at most 8, and at most 16
-    // loads in flight (the weight rows, M rows of x, the norm's parameters), which keeps it to 64 registers.
+    // A lane reads 16 bytes at each of STEPS places along a row, C of them at once: at most 8, and at most
+    // GEMV_LOADS loads in flight (the weight rows, M rows of x, the norm's parameters).
     constexpr int STEPS = K / (32 * V);
     constexpr int C = [] {
         int c = 8;
-        while (STEPS %% c || c * (1 + PAIR + M + %(norm_count)d) > 16) --c;
+        while (STEPS %% c || c * (1 + PAIR + M + %(norm_count)d) > %(loads)d) --c;
         return c;
     }();
     const T* w0 = w + (size_t)n0 * K;
@@ -636,6 +636,9 @@ _NORM_LOADS = {
             bs[c] = *reinterpret_cast<const uint4*>(norm_b + k);""",
 }
 _NORM_COUNT = {"none": 0, "rms": 1, "layer": 2}  # the norm's parameter loads a step (``_GEMV_UNIT``'s C)
+# The most 16-byte loads a lane of ``_GEMV_UNIT`` has in flight: 16 keeps a kernel to 64 registers on sm_90a
+# (benchmarks/probe_step.py --gemv-loads tries others).
+GEMV_LOADS = 16
 _NORMED = "static_cast<float>(static_cast<T>((static_cast<float>(xv[j]) - shift[m]) * scale[m]))"
 _X_VALUES = {
     "none": "static_cast<float>(xv[j])",
@@ -758,6 +761,7 @@ def _gemv(
             prologue=_PROLOGUES[kind],
             norm_load=_NORM_LOADS[kind],
             norm_count=_NORM_COUNT[kind],
+            loads=GEMV_LOADS,
             x_value=_X_VALUES[kind],
             epilogue=epilogue,
         )
@@ -1294,6 +1298,7 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
             prologue=_PROLOGUES[kind],
             norm_load=_NORM_LOADS[kind],
             norm_count=_NORM_COUNT[kind],
+            loads=GEMV_LOADS,
             x_value=_X_VALUES[kind],
             epilogue=epilogue,
         )
