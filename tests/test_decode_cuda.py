@@ -551,8 +551,9 @@ def test_layer_kernel_equals_the_composed_layer(dtype, tol, model, rows, with_pa
     layer's output and the buffers with k and v written in, at a full layer's widths and a position past 1,000.
     Any number of thread blocks is as close (they claim their work as they start: 1 block does all of it, 7
     take many items each, the SM count's one or two each, and blocks past the SM count stay idle; the
-    attention's keys are split over as many blocks as work, up to 16 a head); so is a second step. The counters' reset between layers (the last block out zeroes them for the next layer's
-    kernel) is exercised by the loops below, three layers a step."""
+    attention's keys are split over as many blocks as work, up to 16 a head); so is a second step. The
+    counters' reset between layers (the last block out zeroes them for the next layer's kernel) is exercised
+    by the loops below, three layers a step."""
     monkeypatch.setattr(layers, "LAYER_BLOCKS", blocks)
     rng = np.random.default_rng(rows + 10 * with_pad)
     parts = layer_parts(model, rng, dtype)

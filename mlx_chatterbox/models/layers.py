@@ -706,6 +706,17 @@ _ROPE = """
 _gemv_kernels: dict[tuple, object] = {}
 
 
+def _norm_fields(kind: str) -> dict:
+    """``_GEMV_UNIT``'s fields that follow the norm before the product (``_norm_kind``), and its load depth."""
+    return dict(
+        prologue=_PROLOGUES[kind],
+        norm_load=_NORM_LOADS[kind],
+        norm_count=_NORM_COUNT[kind],
+        loads=GEMV_LOADS,
+        x_value=_X_VALUES[kind],
+    )
+
+
 def _gemv(
     x: mx.array,
     layer: nn.Linear,
@@ -756,15 +767,7 @@ def _gemv(
                     else ""
                 ),
             )
-        source = _GEMV % dict(
-            columns=columns,
-            prologue=_PROLOGUES[kind],
-            norm_load=_NORM_LOADS[kind],
-            norm_count=_NORM_COUNT[kind],
-            loads=GEMV_LOADS,
-            x_value=_X_VALUES[kind],
-            epilogue=epilogue,
-        )
+        source = _GEMV % dict(columns=columns, epilogue=epilogue, **_norm_fields(kind))
         name = "_".join(
             ["gemv", kind, act] + [n for n in names if n in ("bias", "residual", "periods", "pad", "keys")]
         )
@@ -1294,13 +1297,7 @@ def _gemv_phase(index: int, name: str, setup: str, kind: str, epilogue: str, pai
         _GEMV_ITEM
         + _GEMV_UNIT
         % dict(
-            columns=_HEADS_COLUMNS if index == 0 else _ROWS_COLUMNS,
-            prologue=_PROLOGUES[kind],
-            norm_load=_NORM_LOADS[kind],
-            norm_count=_NORM_COUNT[kind],
-            loads=GEMV_LOADS,
-            x_value=_X_VALUES[kind],
-            epilogue=epilogue,
+            columns=_HEADS_COLUMNS if index == 0 else _ROWS_COLUMNS, epilogue=epilogue, **_norm_fields(kind)
         )
         + "\n            }"
     )

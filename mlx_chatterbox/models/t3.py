@@ -228,8 +228,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[mx.array, BufferState | WindowState]:
         """One token x (B, 1, D) with ``state`` this layer's keys and values (``layers.decode_layer``: on CUDA
         five primitives, or one kernel: ``FUSED_LAYERS``). A left-padded row b's token sits at sequence
-        position (buffer index - pad[b]) and sees nothing before pad[b]. Nothing depends on the values of positions or pad, so a compiled
-        step is traced once per shape."""
+        position (buffer index - pad[b]) and sees nothing before pad[b]. Nothing depends on the values of
+        positions or pad, so a compiled step is traced once per shape."""
         attn, mlp = self.self_attn, self.mlp
         parts = LayerParts(
             attn.qkv_proj, self.input_layernorm, attn.o_proj, self.post_attention_layernorm, mlp.gate_up_proj,
