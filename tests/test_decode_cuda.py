@@ -581,3 +581,110 @@ def test_layer_kernel_equals_the_composed_layer(dtype, tol, model, rows, with_pa
     for i, (got, want) in enumerate(zip(fused, composed)):
         err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
         assert err <= tol, (i, err)
+
+
+def near_a_threshold(
+    logits: np.ndarray, seen: np.ndarray, params: TurboParams, uniform: float | None
+) -> bool:
+    """Whether a cumulative probability of Turbo's chain (top_p's, or the inverse-CDF draw's) lies within 1e-6
+    of its threshold, where two orders of summation may decide differently (fused_sampling's docstring);
+    float64, from the same float32 logits."""
+    x = logits[0].astype(np.float64)
+    v, near = x.size, False
+    if params.temperature > 0 and params.temperature != 1.0:
+        x = x / params.temperature
+    if 0 < params.top_k < v:
+        x[x < np.sort(x)[v - params.top_k]] = -np.inf
+
+    def cumulative(values: np.ndarray) -> np.ndarray:
+        e = np.exp(values - values.max())
+        return np.cumsum(e / e.sum())
+
+    if params.top_p < 1.0 and np.isfinite(x).any():
+        order = np.argsort(x, kind="stable")
+        c = cumulative(x[order])
+        near |= bool(np.abs(c - (1 - params.top_p)).min() < 1e-6)
+        drop = c <= 1 - params.top_p
+        drop[-1] = False
+        x[order[drop]] = -np.inf
+    if uniform is not None and np.isfinite(x).any():
+        x = np.where(seen[0] & (x < 0), x * params.repetition_penalty, x)
+        x = np.where(seen[0] & (x >= 0), x / params.repetition_penalty, x)
+        c = cumulative(x)
+        near |= bool(np.abs(c - uniform * c[-1]).min() < 1e-6)
+    return near
+
+
+@cuda
+@pytest.mark.parametrize("by_uniform", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(
+    "params",
+    [
+        TurboParams(),  # upstream Turbo's: temperature 0.8, top_k 1000, top_p 0.95, penalty 1.2
+        TurboParams(temperature=1.0, top_k=50, top_p=0.5, repetition_penalty=2.0),
+        TurboParams(top_k=2000, top_p=0.9, repetition_penalty=1.0),
+        TurboParams(top_p=1.0),
+        TurboParams(temperature=1.5, top_k=0, top_p=1.0),
+    ],
+    ids=["upstream", "narrow", "wide", "no-top-p", "temperature-only"],
+)
+def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_uniform):
+    """Turbo's chain as one kernel (fused_sampling.turbo_pick) against ``process_turbo_logits`` + ``_pick``
+    on random logits: the same id and the same history, every case but those whose cumulative probability lies
+    within 1e-6 of a threshold (a sum's order may decide those either way; at most 2 of 60 here). Among the
+    cases: logits in steps of 0.5 (repeats at the top_k and top_p boundaries, ordered by id as a stable sort
+    orders them), rows with 3 finite logits, and a row of -inf alone (the no-token id)."""
+    from mlx_chatterbox import fused_sampling
+    from mlx_chatterbox.generation.turbo import _NO_TOKEN, _pick
+    from mlx_chatterbox.sampling import process_turbo_logits
+
+    rng, v = np.random.default_rng(7), 6563
+    ids = mx.arange(v)
+    assert fused_sampling.fits(mx.zeros((1, v), dtype), params)
+    near = 0
+    for case in range(60):
+        logits = 3 * rng.standard_normal((1, v))
+        if case % 4 == 1:
+            logits = np.round(2 * logits) / 2
+        elif case % 4 == 2:
+            logits[0, rng.permutation(v)[3:]] = -np.inf
+        elif case == 3:
+            logits[:] = -np.inf
+        seen = rng.random((1, v)) < 0.05
+        fed = int(rng.integers(-1, v))  # -1: a no-token id fed back marks nothing
+        x = mx.array(logits, mx.float32).astype(dtype)
+        uniform = float(rng.random())
+        draw = mx.array(uniform, mx.float32) if by_uniform else mx.random.key(case)
+        got, got_seen = fused_sampling.turbo_pick(
+            x, mx.array(seen), mx.array([fed], mx.int32), draw, by_uniform, params, _NO_TOKEN
+        )
+        want_seen = mx.array(seen) | (ids == fed)
+        want = _pick(process_turbo_logits(x, want_seen, params), draw, by_uniform)
+        assert mx.array_equal(got_seen, want_seen).item(), case
+        as_float = np.array(x.astype(mx.float32))
+        if near_a_threshold(as_float, np.array(want_seen), params, uniform if by_uniform else None):
+            near += 1
+            continue
+        assert got.tolist() == want.tolist(), (case, got.tolist(), want.tolist())
+    assert near <= 2, near
+
+
+@cuda
+@pytest.mark.parametrize("by_uniform", [False, True])
+def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_uniform, monkeypatch):
+    """The real Turbo loop (compiled, pipelined, 301 tokens) with the sampling chain one kernel and composed of
+    MLX's ops: the same tokens, drawn by key and by injected uniforms."""
+    from mlx_chatterbox import fused_sampling
+
+    mx.random.seed(6)
+    model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
+    voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
+    params = TurboParams(max_new_tokens=300)
+    draws = dict(uniforms=mx.random.uniform(shape=(301,))) if by_uniform else dict(key=mx.random.key(2))
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused_sampling, "SAMPLING_KERNEL", on)
+        model.compiled_steps.clear()  # traced with the switch as it was
+        tokens[on] = list(generate_turbo_tokens(model, voice, text, params, stop_on_eos=False, **draws))
+    assert len(tokens[True]) == 301 and tokens[True] == tokens[False]

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from .. import fused_sampling
 from ..models.campplus import CAMPPlus
 from ..models.gpt2 import T3Turbo
 from ..models.s3tokenizer import S3Tokenizer
@@ -157,6 +158,8 @@ def decode_step(model: T3Turbo, params: TurboParams, by_uniform: bool) -> Callab
         ) -> tuple[mx.array, mx.array, list[mx.array]]:
             # A _NO_TOKEN fed here ends the loop on the host; clamped, the (discarded) step reads in bounds.
             logits, kv = model.decode(mx.maximum(token, 0), position, kv)
+            if fused_sampling.fits(logits, knobs):
+                return (*fused_sampling.turbo_pick(logits, seen, token, d, by_uniform, knobs, _NO_TOKEN), kv)
             seen = seen | (vocab == token)
             return _pick(process_turbo_logits(logits, seen, knobs), d, by_uniform), seen, kv
 
