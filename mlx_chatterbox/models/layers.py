@@ -544,6 +544,12 @@ _GEMV_UNIT = """
         while (STEPS %% c || c * (1 + PAIR + M + %(norm_count)d) > %(loads)d) --c;
         return c;
     }();
+    // The norm's passes over a row of x load nothing else: up to GEMV_LOADS steps of it at once.
+    constexpr int CR = [] {
+        int c = STEPS < %(loads)d ? STEPS : %(loads)d;
+        while (STEPS %% c) --c;
+        return c;
+    }();
     const T* w0 = w + (size_t)n0 * K;
     const T* w1 = w + (size_t)n1 * K;
     float scale[M], shift[M];
@@ -604,12 +610,12 @@ _GEMV_UNIT = """
 # (rsqrt of the mean square + eps) and LayerNorm (mean, then the mean squared deviation).
 _ROW_SUM = """
         float s_%(name)s = 0.f;
-        for (int s0 = 0; s0 < STEPS; s0 += C) {
-            uint4 xr[C];
+        for (int s0 = 0; s0 < STEPS; s0 += CR) {
+            uint4 xr[CR];
             #pragma unroll
-            for (int c = 0; c < C; ++c) xr[c] = LOAD_X(x + m * K + (s0 + c) * 32 * V + lane * V);
+            for (int c = 0; c < CR; ++c) xr[c] = LOAD_X(x + m * K + (s0 + c) * 32 * V + lane * V);
             #pragma unroll
-            for (int c = 0; c < C; ++c) {
+            for (int c = 0; c < CR; ++c) {
                 const T* xv = reinterpret_cast<const T*>(&xr[c]);
                 #pragma unroll
                 for (int j = 0; j < V; ++j) {
