@@ -108,9 +108,15 @@ def main() -> None:
     parser.add_argument(
         "--decode-unroll", type=int, default=layers.DECODE_UNROLL, help="layers.DECODE_UNROLL"
     )
+    parser.add_argument(
+        "--device-scalars",
+        action="store_true",
+        help="layers.DEVICE_SCALARS: the norms' epsilon in the source, the position in device memory",
+    )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()
     layers.GEMV_LOADS, layers.DECODE_UNROLL = args.gemv_loads, args.decode_unroll
+    layers.DEVICE_SCALARS = args.device_scalars
     sms = layers._sm_count()  # read now: the kernel factory is swapped while the layer kernel is made
     print("\n| model | dtype | blocks | " + " | ".join(f"{p} us" for p in PHASES) + " | all us | wall us |")
     print("|---|---|---|" + "---|" * (len(PHASES) + 2))
@@ -136,7 +142,10 @@ def main() -> None:
                     rows_us, walls = [], []
                     for i in range(args.repeats + 3):
                         sync = mx.zeros((layers._SYNC_INTS,), mx.int32)
-                        state = layers.BufferState(keys, values, mx.array(args.position, mx.int32), sync=sync)
+                        position = mx.array(args.position, mx.int32)  # in managed memory, as a loop's
+                        if args.device_scalars:
+                            position = layers._in_device_memory(position)
+                        state = layers.BufferState(keys, values, position, sync=sync)
                         t0 = time.perf_counter()
                         out, state = layers._fused_layer(x, state, p)
                         mx.eval(out, made[0].stamps)
@@ -162,6 +171,7 @@ def main() -> None:
                             position=args.position,
                             gemv_loads=layers.GEMV_LOADS,
                             decode_unroll=layers.DECODE_UNROLL,
+                            device_scalars=args.device_scalars,
                             phases_us=dict(zip(PHASES, med[:-1])),
                             all_us=med[-1],
                             wall_us=wall,

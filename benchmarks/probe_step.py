@@ -13,8 +13,9 @@ with their projections computed three ways. A one-off probe for the H200; prints
   ("ours-no-depends": an experiment, sound only because each step is evaluated on its own), ours with each
   layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on for every architecture, ADR 15), ours with
   five kernels a layer ("ours-five-kernels": off for every one; "ours" has GPT-2's on), ours with Turbo's
-  sampling chain composed of MLX's ops ("ours-composed-sampling": ``fused_sampling.SAMPLING_KERNEL`` off), and
-  upstream on PyTorch CUDA.
+  sampling chain composed of MLX's ops ("ours-composed-sampling": ``fused_sampling.SAMPLING_KERNEL`` off),
+  ours with the norms' epsilon in the kernels' source and the position copied into device memory
+  ("ours-device-scalars": ``layers.DEVICE_SCALARS`` on), and upstream on PyTorch CUDA.
 - split: where the host's time of a step goes (building, queueing, waiting for the token).
 - device: the GPU's own time for a decode step, queued behind a wait that keeps the GPU busy (run with
   MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000); with split, whether a step is bound by the host
@@ -58,6 +59,7 @@ OURS = (
     "ours-layer-kernel",
     "ours-five-kernels",
     "ours-composed-sampling",
+    "ours-device-scalars",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -190,13 +192,14 @@ def use(system: str) -> None:
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
     mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
     fused_sampling.SAMPLING_KERNEL = system != "ours-composed-sampling"
+    layers.DEVICE_SCALARS = system == "ours-device-scalars"
 
 
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
     before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends",
-    "ours-layer-kernel", "ours-five-kernels", "ours-composed-sampling" or "upstream" (PyTorch CUDA, same
-    inputs)."""
+    "ours-layer-kernel", "ours-five-kernels", "ours-composed-sampling", "ours-device-scalars" or "upstream"
+    (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
 

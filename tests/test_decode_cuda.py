@@ -688,3 +688,45 @@ def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_unif
         model.compiled_steps.clear()  # traced with the switch as it was
         tokens[on] = list(generate_turbo_tokens(model, voice, text, params, stop_on_eos=False, **draws))
     assert len(tokens[True]) == 301 and tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12, 0.1])
+def test_an_epsilon_in_kernel_source_is_the_float32_the_array_holds(eps):
+    """``layers.DEVICE_SCALARS`` writes a norm's epsilon into the kernel's source: the literal must parse to
+    the float32 that ``mx.array([eps], mx.float32)`` holds (C++ rounds a float literal once, to nearest)."""
+    literal = layers._float_literal(eps)
+    assert literal.endswith("f")
+    assert np.float32(float(literal[:-1])) == np.array(mx.array([eps], mx.float32))[0]
+
+
+@pytest.mark.parametrize("shape", [(), (2,), (3, 1)])
+def test_a_copy_in_device_memory_holds_the_same_values(shape):
+    """``layers._in_device_memory``: the same values and shape, from a buffer of 16 bytes or more."""
+    a = mx.arange(1, 1 + int(np.prod(shape)), dtype=mx.int32).reshape(shape)
+    copy = layers._in_device_memory(a)
+    assert copy.shape == a.shape and copy.dtype == a.dtype and mx.array_equal(copy, a).item()
+
+
+@cuda
+@pytest.mark.parametrize("which", ["t3", "turbo"])
+def test_generation_draws_the_same_tokens_with_device_scalars(which, monkeypatch):
+    """``layers.DEVICE_SCALARS`` (the norms' epsilon in the kernels' source, the position copied into device
+    memory) reads the same numbers: the real loops draw the same tokens with it on and off, with the layers as
+    five kernels and as one."""
+    mx.random.seed(8)
+    voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
+    if which == "t3":
+        model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
+        generate, params = generate_speech_tokens, SamplingParams(max_new_tokens=100)
+    else:
+        model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
+        generate, params = generate_turbo_tokens, TurboParams(max_new_tokens=100)
+    tokens = {}
+    for scalars, fused in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(layers, "DEVICE_SCALARS", scalars)
+        monkeypatch.setattr(layers, "FUSED_LAYERS", fused_layers(fused))
+        model.compiled_steps.clear()  # traced with the switches as they were
+        tokens[scalars, fused] = list(
+            generate(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False)
+        )
+    assert tokens[True, False] == tokens[False, False] and tokens[True, True] == tokens[False, True]

@@ -17,6 +17,7 @@ functions, which are fast on GPUs.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from functools import cache, partial
 from typing import NamedTuple
@@ -368,6 +369,34 @@ CUDA_DECODE = True
 # test_decode_cuda.py holds them to it), and the H200 tests pass step by step and fail in a lazy 300-step graph
 # of fixed tokens.
 KV_IN_PLACE = True
+
+# Whether the decode kernels take the norms' epsilon in their source and the step's position from a copy in
+# device memory, instead of the 4-byte arrays the host makes: MLX keeps every array of 8 bytes or less in
+# managed memory, pages the host writes every step (a new position) and the GPU may then read across the bus.
+# A guess from probe_layer's slow q/k/v phases (ADR 15): off until a GPU run measures it (probe_step's
+# "ours-device-scalars", probe_layer --device-scalars).
+DEVICE_SCALARS = False
+
+
+def _float_literal(value: float) -> str:
+    """C++ source for ``value`` rounded to float32, as ``mx.array([value], mx.float32)`` holds it."""
+    return repr(struct.unpack("f", struct.pack("f", value))[0]) + "f"
+
+
+def _eps_source(norm: nn.Module | None, name: str) -> str:
+    """The source that gives a kernel's ``eps[0]``: a constant (``DEVICE_SCALARS``) or the input ``name``."""
+    if norm is None or (name == "eps" and not DEVICE_SCALARS):
+        return ""
+    if DEVICE_SCALARS:
+        return f"const float eps[1] = {{{_float_literal(norm.eps)}}};"
+    return f"const float* eps = {name};"
+
+
+def _in_device_memory(a: mx.array) -> mx.array:
+    """A copy of a small array in a buffer of 16 bytes or more, which MLX puts in device memory (one
+    primitive)."""
+    flat = a.reshape(1, -1)
+    return mx.contiguous(mx.broadcast_to(flat, (4, flat.shape[1])))[:1].reshape(a.shape)
 
 
 # Whether MLX runs on CUDA here, asked once (``mx.cuda`` is absent from MLX builds older than the CUDA backend).
@@ -739,11 +768,11 @@ def _gemv(
     position, pad, periods, cache = heads_args
     rope, has_cache = periods is not None, cache is not None
     has_pad = rope and pad is not None  # pad only moves RoPE's position
-    key = (kind, bias is not None, residual is not None, act, rope, has_pad, has_cache)
+    eps = _eps_source(norm, "eps")
+    key = (kind, bias is not None, residual is not None, act, rope, has_pad, has_cache, eps)
     if key not in _gemv_kernels:
-        names = ["x", "w"] + {"none": [], "rms": ["norm_w", "eps"], "layer": ["norm_w", "norm_b", "eps"]}[
-            kind
-        ]
+        names = ["x", "w"] + {"none": [], "rms": ["norm_w"], "layer": ["norm_w", "norm_b"]}[kind]
+        names += ["eps"] if kind != "none" and not DEVICE_SCALARS else []
         names += ["bias"] if bias is not None else []
         names += ["residual"] if residual is not None else []
         names += ["periods"] if rope else []
@@ -773,7 +802,7 @@ def _gemv(
                     else ""
                 ),
             )
-        source = _GEMV % dict(columns=columns, epilogue=epilogue, **_norm_fields(kind))
+        source = eps + _GEMV % dict(columns=columns, epilogue=epilogue, **_norm_fields(kind))
         name = "_".join(
             ["gemv", kind, act] + [n for n in names if n in ("bias", "residual", "periods", "pad", "keys")]
         )
@@ -783,7 +812,7 @@ def _gemv(
     inputs = [x, layer.weight]
     if kind != "none":
         inputs += [norm.weight] + ([norm.bias] if kind == "layer" else [])
-        inputs.append(mx.array([norm.eps], dtype=mx.float32))
+        inputs += [] if DEVICE_SCALARS else [mx.array([norm.eps], dtype=mx.float32)]
     inputs += [bias] if bias is not None else []
     inputs += [residual] if residual is not None else []
     template = [("T", x.dtype), ("M", m), ("K", k)]
@@ -1059,9 +1088,12 @@ class BufferState(NamedTuple):
     ) -> list[BufferState]:
         """One state per layer from a cache's ``kv = [keys_0, values_0, keys_1, ...]``; where ``FUSED_LAYERS``
         holds for the model's ``arch`` ("gpt2" or "llama") on CUDA, with ``KV_IN_PLACE``, they share the step's
-        counters for ``decode_layer``'s kernel, zeros (one primitive a step)."""
+        counters for ``decode_layer``'s kernel, zeros (one primitive a step). With ``DEVICE_SCALARS`` on CUDA
+        they share a copy of ``position`` in device memory (one primitive more)."""
         fused = FUSED_LAYERS[arch] and KV_IN_PLACE and _use_cuda_paths()
         sync = mx.zeros((_SYNC_INTS,), dtype=mx.int32) if fused else None
+        if DEVICE_SCALARS and _use_cuda_paths():
+            position = _in_device_memory(position)
         return [cls(k, v, position, pad, sync=sync) for k, v in zip(kv[::2], kv[1::2])]
 
     @property
@@ -1329,11 +1361,16 @@ _REGIONS = dict(
 
 
 def _layer_source(
-    kinds: tuple[str, str], biases: tuple[bool, ...], act: str, rope: bool, has_pad: bool
+    kinds: tuple[str, str],
+    biases: tuple[bool, ...],
+    act: str,
+    rope: bool,
+    has_pad: bool,
+    eps: tuple[str, str],
 ) -> str:
     """The layer kernel's body: ``_GEMV_UNIT`` and ``_ATTENTION_ITEM`` in six phases (q/k/v, attention by
     chunks of keys, their merge, output projection, up projection, down projection) over the scratch output
-    (``_REGIONS``) and the attention's fp32 partials."""
+    (``_REGIONS``) and the attention's fp32 partials. eps: each norm's ``_eps_source``."""
 
     def setup(x: str, w: str, out: str, k: str, units: str, has_bias: bool, norm: int = 0) -> str:
         """The names a phase's ``_GEMV_UNIT`` reads: x, w, out, bias, the norm's parameters, K and UNITS."""
@@ -1342,7 +1379,7 @@ def _layer_source(
         )
         text += f" const T* bias = {w}_b;" if has_bias else ""
         if norm:
-            text += f" const T* norm_w = norm{norm}_w; const float* eps = norm{norm}_eps;"
+            text += f" const T* norm_w = norm{norm}_w; {eps[norm - 1]}"
             text += f" const T* norm_b = norm{norm}_b;" if kinds[norm - 1] == "layer" else ""
         return text
 
@@ -1454,7 +1491,8 @@ def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx
     linears = (parts.qkv, parts.out, parts.up, parts.down)
     biases = tuple("bias" in layer for layer in linears)
     rope, has_pad = parts.rope_periods is not None, state.pad is not None
-    key = (kinds, biases, parts.act, rope, has_pad)
+    eps = (_eps_source(parts.norm1, "norm1_eps"), _eps_source(parts.norm2, "norm2_eps"))
+    key = (kinds, biases, parts.act, rope, has_pad, eps)
     names = ["layer_x", "sync", "position"] + (["pad"] if has_pad else []) + (["periods"] if rope else [])
     names += ["keys", "values"]
     inputs = [x, state.sync, state.position.reshape(1)] + ([state.pad] if has_pad else [])
@@ -1464,11 +1502,11 @@ def _fused_layer(x: mx.array, state: BufferState, parts: LayerParts) -> tuple[mx
         label = ("qkv", "out", "up", "down")[i]
         if norm is not None:
             n = 1 if i == 0 else 2
-            names += (
-                [f"norm{n}_w"] + ([f"norm{n}_b"] if _norm_kind(norm) == "layer" else []) + [f"norm{n}_eps"]
-            )
+            names += [f"norm{n}_w"] + ([f"norm{n}_b"] if _norm_kind(norm) == "layer" else [])
             inputs += [norm.weight] + ([norm.bias] if _norm_kind(norm) == "layer" else [])
-            inputs.append(mx.array([norm.eps], dtype=mx.float32))
+            if not DEVICE_SCALARS:
+                names.append(f"norm{n}_eps")
+                inputs.append(mx.array([norm.eps], dtype=mx.float32))
         names += [f"{label}_w"] + ([f"{label}_b"] if "bias" in layer else [])
         inputs += [layer.weight] + ([layer.bias] if "bias" in layer else [])
     if key not in _layer_kernels:
