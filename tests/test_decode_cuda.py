@@ -188,6 +188,15 @@ def test_decode_steps_equal_with_and_without_cuda_paths(which, in_place, step_by
     assert err <= 1e-5, err
 
 
+def small_loop(which: str, max_new_tokens: int) -> tuple:
+    """A small English ("t3", head dim 64, so the kernels run) or Turbo model, its loop and its knobs."""
+    if which == "t3":
+        model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
+        return model, generate_speech_tokens, SamplingParams(max_new_tokens=max_new_tokens)
+    model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
+    return model, generate_turbo_tokens, TurboParams(max_new_tokens=max_new_tokens)
+
+
 @cuda
 @pytest.mark.parametrize("which", ["t3", "turbo"])
 def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which, monkeypatch):
@@ -197,12 +206,7 @@ def test_generation_draws_the_same_tokens_with_the_cache_written_in_place(which,
     adds the attention's sums in another order (ADR 15), which drew the same tokens on the H200."""
     mx.random.seed(4)
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
-    if which == "t3":
-        model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
-        generate, params = generate_speech_tokens, SamplingParams(max_new_tokens=300)
-    else:
-        model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
-        generate, params = generate_turbo_tokens, TurboParams(max_new_tokens=300)
+    model, generate, params = small_loop(which, 300)
 
     def run() -> list[int]:
         return list(generate(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False))
@@ -715,12 +719,7 @@ def test_generation_draws_the_same_tokens_with_device_scalars(which, monkeypatch
     five kernels and as one."""
     mx.random.seed(8)
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
-    if which == "t3":
-        model = T3(T3Config(hidden_size=256, num_layers=3, num_heads=4, head_dim=64, intermediate_size=512))
-        generate, params = generate_speech_tokens, SamplingParams(max_new_tokens=100)
-    else:
-        model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
-        generate, params = generate_turbo_tokens, TurboParams(max_new_tokens=100)
+    model, generate, params = small_loop(which, 100)
     tokens = {}
     for scalars, fused in ((False, False), (True, False), (False, True), (True, True)):
         monkeypatch.setattr(layers, "DEVICE_SCALARS", scalars)
