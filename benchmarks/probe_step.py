@@ -47,7 +47,8 @@ from functools import partial
 import mlx.core as mx
 from common import write_line
 
-from mlx_chatterbox import fused_sampling, sampling
+from mlx_chatterbox import sampling
+from mlx_chatterbox.generation import fused_sampling
 from mlx_chatterbox.models import layers
 
 MLX_MATH = sampling.mlx_math

@@ -639,7 +639,7 @@ def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_u
     within 1e-6 of a threshold (a sum's order may decide those either way; at most 2 of 60 here). Among the
     cases: logits in steps of 0.5 (repeats at the top_k and top_p boundaries, ordered by id as a stable sort
     orders them), rows with 3 finite logits, and a row of -inf alone (the no-token id)."""
-    from mlx_chatterbox import fused_sampling
+    from mlx_chatterbox.generation import fused_sampling
     from mlx_chatterbox.generation.turbo import _NO_TOKEN, _pick
     from mlx_chatterbox.sampling import process_turbo_logits
 
@@ -679,7 +679,7 @@ def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_u
 def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_uniform, monkeypatch):
     """The real Turbo loop (compiled, pipelined, 301 tokens) with the sampling chain one kernel and composed of
     MLX's ops: the same tokens, drawn by key and by injected uniforms."""
-    from mlx_chatterbox import fused_sampling
+    from mlx_chatterbox.generation import fused_sampling
 
     mx.random.seed(6)
     model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))

@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from .. import fused_sampling
 from ..models.campplus import CAMPPlus
 from ..models.gpt2 import T3Turbo
 from ..models.s3tokenizer import S3Tokenizer
 from ..models.voice_encoder import VoiceEncoder
 from ..sampling import TurboParams, check_max_new_tokens, draw_turbo, process_turbo_logits
 from ..text import GPT2Tokenizer, turbo_punc_norm
+from . import fused_sampling
 from .speech_tokens import compiled, refuse_language, speech_ids
 from .voice import Voice, VoiceCloner
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .models import layers
-from .sampling import TurboParams
+from ..models import layers
+from ..sampling import TurboParams
 
 # False keeps the composed chain on CUDA too (benchmarks/probe_step.py compares the two in one run).
 SAMPLING_KERNEL = True
@@ -23,8 +23,9 @@ SAMPLING_KERNEL = True
 # The kernel's one block: 1024 threads, each holding ceil(V / 1024) logits in registers.
 _THREADS = 1024
 _MAX_VOCAB = 8 * _THREADS
-# top_p compares every kept logit with every other (the order a sort would give, without the sort): fine
-# for the few hundred top_k leaves, slow for a whole vocabulary, which the composed chain sorts faster.
+# top_p compares every kept logit with every other (the order a sort would give, without the sort): fine for
+# the thousand or so that top_k leaves, 43 million comparisons for a whole vocabulary, which is left to the
+# composed chain's sort.
 _MAX_TOP_P_KEPT = 2048
 
 _HEADER = """
