@@ -109,17 +109,25 @@ def main() -> None:
         "--decode-unroll", type=int, default=layers.DECODE_UNROLL, help="layers.DECODE_UNROLL"
     )
     parser.add_argument(
-        "--device-scalars",
-        action="store_true",
-        help="layers.DEVICE_SCALARS: the norms' epsilon in the source, the position in device memory",
+        "--scalars",
+        default="host",
+        help="comma-separated, each a configuration of its own: host (the 4-byte arrays the host makes), eps "
+        "(the norms' epsilon in the source: layers.DEVICE_SCALARS), position (the position copied into device "
+        "memory), both",
     )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()
     layers.GEMV_LOADS, layers.DECODE_UNROLL = args.gemv_loads, args.decode_unroll
-    layers.DEVICE_SCALARS = args.device_scalars
+    scalars = args.scalars.split(",")
+    if set(scalars) - {"host", "eps", "position", "both"}:
+        parser.error(f"--scalars takes host, eps, position and both, got {args.scalars}")
     sms = layers._sm_count()  # read now: the kernel factory is swapped while the layer kernel is made
-    print("\n| model | dtype | blocks | " + " | ".join(f"{p} us" for p in PHASES) + " | all us | wall us |")
-    print("|---|---|---|" + "---|" * (len(PHASES) + 2))
+    print(
+        "\n| model | dtype | blocks | scalars | "
+        + " | ".join(f"{p} us" for p in PHASES)
+        + " | all us | wall us |"
+    )
+    print("|---|---|---|---|" + "---|" * (len(PHASES) + 2))
     for model in args.models.split(","):
         for dn in args.dtypes.split(","):
             dtype = getattr(mx, dn)
@@ -128,8 +136,11 @@ def main() -> None:
             values = mx.zeros((rows, 16, 768, 64), dtype)
             x = mx.random.normal((rows, 1, 1024)).astype(dtype)
             mx.eval(keys, values, x)
-            for blocks in (None if b == "sm" else int(b) for b in args.blocks.split(",")):
+            for blocks, where in (
+                (None if b == "sm" else int(b), w) for b in args.blocks.split(",") for w in scalars
+            ):
                 layers.LAYER_BLOCKS = blocks
+                layers.DEVICE_SCALARS = where in ("eps", "both")
                 layers._layer_kernels.clear()
                 made = []
 
@@ -143,7 +154,7 @@ def main() -> None:
                     for i in range(args.repeats + 3):
                         sync = mx.zeros((layers._SYNC_INTS,), mx.int32)
                         position = mx.array(args.position, mx.int32)  # in managed memory, as a loop's
-                        if args.device_scalars:
+                        if where in ("position", "both"):
                             position = layers._in_device_memory(position)
                         state = layers.BufferState(keys, values, position, sync=sync)
                         t0 = time.perf_counter()
@@ -158,7 +169,7 @@ def main() -> None:
                 med = [statistics.median(r[k] for r in rows_us[3:]) for k in range(len(PHASES) + 1)]
                 wall = statistics.median(walls[3:])
                 print(
-                    f"| {model} | {dn} | {blocks or sms} | "
+                    f"| {model} | {dn} | {blocks or sms} | {where} | "
                     + " | ".join(f"{v:.1f}" for v in med)
                     + f" | {wall:.0f} |"
                 )
@@ -171,7 +182,7 @@ def main() -> None:
                             position=args.position,
                             gemv_loads=layers.GEMV_LOADS,
                             decode_unroll=layers.DECODE_UNROLL,
-                            device_scalars=args.device_scalars,
+                            scalars=where,
                             phases_us=dict(zip(PHASES, med[:-1])),
                             all_us=med[-1],
                             wall_us=wall,

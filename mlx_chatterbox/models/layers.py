@@ -374,7 +374,7 @@ KV_IN_PLACE = True
 # device memory, instead of the 4-byte arrays the host makes: MLX keeps every array of 8 bytes or less in
 # managed memory, pages the host writes every step (a new position) and the GPU may then read across the bus.
 # A guess from probe_layer's slow q/k/v phases (ADR 15): off until a GPU run measures it (probe_step's
-# "ours-device-scalars", probe_layer --device-scalars).
+# "ours-device-scalars", probe_layer --scalars).
 DEVICE_SCALARS = False
 
 
