@@ -111,9 +111,9 @@ def main() -> None:
     parser.add_argument(
         "--scalars",
         default="host",
-        help="comma-separated, each a configuration of its own: host (the 4-byte arrays the host makes), eps "
-        "(the norms' epsilon in the source: layers.DEVICE_SCALARS), position (the position copied into device "
-        "memory), both",
+        help="comma-separated, each a configuration of its own: host (the 4-byte arrays the host makes), "
+        "eps (the norms' epsilon in the source: layers.DEVICE_SCALARS), position (the position copied into "
+        "device memory), both",
     )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()

@@ -677,8 +677,8 @@ def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_u
 @cuda
 @pytest.mark.parametrize("by_uniform", [False, True])
 def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_uniform, monkeypatch):
-    """The real Turbo loop (compiled, pipelined, 301 tokens) with the sampling chain one kernel and composed of
-    MLX's ops: the same tokens, drawn by key and by injected uniforms."""
+    """The real Turbo loop (compiled, pipelined, 301 tokens) with the sampling chain one kernel and composed
+    of MLX's ops: the same tokens, drawn by key and by injected uniforms."""
     from mlx_chatterbox.generation import fused_sampling
 
     mx.random.seed(6)
