@@ -682,15 +682,14 @@ def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_unif
     from mlx_chatterbox.generation import fused_sampling
 
     mx.random.seed(6)
-    model = T3Turbo(T3TurboConfig(hidden_size=256, num_layers=3, num_heads=4, n_positions=600))
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
-    params = TurboParams(max_new_tokens=300)
+    model, generate, params = small_loop("turbo", 300)
     draws = dict(uniforms=mx.random.uniform(shape=(301,))) if by_uniform else dict(key=mx.random.key(2))
     tokens = {}
     for on in (False, True):
         monkeypatch.setattr(fused_sampling, "SAMPLING_KERNEL", on)
         model.compiled_steps.clear()  # traced with the switch as it was
-        tokens[on] = list(generate_turbo_tokens(model, voice, text, params, stop_on_eos=False, **draws))
+        tokens[on] = list(generate(model, voice, text, params, stop_on_eos=False, **draws))
     assert len(tokens[True]) == 301 and tokens[True] == tokens[False]
 
 
