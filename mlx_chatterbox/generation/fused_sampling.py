@@ -66,6 +66,18 @@ __device__ U block_exclusive_scan(U v, U* buf, U& total) {
   return before + inclusive - v;
 }
 
+// The warp's largest value and its first id, in every lane. A macro, not a function: the code as written
+// out at each use is what ran on the H200 (a device function compiled to other instructions).
+#define WARP_ARGMAX(best, at)                                        \
+  for (int o = 16; o > 0; o >>= 1) {                                 \
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);          \
+    const int oa = __shfl_xor_sync(0xffffffffu, at, o);              \
+    if (ob > best || (ob == best && oa < at)) {                      \
+      best = ob;                                                     \
+      at = oa;                                                       \
+    }                                                                \
+  }
+
 // Unsigned keys in the order of the floats (-0 taken as +0, which compares equal to it).
 __device__ unsigned order_key(float v) {
   unsigned b = __float_as_uint(v == 0.0f ? 0.0f : v);
@@ -258,14 +270,7 @@ if (BY_UNIFORM) {
       }
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oa = __shfl_xor_sync(0xffffffffu, at, o);
-    if (ob > best || (ob == best && oa < at)) {
-      best = ob;
-      at = oa;
-    }
-  }
+  WARP_ARGMAX(best, at);
   if (lane == 0) {
     f_buf[warp] = best;
     i_buf[warp] = at;
@@ -273,14 +278,7 @@ if (BY_UNIFORM) {
   __syncthreads();
   best = f_buf[lane];
   at = i_buf[lane];
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oa = __shfl_xor_sync(0xffffffffu, at, o);
-    if (ob > best || (ob == best && oa < at)) {
-      best = ob;
-      at = oa;
-    }
-  }
+  WARP_ARGMAX(best, at);
   drawn = at;
 }
 if (t == 0) out[0] = m == -INFINITY ? static_cast<int>(knobs[4]) : drawn;
