@@ -110,10 +110,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--scalars",
-        default="host",
+        default="both",
         help="comma-separated, each a configuration of its own: host (the 4-byte arrays the host makes), "
-        "eps (the norms' epsilon in the source: layers.DEVICE_SCALARS), position (the position copied into "
-        "device memory), both",
+        "eps (the norms' epsilon in the source), position (the position copied into device memory), both "
+        "(the default: what layers.DEVICE_SCALARS does)",
     )
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()

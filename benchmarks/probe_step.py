@@ -14,8 +14,11 @@ with their projections computed three ways. A one-off probe for the H200; prints
   layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on for every architecture, ADR 15), ours with
   five kernels a layer ("ours-five-kernels": off for every one; "ours" has GPT-2's on), ours with Turbo's
   sampling chain composed of MLX's ops ("ours-composed-sampling": ``fused_sampling.SAMPLING_KERNEL`` off),
-  ours with the norms' epsilon in the kernels' source and the position copied into device memory
-  ("ours-device-scalars": ``layers.DEVICE_SCALARS`` on), and upstream on PyTorch CUDA.
+  ours with the norms' epsilon and the position in 4-byte arrays the host makes, as before 2026-12-04 runs AE
+  ("ours-host-scalars": ``layers.DEVICE_SCALARS`` off), ours with the weights read back from a safetensors
+  file as a checkpoint's are ("ours-loaded-weights": in MLX's managed memory on CUDA, where the random ones
+  made on the GPU are in device memory; the host-split, device and kernel parts only), the same then copied
+  on the GPU ("ours-loaded-copied"), and upstream on PyTorch CUDA.
 - split: where the host's time of a step goes (building, queueing, waiting for the token).
 - device: the GPU's own time for a decode step, queued behind a wait that keeps the GPU busy (run with
   MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000); with split, whether a step is bound by the host
@@ -41,6 +44,7 @@ import json
 import os
 import re
 import statistics
+import tempfile
 import time
 from functools import partial
 
@@ -60,7 +64,9 @@ OURS = (
     "ours-layer-kernel",
     "ours-five-kernels",
     "ours-composed-sampling",
-    "ours-device-scalars",
+    "ours-host-scalars",
+    "ours-loaded-weights",
+    "ours-loaded-copied",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -193,13 +199,37 @@ def use(system: str) -> None:
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
     mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
     fused_sampling.SAMPLING_KERNEL = system != "ours-composed-sampling"
-    layers.DEVICE_SCALARS = system == "ours-device-scalars"
+    layers.DEVICE_SCALARS = system != "ours-host-scalars"
+    global WEIGHTS
+    WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
+
+
+WEIGHTS = (
+    "made"  # where the loops' weights are: made on the device, "loaded" from a file, or loaded and "copied"
+)
+
+
+def placed(model):
+    """``model`` with its weights where ``WEIGHTS`` says: as made, or written to a safetensors file and read
+    back (MLX puts a file's arrays in managed memory on CUDA), then with "copied" each copied on the GPU."""
+    if WEIGHTS == "made":
+        return model
+    from mlx.utils import tree_map
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/weights.safetensors"
+        model.save_weights(path)
+        model.load_weights(path, strict=True)
+    if WEIGHTS == "copied":
+        model.update(tree_map(mx.array, model.parameters()))
+    mx.eval(model.parameters())
+    return model
 
 
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
     before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends",
-    "ours-layer-kernel", "ours-five-kernels", "ours-composed-sampling", "ours-device-scalars" or "upstream"
+    "ours-layer-kernel", "ours-five-kernels", "ours-composed-sampling", "ours-host-scalars" or "upstream"
     (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo
@@ -439,6 +469,7 @@ def _english_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
     model = T3(bench_t3.CFG)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
+    model = placed(model)
     text, voice = bench_t3.fixed_inputs()[0], bench_t3.t3_voice(dtype)
     params = SamplingParams(max_new_tokens=tokens)
     draws = st.make_draws(params, mx.random.key(0), None)
@@ -464,7 +495,7 @@ def _turbo_loop(model_name: str, dtype_name: str, tokens: int) -> tuple:
 
     dtype = getattr(mx, dtype_name)
     cfg = NANO if model_name == "nano" else TURBO
-    model = bench_turbo.random_t3(cfg, dtype)
+    model = placed(bench_turbo.random_t3(cfg, dtype))
     text, prompt = bench_turbo.fixed_t3_inputs()
     speaker = mx.random.normal((1, cfg.speaker_embed_size)).astype(dtype)
     embeds = model.prepare_input_embeds(
@@ -591,6 +622,11 @@ def main() -> None:
                 flush=True,
             )
     if "step" in parts:
+        if {"ours-loaded-weights", "ours-loaded-copied"} & set(args.systems.split(",")):
+            parser.error(
+                "--part step builds its models in bench_t3 and bench_turbo: ours-loaded-weights and "
+                "ours-loaded-copied apply to the split and device parts (and probe_kernels.py)"
+            )
         rows = []
         combos = [
             (m, d, s)
