@@ -630,15 +630,17 @@ def near_a_threshold(
         TurboParams(top_k=2000, top_p=0.9, repetition_penalty=1.0),
         TurboParams(top_p=1.0),
         TurboParams(temperature=1.5, top_k=0, top_p=1.0),
+        TurboParams(top_k=0, top_p=0.8),
     ],
-    ids=["upstream", "narrow", "wide", "no-top-p", "temperature-only"],
+    ids=["upstream", "narrow", "wide", "no-top-p", "temperature-only", "top-p-only"],
 )
 def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_uniform):
     """Turbo's chain as one kernel (fused_sampling.turbo_pick) against ``process_turbo_logits`` + ``_pick``
     on random logits: the same id and the same history, every case but those whose cumulative probability lies
     within 1e-6 of a threshold (a sum's order may decide those either way; at most 2 of 60 here). Among the
     cases: logits in steps of 0.5 (repeats at the top_k and top_p boundaries, ordered by id as a stable sort
-    orders them), rows with 3 finite logits, and a row of -inf alone (the no-token id)."""
+    orders them), rows with 3 finite logits, a row of -inf alone (the no-token id) and a row of one value
+    (top_p then sorts the whole vocabulary)."""
     from mlx_chatterbox.generation import fused_sampling
     from mlx_chatterbox.generation.turbo import _NO_TOKEN, _pick
     from mlx_chatterbox.sampling import process_turbo_logits
@@ -649,7 +651,9 @@ def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_u
     near = 0
     for case in range(60):
         logits = 3 * rng.standard_normal((1, v))
-        if case % 4 == 1:
+        if case == 5:
+            logits[:] = 1.5
+        elif case % 4 == 1:
             logits = np.round(2 * logits) / 2
         elif case % 4 == 2:
             logits[0, rng.permutation(v)[3:]] = -np.inf

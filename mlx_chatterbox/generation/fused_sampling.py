@@ -20,13 +20,10 @@ from ..sampling import TurboParams
 # False keeps the composed chain on CUDA too (benchmarks/probe_step.py compares the two in one run).
 SAMPLING_KERNEL = True
 
-# The kernel's one block: 1024 threads, each holding ceil(V / 1024) logits in registers.
+# The kernel's one block: 1024 threads, each holding ceil(V / 1024) logits in registers; top_p sorts the kept
+# logits' keys (8 bytes each, a power of two of them) in dynamic shared memory, 64 KiB at most.
 _THREADS = 1024
 _MAX_VOCAB = 8 * _THREADS
-# top_p compares every kept logit with every other (the order a sort would give, without the sort): fine for
-# the thousand or so that top_k leaves, 43 million comparisons for a whole vocabulary, which is left to the
-# composed chain's sort.
-_MAX_TOP_P_KEPT = 2048
 
 _HEADER = """
 constexpr int THREADS = 1024;
@@ -97,6 +94,7 @@ __shared__ int i_buf[32];
 __shared__ unsigned hist[256];
 __shared__ unsigned bin_found, below_found;
 __shared__ unsigned char dropped[E * THREADS];
+extern __shared__ unsigned long long order[];  // top_p's sort (dynamic: the kernel's shared_memory)
 auto fmax_ = [](float a, float b) { return fmaxf(a, b); };
 auto fadd_ = [](float a, float b) { return a + b; };
 auto iadd_ = [](int a, int b) { return a + b; };
@@ -124,9 +122,14 @@ if (TOP_K) {
   for (int shift = 24; shift >= 0; shift -= 8) {
     if (t < 256) hist[t] = 0;
     __syncthreads();
+    // One atomic per distinct bin a warp holds: most logits share a few bins of the top byte, and one atomic
+    // each on those few counters was most of the kernel's time.
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      if (base + e < V && (keys[e] & mask) == prefix) atomicAdd(&hist[(keys[e] >> shift) & 255u], 1u);
+      const bool in = base + e < V && (keys[e] & mask) == prefix;
+      const unsigned bin = in ? (keys[e] >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
     if (warp == 0) {
@@ -166,47 +169,53 @@ if (TOP_K) {
 
 if (TOP_P) {
   // Drop ids whose cumulative probability in ascending order (ties by id, as a stable sort) is <= 1 - top_p,
-  // the largest never. Each kept logit's cumulative sum is its own sum over the logits at or below it.
+  // the largest never: the kept logits sorted (bitonic, in dynamic shared memory) by value then id, then
+  // summed in that order, each thread a run of them.
   float m = -INFINITY;
 #pragma unroll
   for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
   m = block_reduce(m, fmax_, f_buf);
   if (m > -INFINITY) {
-    float p[E], sum = 0.0f;
+    float sum = 0.0f;
     int finite = 0;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      p[e] = expf(x[e] - m);
-      sum += p[e];
+      sum += expf(x[e] - m);
       finite += x[e] > -INFINITY;
     }
     const float total = block_reduce(sum, fadd_, f_buf);
     int kept;
     int slot = block_exclusive_scan(finite, i_buf, kept);
-    uint4* list = reinterpret_cast<uint4*>(scratch);
+    int n = 1;
+    while (n < kept) n <<= 1;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      if (x[e] > -INFINITY) {
-        list[slot++] = make_uint4(base + e, order_key(x[e]), __float_as_uint(p[e] / total), 0u);
-      }
+      if (x[e] > -INFINITY) order[slot++] = ((unsigned long long)order_key(x[e]) << 32) | (base + e);
       if (base + e < V) dropped[base + e] = 0;
     }
+    for (int i = kept + t; i < n; i += THREADS) order[i] = ~0ull;
     __syncthreads();
-    for (int c = t; c < kept; c += THREADS) {
-      const uint4 own = list[c];
-      const unsigned long long key = ((unsigned long long)own.y << 32) | own.x;
-      float cumulative = 0.0f;
-      bool largest = true;
-#pragma unroll 4
-      for (int j = 0; j < kept; ++j) {
-        const uint4 other = list[j];
-        if ((((unsigned long long)other.y << 32) | other.x) <= key) {
-          cumulative += __uint_as_float(other.z);
-        } else {
-          largest = false;
+    for (int k = 2; k <= n; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = t; i < n / 2; i += THREADS) {
+          const int lo = ((i & ~(j - 1)) << 1) | (i & (j - 1)), hi = lo + j;
+          const unsigned long long a = order[lo], b = order[hi];
+          if ((a > b) == ((lo & k) == 0)) {
+            order[lo] = b;
+            order[hi] = a;
+          }
         }
+        __syncthreads();
       }
-      if (cumulative <= knobs[1] && !largest) dropped[own.x] = 1;
+    }
+    const int run = (n + THREADS - 1) / THREADS, first = t * run;
+    float own = 0.0f;
+    for (int r = first; r < min(first + run, kept); ++r) own += expf(key_value(order[r] >> 32) - m) / total;
+    float last;
+    float cumulative = block_exclusive_scan(own, f_buf, last);
+    for (int r = first; r < min(first + run, kept); ++r) {
+      cumulative += expf(key_value(order[r] >> 32) - m) / total;
+      if (cumulative <= knobs[1] && r < kept - 1) dropped[order[r] & 0xffffffffu] = 1;
     }
     __syncthreads();
 #pragma unroll
@@ -288,17 +297,9 @@ _kernels: dict = {}
 
 
 def fits(logits: mx.array, params: TurboParams) -> bool:
-    """Whether the kernel takes this step's chain: one row on CUDA, a vocabulary the block holds, and top_p
-    only behind a top_k that leaves few logits (see ``_MAX_TOP_P_KEPT``)."""
+    """Whether the kernel takes this step's chain: one row on CUDA and a vocabulary the block holds."""
     rows, vocab = logits.shape
-    top_p = params.top_p < 1.0
-    return (
-        SAMPLING_KERNEL
-        and layers._use_cuda_paths()
-        and rows == 1
-        and vocab <= _MAX_VOCAB
-        and (not top_p or 0 < params.top_k <= _MAX_TOP_P_KEPT)
-    )
+    return SAMPLING_KERNEL and layers._use_cuda_paths() and rows == 1 and vocab <= _MAX_VOCAB
 
 
 def turbo_pick(
@@ -322,15 +323,17 @@ def turbo_pick(
         PENALTY=params.repetition_penalty != 1.0,
         BY_UNIFORM=by_uniform,
     )
-    key = tuple(flags.values())
+    shared = 8 * (1 << (vocab - 1).bit_length()) if flags["TOP_P"] else 0  # the sort's keys
+    key = (*flags.values(), shared)
     if key not in _kernels:
         name = "turbo_pick_" + "_".join(k.lower() for k, on in flags.items() if on)
         _kernels[key] = mx.fast.cuda_kernel(
             name,
             ["logits", "seen", "token", "knobs", "draws"],
-            ["out", "seen_out", "scratch"],
+            ["out", "seen_out"],
             _SOURCE,
             header=_HEADER,
+            shared_memory=shared,
         )
     # As float32, the numbers the composed chain divides and compares by; the no-token id here too, since MLX
     # names a kernel after its template values and a "-" is no part of a name.
@@ -339,12 +342,12 @@ def turbo_pick(
     )
     # The uniform, or the Gumbel noise ``sampling.gumbel_max`` adds (the same draw of the same key and shape).
     draws = draw.reshape(1) if by_uniform else mx.random.gumbel(logits.shape, key=draw)
-    out, seen_out, _ = _kernels[key](
+    out, seen_out = _kernels[key](
         inputs=[logits, seen, fed.reshape(1), knobs, draws],
         template=[("T", logits.dtype), ("V", vocab), *flags.items()],
         grid=(_THREADS, 1, 1),
         threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(1,), seen.shape, (4 * vocab,)],
-        output_dtypes=[mx.int32, mx.bool_, mx.uint32],
+        output_shapes=[(1,), seen.shape],
+        output_dtypes=[mx.int32, mx.bool_],
     )
     return out, seen_out
