@@ -45,6 +45,34 @@ def test_layers_give_the_same_result_on_either_path(device):
         mx.set_default_device(previous)
 
 
+@pytest.mark.parametrize("device", [mx.cpu, mx.gpu])
+@pytest.mark.parametrize(
+    "k, padding, dilation, left, right", [(3, 0, 1, 2, 0), (4, 0, 1, 0, 3), (5, 1, 2, 4, 1)]
+)
+def test_a_padded_convolution_is_the_same_off_the_cpu(k, padding, dilation, left, right, device, monkeypatch):
+    """``Conv1d.padded``: the padding inside the convolution (``mx.conv_general``'s own: the path off the CPU,
+    on a GPU or forced on the CPU backend) gives what ``mx.pad`` then the convolution gives on the CPU."""
+    if not mx.is_available(device):
+        pytest.skip(f"no MLX {device} here")
+    conv = Conv1d(6, 4, k, padding=padding, dilation=dilation)
+    conv.bias = mx.random.normal((4,), key=mx.random.key(3))
+    x = mx.random.normal((2, 17, 6), key=mx.random.key(k))
+    previous = mx.default_device()
+    try:
+        mx.set_default_device(mx.cpu)
+        want = conv.padded(x, left, right)
+        mx.eval(want)
+        mx.set_default_device(device)
+        if device == mx.cpu:
+            monkeypatch.setattr(layers, "_on_cpu", lambda: False)
+        got = conv.padded(x, left, right)
+        mx.eval(got)
+    finally:
+        mx.set_default_device(previous)
+    assert got.shape == want.shape == (2, 17 + 2 * padding + left + right - dilation * (k - 1), 4)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+
+
 # --- the elementwise functions (their CPU path is our polynomials; elsewhere MLX's own ops) ---
 
 # Bounds measured on a 2-core EPYC (MLX 0.32.4 CPU), with a little margin: exp rel. 1.0e-7, erf abs. 1.34e-7,

@@ -167,8 +167,7 @@ class CausalConv1d(Conv1d):
     """A stride-1 convolution that sees only the current and past frames: left-pads kernel - 1 zeros."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        k = self.weight.shape[1]
-        return super().__call__(mx.pad(x, [(0, 0), (k - 1, 0), (0, 0)]))
+        return self.padded(x, self.weight.shape[1] - 1, 0)
 
 
 class CausalBlock1D(nn.Module):

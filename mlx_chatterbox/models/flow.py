@@ -113,10 +113,8 @@ class PreLookaheadLayer(nn.Module):
         self.conv2 = Conv1d(dim, dim, kernel_size=3)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mx.pad(x, [(0, 0), (0, self.lookahead), (0, 0)])
-        y = nn.leaky_relu(self.conv1(y), negative_slope=0.01)
-        y = self.conv2(mx.pad(y, [(0, 0), (2, 0), (0, 0)]))
-        return x + y
+        y = nn.leaky_relu(self.conv1.padded(x, 0, self.lookahead), negative_slope=0.01)
+        return x + self.conv2.padded(y, 2, 0)
 
 
 class Upsample1D(nn.Module):
@@ -129,8 +127,7 @@ class Upsample1D(nn.Module):
         self.conv = Conv1d(dim, dim, kernel_size=2 * stride + 1)
 
     def __call__(self, x: mx.array) -> mx.array:
-        x = mx.repeat(x, self.stride, axis=1)
-        return self.conv(mx.pad(x, [(0, 0), (2 * self.stride, 0), (0, 0)]))
+        return self.conv.padded(mx.repeat(x, self.stride, axis=1), 2 * self.stride, 0)
 
 
 class RelPositionAttention(nn.Module):

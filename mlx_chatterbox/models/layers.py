@@ -118,6 +118,18 @@ class Conv1d(nn.Conv1d):
         y = conv1d(x, self.weight, self.padding, self.dilation)
         return y + self.bias if "bias" in self else y
 
+    def padded(self, x: mx.array, left: int, right: int) -> mx.array:
+        """The convolution of x (B, T, C_in) with ``left`` and ``right`` more zero frames on its ends (causal
+        and look-ahead convolutions). Off the CPU the convolution pads itself: ``mx.pad`` would be two more
+        primitives (a fill and a copy), and S3Gen's host-bound estimator has 31 such convolutions a call."""
+        if _on_cpu():  # Conv1d's own call: a subclass's (CausalConv1d) pads through this method
+            return Conv1d.__call__(self, mx.pad(x, [(0, 0), (left, right), (0, 0)]))
+        pad = self.padding
+        y = mx.conv_general(
+            x, self.weight, padding=([pad + left], [pad + right]), kernel_dilation=self.dilation
+        )
+        return y + self.bias if "bias" in self else y
+
 
 class ConvTranspose1d(nn.ConvTranspose1d):
     """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv_transpose1d`` on the CPU."""
