@@ -1,0 +1,164 @@
+"""Where the host's time goes while MLX drives a GPU (issue 25): a workload run in a loop under py-spy's native
+sampler, and the samples summed by Python function, by native function and by library. S3Gen and English's T3
+step are bound by their host on the H200 (RESULTS runs AE); this says which part of the host's work to cut.
+
+    py-spy record --native -r 250 -f raw -o spy.txt -- python benchmarks/probe_host.py --workload s3gen
+    python benchmarks/probe_host.py --summarize spy.txt
+
+Workloads (random full-size weights, one request, warm: ``--warm`` untimed runs first):
+- s3gen: ``S3Gen.batch`` of ``--tokens`` speech tokens (250: 10 s) after a 10 s prompt, bf16 estimator, as
+  ``probe_kernels --part s3gen`` runs it (15 tokens: a stream's first decode).
+- mark: the Perth watermark of 10 s of audio at 24 kHz (``Watermarker.apply``; the shipped weights).
+
+Only the samples inside ``profiled`` (the timed loop) are summed. A sample whose innermost frame waits in the
+kernel (futex, poll, a condition variable) is the host waiting, for the GPU or for a lock; every other one is
+work. ``--summarize`` needs neither MLX nor a GPU.
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import argparse
+import collections
+import json
+import re
+import time
+
+MARKER = "profiled"
+# Innermost native frames that mean the thread is blocked rather than working.
+WAITING = re.compile(
+    r"futex|pthread_cond|__poll|epoll|nanosleep|sched_yield|syscall \(|__GI___clock_nanosleep"
+)
+PY_FRAME = re.compile(r"^(?P<fn>[^ ]+) \((?P<file>[^:()]+\.py):\d+\)$")
+NATIVE_FRAME = re.compile(r"^(?P<fn>.+) \((?P<lib>[^()]+)\)$")
+
+
+def run(workload: str, tokens: int, seconds: float, warm: int) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    if workload == "s3gen":
+        from probe_s3gen import random_s3gen, voice
+
+        s3gen = random_s3gen()
+        s3gen.estimator.set_dtype(mx.bfloat16)
+        mx.eval(s3gen.estimator.parameters())
+        v = voice()
+        ids = [mx.array(np.random.default_rng(1).integers(0, 6561, (1, tokens)).astype(np.int32))]
+
+        def once() -> None:
+            mx.eval(s3gen.batch(ids, [v], keys=[mx.random.key(0)]))
+
+    elif workload == "mark":
+        from mlx_chatterbox.generation.watermark import Watermarker
+
+        marker = Watermarker.load()
+        wav = (0.1 * np.random.default_rng(0).standard_normal(10 * 24_000)).astype(np.float32)
+
+        def once() -> None:
+            marker.apply(wav, 24_000)
+
+    else:
+        raise SystemExit(f"--workload {workload}: s3gen or mark")
+    for _ in range(warm):
+        once()
+    calls, elapsed = profiled(once, seconds)
+    return dict(workload=workload, tokens=tokens, calls=calls, ms_per_call=1e3 * elapsed / calls)
+
+
+def profiled(once, seconds: float) -> tuple[int, float]:
+    """``once`` in a loop for about ``seconds``: (calls, seconds). The summary keeps only samples under here."""
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        once()
+        calls += 1
+    return calls, time.perf_counter() - t0
+
+
+def summarize(path: str, top: int) -> dict:
+    """py-spy's raw (folded) samples -> shares of the samples under ``profiled``."""
+    total = waiting = 0
+    py_self, native_self, native_incl, libs = (collections.Counter() for _ in range(4))
+    for line in Path(path).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        names = [f.split(" (")[0] for f in frames]
+        if MARKER not in names:
+            continue
+        n = int(count)
+        total += n
+        frames = frames[names.index(MARKER) + 1 :]
+        leaf = frames[-1] if frames else MARKER
+        if WAITING.search(leaf):
+            waiting += n
+            continue
+        py = [m for m in map(PY_FRAME.match, frames) if m]
+        py_self[f"{py[-1]['fn']} ({py[-1]['file']})" if py else MARKER] += n
+        native = [m for m in map(NATIVE_FRAME.match, frames) if m and not PY_FRAME.match(m.group(0))]
+        if native:
+            native_self[_short(native[-1]["fn"])] += n
+            libs[native[-1]["lib"]] += n
+        for fn in {_short(m["fn"]) for m in native}:
+            native_incl[fn] += n
+    if not total:
+        raise SystemExit(f"{path}: no sample under {MARKER!r} (was the workload run under py-spy --native?)")
+
+    def shares(counter: collections.Counter) -> list[tuple[str, float]]:
+        return [(k, round(100 * v / total, 1)) for k, v in counter.most_common(top)]
+
+    return dict(
+        samples=total,
+        waiting_pct=round(100 * waiting / total, 1),
+        python_innermost=shares(py_self),
+        native_self=shares(native_self),
+        native_inclusive=shares(native_incl),
+        library_self=shares(libs),
+    )
+
+
+def _short(fn: str) -> str:
+    """A C++ name without its template and argument lists (``std::vector<...>::push_back`` -> ``std::vector::push_back``)."""
+    out, depth = [], 0
+    for ch in fn:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    return "".join(out).split("(")[0][:120]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="s3gen", help="s3gen or mark")
+    p.add_argument("--tokens", type=int, default=250, help="s3gen: speech tokens after the prompt")
+    p.add_argument("--seconds", type=float, default=8.0, help="how long the profiled loop runs")
+    p.add_argument("--warm", type=int, default=3, help="untimed runs before the loop")
+    p.add_argument("--summarize", metavar="RAW", help="summarize py-spy's raw output instead of running")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--label", default="", help="a name for the summary's JSON line")
+    p.add_argument("--out", help="append the JSON line here")
+    args = p.parse_args()
+    if args.summarize:
+        row = dict(
+            part="summary", label=args.label, raw=args.summarize, **summarize(args.summarize, args.top)
+        )
+        print(f"\n{args.label or args.summarize}: {row['samples']} samples, {row['waiting_pct']}% waiting")
+        for key in ("python_innermost", "native_self", "native_inclusive", "library_self"):
+            print(f"\n| {key} | % of samples |\n|---|---|")
+            for name, pct in row[key]:
+                print(f"| `{name}` | {pct} |")
+    else:
+        row = dict(part="run", **run(args.workload, args.tokens, args.seconds, args.warm))
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
