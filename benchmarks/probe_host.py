@@ -10,7 +10,8 @@ Workloads (random full-size weights, one request, warm: ``--warm`` untimed runs 
   ``probe_kernels --part s3gen`` runs it (15 tokens: a stream's first decode).
 - mark: the Perth watermark of 10 s of audio at 24 kHz (``Watermarker.apply``; the shipped weights).
 
-Only the samples inside ``profiled`` (the timed loop) are summed. A sample whose innermost frame waits in the
+Only the samples inside ``profiled`` (the timed loop) are summed, or with ``--within ''`` every sample (a
+server run under ``py-spy record --subprocesses --threads``: the roots are then its processes and threads). A sample whose innermost frame waits in the
 kernel (futex, poll, a condition variable) is the host waiting, for the GPU or for a lock; every other one is
 work. ``--summarize`` needs neither MLX nor a GPU.
 """
@@ -34,8 +35,12 @@ MARKER = "profiled"
 WAITING = re.compile(
     r"futex|pthread_cond|__poll|epoll|nanosleep|sched_yield|syscall \(|__GI___clock_nanosleep"
 )
-PY_FRAME = re.compile(r"^(?P<fn>[^ ]+) \((?P<file>[^:()]+\.py):\d+\)$")
-NATIVE_FRAME = re.compile(r"^(?P<fn>.+) \((?P<lib>[^()]+)\)$")
+PY_FRAME = re.compile(r"^(?P<fn>[^ ]+) \((?P<file>[^()]*):\d+\)$")  # "function (file.py:line)"
+NATIVE_FRAME = re.compile(r"^(?P<fn>.+) \((?P<lib>[^():]+)\)$")  # "function (library.so)"
+# py-spy --subprocesses --threads puts the process and the thread first: 'process 12:"python -m ..."',
+# 'thread (12): mlx-chatterbox-worker'.
+# A command may hold a ";" (py-spy does not escape it), so these are matched on the stack's text.
+ROOT_FRAME = re.compile(r'(process \d+:"(?P<cmd>[^"]*)"|thread \(\d+\): (?P<thread>[^;]*));?')
 
 
 def run(workload: str, tokens: int, seconds: float, warm: int) -> dict:
@@ -80,25 +85,33 @@ def profiled(once, seconds: float) -> tuple[int, float]:
     return calls, time.perf_counter() - t0
 
 
-def summarize(path: str, top: int) -> dict:
-    """py-spy's raw (folded) samples -> shares of the samples under ``profiled``."""
+def summarize(path: str, top: int, within: str = MARKER) -> dict:
+    """py-spy's raw (folded) samples -> shares of the samples under the frame named ``within`` (every sample
+    when it is empty)."""
     total = waiting = 0
-    py_self, native_self, native_incl, libs = (collections.Counter() for _ in range(4))
+    py_self, native_self, native_incl, libs, roots = (collections.Counter() for _ in range(5))
     for line in Path(path).read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
+        heads, at = [], 0
+        while m := ROOT_FRAME.match(stack, at):
+            heads.append(m)
+            at = m.end()
+        frames = stack[at:].split(";")
+        # A thread by its name, a process by its command's first words: both can be ``within``.
+        labels = [m["thread"] or " ".join(m["cmd"].split()[:4]) for m in heads]
         names = [f.split(" (")[0] for f in frames]
-        if MARKER not in names:
+        if within and within not in names and within not in labels:
             continue
         n = int(count)
         total += n
-        frames = frames[names.index(MARKER) + 1 :]
-        leaf = frames[-1] if frames else MARKER
+        roots[" / ".join(labels) or "-"] += n
+        frames = frames[names.index(within) + 1 :] if within in names else frames
+        leaf = frames[-1] if frames else within
         if WAITING.search(leaf):
             waiting += n
             continue
         py = [m for m in map(PY_FRAME.match, frames) if m]
-        py_self[f"{py[-1]['fn']} ({py[-1]['file']})" if py else MARKER] += n
+        py_self[f"{py[-1]['fn']} ({py[-1]['file']})" if py else within] += n
         native = [m for m in map(NATIVE_FRAME.match, frames) if m and not PY_FRAME.match(m.group(0))]
         if native:
             native_self[_short(native[-1]["fn"])] += n
@@ -106,7 +119,7 @@ def summarize(path: str, top: int) -> dict:
         for fn in {_short(m["fn"]) for m in native}:
             native_incl[fn] += n
     if not total:
-        raise SystemExit(f"{path}: no sample under {MARKER!r} (was the workload run under py-spy --native?)")
+        raise SystemExit(f"{path}: no sample under {within!r} (was the workload run under py-spy --native?)")
 
     def shares(counter: collections.Counter) -> list[tuple[str, float]]:
         return [(k, round(100 * v / total, 1)) for k, v in counter.most_common(top)]
@@ -118,6 +131,7 @@ def summarize(path: str, top: int) -> dict:
         native_self=shares(native_self),
         native_inclusive=shares(native_incl),
         library_self=shares(libs),
+        roots=shares(roots),
     )
 
 
@@ -140,15 +154,19 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3, help="untimed runs before the loop")
     p.add_argument("--summarize", metavar="RAW", help="summarize py-spy's raw output instead of running")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--within", default=MARKER, help="summarize: only samples under this frame ('': all)")
     p.add_argument("--label", default="", help="a name for the summary's JSON line")
     p.add_argument("--out", help="append the JSON line here")
     args = p.parse_args()
     if args.summarize:
         row = dict(
-            part="summary", label=args.label, raw=args.summarize, **summarize(args.summarize, args.top)
+            part="summary",
+            label=args.label,
+            raw=args.summarize,
+            **summarize(args.summarize, args.top, args.within),
         )
         print(f"\n{args.label or args.summarize}: {row['samples']} samples, {row['waiting_pct']}% waiting")
-        for key in ("python_innermost", "native_self", "native_inclusive", "library_self"):
+        for key in ("roots", "python_innermost", "native_self", "native_inclusive", "library_self"):
             print(f"\n| {key} | % of samples |\n|---|---|")
             for name, pct in row[key]:
                 print(f"| `{name}` | {pct} |")

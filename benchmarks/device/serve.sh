@@ -5,14 +5,17 @@
 # SERVER_PID in a scenario becomes the server's process id (a soak's --pid, for its RSS). SERVE_PATH, when set, is
 # put first on the path: a folder with a sitecustomize.py that sets a library switch or an environment variable
 # serves an A/B in one lease (run AA1 so set MLX_USE_CUDA_GRAPHS=0 in the vocoding process, before it did so itself).
+# SERVE_WRAP, when set, is put before the server's command: a sampler such as
+#   SERVE_WRAP="/tmp/site/bin/py-spy record --native --subprocesses --threads -r 100 -f raw -o $HOME/res/spy_serve.txt --"
+# (its samples are written when the server is stopped at the end; probe_host.py --summarize reads them).
 export PYTHONPATH=${SERVE_PATH:+$SERVE_PATH:}/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 variant=$1 flags=$2
 shift 2
 echo "== commit $BENCH_COMMIT"
 dir=/tmp/serve-$variant
 bash "$(dirname "$0")/model.sh" "$variant"
-# shellcheck disable=SC2086  # the flags are words
-python3 -m mlx_chatterbox serve --model "$dir/mlx" --voice "$dir/voice.safetensors" --port 8000 \
+# shellcheck disable=SC2086  # the flags and the wrap are words
+${SERVE_WRAP:-} python3 -m mlx_chatterbox serve --model "$dir/mlx" --voice "$dir/voice.safetensors" --port 8000 \
     --max-batch 128 --max-queue 256 $flags > ~/res/serve_server.log 2>&1 &
 server=$!
 t0=$SECONDS
