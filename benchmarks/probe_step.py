@@ -14,6 +14,8 @@ with their projections computed three ways. A one-off probe for the H200; prints
   layer one kernel ("ours-layer-kernel": ``layers.FUSED_LAYERS`` on for every architecture, ADR 15), ours with
   five kernels a layer ("ours-five-kernels": off for every one; "ours" has GPT-2's on), ours with Turbo's
   sampling chain composed of MLX's ops ("ours-composed-sampling": ``fused_sampling.SAMPLING_KERNEL`` off),
+  ours with English's chain one kernel too ("ours-english-sampling": ``fused_sampling.ENGLISH_SAMPLING_KERNEL``
+  on, off by default until its tests have run on a GPU),
   ours with the norms' epsilon and the position in 4-byte arrays the host makes, as before 2026-12-04 runs AE
   ("ours-host-scalars": ``layers.DEVICE_SCALARS`` off), ours with the weights read back from a safetensors
   file as a checkpoint's are ("ours-loaded-weights": in MLX's managed memory on CUDA, where the random ones
@@ -64,6 +66,7 @@ OURS = (
     "ours-layer-kernel",
     "ours-five-kernels",
     "ours-composed-sampling",
+    "ours-english-sampling",
     "ours-host-scalars",
     "ours-loaded-weights",
     "ours-loaded-copied",
@@ -199,6 +202,7 @@ def use(system: str) -> None:
     sampling.mlx_math = (lambda: False) if system == "ours-old-softmax" else MLX_MATH
     mx.depends = (lambda inputs, dependencies: inputs) if system == "ours-no-depends" else DEPENDS
     fused_sampling.SAMPLING_KERNEL = system != "ours-composed-sampling"
+    fused_sampling.ENGLISH_SAMPLING_KERNEL = system == "ours-english-sampling"
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
@@ -229,7 +233,8 @@ def placed(model):
 def step_row(model: str, dtype_name: str, system: str, tokens: int, repeats: int, src: str | None) -> dict:
     """One decode-speed measurement: ``system`` is "mlx-ops" (our step with MLX's own ops on CUDA: the code
     before ADR 12), "ours" (with layers.CUDA_DECODE), "ours-old-softmax", "ours-slice-update", "ours-no-depends",
-    "ours-layer-kernel", "ours-five-kernels", "ours-composed-sampling", "ours-host-scalars" or "upstream"
+    "ours-layer-kernel", "ours-five-kernels", "ours-composed-sampling", "ours-english-sampling",
+    "ours-host-scalars" or "upstream"
     (PyTorch CUDA, same inputs)."""
     import bench_t3
     import bench_turbo

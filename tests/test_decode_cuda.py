@@ -697,6 +697,127 @@ def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_unif
     assert len(tokens[True]) == 301 and tokens[True] == tokens[False]
 
 
+def near_an_english_threshold(
+    logits: np.ndarray, seen: np.ndarray, params: SamplingParams, uniform: float | None
+) -> bool:
+    """Whether English's chain compares a number within 1e-6 of its threshold (min_p's p / p_max against
+    min_p, or the inverse-CDF draw's cumulative probability against u), where two orders of summation may
+    decide differently; float64, from the same float32 logits (rows: conditional, unconditional)."""
+    x = logits[0].astype(np.float64)
+    if logits.shape[0] == 2:
+        x = x + params.cfg_weight * (x - logits[1])
+    p = params.repetition_penalty
+    x = np.where(seen[0], np.where(x < 0, x * p, x / p), x)
+    x = (x - x.max()) / params.temperature if params.temperature != 1.0 else x
+    ratio = np.exp(x - x.max())  # p / p_max
+    near = params.min_p > 0 and bool(np.abs(ratio - params.min_p).min() < 1e-6)
+    if params.min_p > 0:
+        x = np.where(ratio < params.min_p, -np.inf, x)
+    if uniform is not None:
+        c = np.cumsum(np.exp(x - x.max()))
+        near |= bool(np.abs(c / c[-1] - uniform).min() < 1e-6)
+    return near
+
+
+@cuda
+@pytest.mark.parametrize("by_uniform", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),  # upstream English's: guidance 0.5, temperature 0.8, min_p 0.05, penalty 1.2
+        SamplingParams(cfg_weight=0.0),  # one row, no guidance
+        SamplingParams(temperature=1.0, min_p=0.0, repetition_penalty=1.0),  # guidance alone
+        SamplingParams(temperature=1.5, min_p=0.2, repetition_penalty=2.0, cfg_weight=1.0),
+        SamplingParams(temperature=0.3, min_p=0.0),
+    ],
+    ids=["upstream", "no-guidance", "guidance-only", "strong", "cold-no-min-p"],
+)
+def test_english_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_uniform, monkeypatch):
+    """English's chain as one kernel (fused_sampling.english_pick) against ``process_logits`` + ``draw`` on
+    random (conditional, unconditional) logits over the 8,194 speech ids: the same id and the same history,
+    every case but those within 1e-6 of a threshold (a sum's order may decide those either way). Among the
+    cases: logits in steps of 0.5 (repeats at min_p's threshold), a row whose two halves are equal (guidance
+    adds nothing) and a row of one value (min_p keeps every id)."""
+    from mlx_chatterbox.generation import fused_sampling
+    from mlx_chatterbox.sampling import draw, process_logits
+
+    monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", True)
+    rng, v = np.random.default_rng(8), 8194
+    rows = 2 if params.cfg_weight > 0 else 1
+    ids = mx.arange(v)
+    assert fused_sampling.fits_english(mx.zeros((rows, v), dtype), params)
+    near = 0
+    for case in range(60):
+        logits = 3 * rng.standard_normal((rows, v))
+        if case == 5:
+            logits[:] = 1.5
+        elif case == 6:
+            logits[-1] = logits[0]
+        elif case % 4 == 1:
+            logits = np.round(2 * logits) / 2
+        seen = rng.random((1, v)) < 0.05
+        fed = int(rng.integers(0, v))
+        x = mx.array(logits, mx.float32).astype(dtype)
+        uniform = float(rng.random())
+        d = mx.array(uniform, mx.float32) if by_uniform else mx.random.key(case)
+        got, got_seen = fused_sampling.english_pick(
+            x, mx.array(seen), mx.array([fed], mx.int32), d, by_uniform, params
+        )
+        want_seen = mx.array(seen) | (ids == fed)
+        key, u = (None, d) if by_uniform else (d, None)
+        want = draw(process_logits(x, want_seen, params), params, key, u)
+        assert mx.array_equal(got_seen, want_seen).item(), case
+        as_float = np.array(x.astype(mx.float32))
+        if near_an_english_threshold(as_float, np.array(want_seen), params, uniform if by_uniform else None):
+            near += 1
+            continue
+        assert got.tolist() == want.tolist(), (case, got.tolist(), want.tolist())
+    assert near <= 2, near
+
+
+@pytest.mark.parametrize(
+    ("params", "rows", "switch", "fits"),
+    [
+        (SamplingParams(), 2, True, True),
+        (SamplingParams(cfg_weight=0.0), 1, True, True),
+        (SamplingParams(), 1, True, False),  # guidance needs its unconditional row
+        (SamplingParams(cfg_weight=0.0), 2, True, False),  # two rows without guidance: a batch
+        (SamplingParams(temperature=0.0), 2, True, False),  # greedy: the composed arg-max
+        (SamplingParams(top_p=0.9), 2, True, False),  # top_p sorts: composed
+        (SamplingParams(), 2, False, False),  # the switch off (the default until run on a GPU)
+    ],
+)
+def test_the_english_sampling_kernel_takes_only_the_chains_it_computes(
+    params, rows, switch, fits, monkeypatch
+):
+    """``fused_sampling.fits_english``: one request's rows, a draw, no top_p, and only with its switch on."""
+    from mlx_chatterbox.generation import fused_sampling
+
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", switch)
+    assert fused_sampling.fits_english(mx.zeros((rows, 8194)), params) == fits
+
+
+@cuda
+@pytest.mark.parametrize("by_uniform", [False, True])
+def test_english_generation_draws_the_same_tokens_with_the_sampling_kernel(by_uniform, monkeypatch):
+    """The real English loop (compiled, pipelined, guidance, 300 tokens) with the sampling chain one kernel and
+    composed of MLX's ops: the same tokens, drawn by key and by injected uniforms."""
+    from mlx_chatterbox.generation import fused_sampling
+
+    mx.random.seed(9)
+    model, generate, params = small_loop("t3", 300)
+    voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
+    draws = dict(uniforms=mx.random.uniform(shape=(300,))) if by_uniform else dict(key=mx.random.key(3))
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", on)
+        model.compiled_steps.clear()  # traced with the switch as it was
+        tokens[on] = list(generate(model, voice, text, params, stop_on_eos=False, **draws))
+    assert len(tokens[True]) == 300 and tokens[True] == tokens[False]
+
+
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12, 0.1])
 def test_an_epsilon_in_kernel_source_is_the_float32_the_array_holds(eps):
     """``layers.DEVICE_SCALARS`` writes a norm's epsilon into the kernel's source: the literal must parse to

@@ -1,13 +1,16 @@
-"""Turbo and Nano's sampling chain after the head as one CUDA kernel (issue 25): mark the fed token as seen,
-temperature -> top_k -> top_p -> repetition penalty (``sampling.process_turbo_logits``), then the draw and the
-all -inf check (``generation/turbo._pick``). Composed of MLX's ops the chain is about 20 primitives a decode
-step, among them a partition and an argsort of the whole vocabulary, each some microseconds of host time and
-a single-block kernel on the GPU; here it is one primitive, plus two for the Gumbel noise when drawing by key.
+"""The sampling chain after the head as one CUDA kernel (issue 25). Turbo and Nano (``turbo_pick``): mark the fed
+token as seen, temperature -> top_k -> top_p -> repetition penalty (``sampling.process_turbo_logits``), then
+the draw and the all -inf check (``generation/turbo._pick``). English and multilingual (``english_pick``):
+mark the fed token, classifier-free guidance -> repetition penalty -> temperature -> min_p
+(``sampling.process_logits``), then the draw (``sampling.draw``). Composed of MLX's ops a chain is 15-20
+primitives a decode step (Turbo's with a partition and an argsort of the whole vocabulary), each some
+microseconds of host time and a single-block kernel on the GPU; here it is one primitive, plus two for the
+Gumbel noise when drawing by key.
 
-The same numbers as the composed chain, except where a sum's order differs: top_p's and the inverse-CDF draw's
-cumulative probabilities are summed in another order than MLX's softmax and cumsum, so a threshold within a
-rounding error of a cumulative sum could fall the other way (tests/test_decode_cuda.py compares the two).
-Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed chain.
+The same numbers as the composed chain, except where a sum's order differs: top_p's, min_p's and the
+inverse-CDF draw's sums of probabilities are taken in another order than MLX's softmax, sum and cumsum, so a
+threshold within a rounding error of one could fall the other way (tests/test_decode_cuda.py compares the
+two). Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed chain.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models import layers
-from ..sampling import TurboParams
+from ..sampling import SamplingParams, TurboParams
 
 # False keeps the composed chain on CUDA too (benchmarks/probe_step.py compares the two in one run).
 SAMPLING_KERNEL = True
+# English's chain (``english_pick``) stays composed until its tests in tests/test_decode_cuda.py have run on a
+# GPU: a kernel that has not run does not ship (the probes' "ours-english-sampling" turns it on).
+ENGLISH_SAMPLING_KERNEL = False
 
 # The kernel's one block: 1024 threads, each holding ceil(V / 1024) logits in registers; top_p sorts the kept
 # logits' keys (8 bytes each, a power of two of them) in dynamic shared memory, 64 KiB at most.
@@ -86,7 +92,9 @@ __device__ float key_value(unsigned k) {
 }
 """
 
-_SOURCE = """
+# The kernel's source in pieces, put together in each model's order: Turbo's temperature, top_k, top_p and
+# penalty; English's guidance, penalty, temperature and min_p. Template flags switch each piece on or off.
+_DECLARATIONS = """
 constexpr int E = (V + THREADS - 1) / THREADS;
 const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
 __shared__ float f_buf[32];
@@ -102,7 +110,9 @@ auto iadd_ = [](int a, int b) { return a + b; };
 const int base = t * E;
 const int fed = token[0];
 float x[E];
-#pragma unroll
+"""
+
+_LOAD = """#pragma unroll
 for (int e = 0; e < E; ++e) {
   const int i = base + e;
   x[e] = -INFINITY;
@@ -112,7 +122,9 @@ for (int e = 0; e < E; ++e) {
   }
 }
 
-if (TOP_K) {
+"""
+
+_TOP_K = """if (TOP_K) {
   // The top_k-th largest logit (repeats counted) by radix selection: the value at ascending rank V - k.
   int rank = V - static_cast<int>(knobs[3]);
   unsigned prefix = 0, mask = 0;
@@ -167,7 +179,9 @@ if (TOP_K) {
   for (int e = 0; e < E; ++e) x[e] = x[e] < kth ? -INFINITY : x[e];
 }
 
-if (TOP_P) {
+"""
+
+_TOP_P = """if (TOP_P) {
   // Drop ids whose cumulative probability in ascending order (ties by id, as a stable sort) is <= 1 - top_p,
   // the largest never: the kept logits sorted (bitonic, in dynamic shared memory) by value then id, then
   // summed in that order, each thread a run of them.
@@ -225,7 +239,9 @@ if (TOP_P) {
   }
 }
 
-#pragma unroll
+"""
+
+_PENALTY = """#pragma unroll
 for (int e = 0; e < E; ++e) {
   const int i = base + e;
   if (i < V) {
@@ -235,7 +251,9 @@ for (int e = 0; e < E; ++e) {
   }
 }
 
-float m = -INFINITY;
+"""
+
+_DRAW = """float m = -INFINITY;
 #pragma unroll
 for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
 m = block_reduce(m, fmax_, f_buf);
@@ -293,13 +311,76 @@ if (BY_UNIFORM) {
 if (t == 0) out[0] = m == -INFINITY ? static_cast<int>(knobs[4]) : drawn;
 """
 
+_LOAD_GUIDED = """#pragma unroll
+for (int e = 0; e < E; ++e) {
+  const int i = base + e;
+  x[e] = -INFINITY;
+  if (i < V) {
+    x[e] = static_cast<float>(logits[i]);
+    // sampling.cfg_combine's cond + w * (cond - uncond), the unconditional row second, written as there: NVRTC
+    // contracts it into one multiply-add, as it does in MLX's fused kernel of the composed chain.
+    if (CFG) x[e] = x[e] + knobs[5] * (x[e] - static_cast<float>(logits[V + i]));
+  }
+}
+
+"""
+
+_TEMPERATURE_MIN_P = """if (SHIFT) {
+  // sampling.apply_temperature: the row's largest logit subtracted, then divided by the temperature.
+  float m = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
+  m = block_reduce(m, fmax_, f_buf);
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = (x[e] - m) / knobs[0];
+}
+
+if (MIN_P) {
+  // sampling._min_p_rows: drop p < min_p * p_max as e / total < min_p * (1 / total), e = exp(x - max).
+  float m = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
+  m = block_reduce(m, fmax_, f_buf);
+  float p[E], sum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    p[e] = expf(x[e] - m);
+    sum += p[e];
+  }
+  const float total = block_reduce(sum, fadd_, f_buf);
+  const float bar = knobs[6] * (1.0f / total);
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = p[e] / total < bar ? -INFINITY : x[e];
+}
+
+"""
+
+_TURBO_SOURCE = _DECLARATIONS + _LOAD + _TOP_K + _TOP_P + _PENALTY + _DRAW
+_ENGLISH_SOURCE = _DECLARATIONS + _LOAD_GUIDED + _PENALTY + _TEMPERATURE_MIN_P + _DRAW
+
 _kernels: dict = {}
 
 
 def fits(logits: mx.array, params: TurboParams) -> bool:
-    """Whether the kernel takes this step's chain: one row on CUDA and a vocabulary the block holds."""
+    """Whether the kernel takes this Turbo step's chain: one row on CUDA and a vocabulary the block holds."""
     rows, vocab = logits.shape
     return SAMPLING_KERNEL and layers._use_cuda_paths() and rows == 1 and vocab <= _MAX_VOCAB
+
+
+def fits_english(logits: mx.array, params: SamplingParams) -> bool:
+    """Whether the kernel takes this English step's chain: ``ENGLISH_SAMPLING_KERNEL`` on, CUDA, one request
+    (its conditional and unconditional rows, or one row without guidance), a vocabulary of at most 16 logits a
+    thread, and a draw (greedy decoding takes the composed arg-max); top_p, which sorts, stays composed."""
+    rows, vocab = logits.shape
+    return (
+        SAMPLING_KERNEL
+        and ENGLISH_SAMPLING_KERNEL
+        and layers._use_cuda_paths()
+        and rows == (2 if params.cfg_weight > 0 else 1)
+        and vocab <= 16 * _THREADS
+        and not params.greedy
+        and params.top_p >= 1.0
+    )
 
 
 def turbo_pick(
@@ -323,28 +404,62 @@ def turbo_pick(
         PENALTY=params.repetition_penalty != 1.0,
         BY_UNIFORM=by_uniform,
     )
+    # As float32, the numbers the composed chain divides and compares by; the no-token id here too, since MLX
+    # names a kernel after its template values and a "-" is no part of a name.
+    knobs = [t, 1 - params.top_p, params.repetition_penalty, params.top_k, no_token]
     shared = 8 * (1 << (vocab - 1).bit_length()) if flags["TOP_P"] else 0  # the sort's keys
-    key = (*flags.values(), shared)
+    return _launch("turbo_pick", _TURBO_SOURCE, flags, knobs, shared, logits, seen, fed, draw, by_uniform)
+
+
+def english_pick(
+    logits: mx.array, seen: mx.array, fed: mx.array, draw: mx.array, by_uniform: bool, params: SamplingParams
+) -> tuple[mx.array, mx.array]:
+    """English's chain after the head (``sampling.process_logits`` then ``sampling.draw``: guidance, penalty,
+    temperature, min_p, the draw) in one kernel: (2, V) conditional and unconditional logits, or (1, V)
+    without guidance -> (the drawn id (1,) int32, the history ``seen | (ids == fed)``). ``draw`` as for
+    ``turbo_pick``. Call only where ``fits_english``."""
+    t = params.temperature
+    flags = dict(
+        CFG=logits.shape[0] == 2,
+        PENALTY=params.repetition_penalty != 1.0,
+        SHIFT=t != 1.0,
+        MIN_P=params.min_p != 0.0,
+        BY_UNIFORM=by_uniform,
+    )
+    # knobs[4], the id where every logit is -inf, is the composed draw's there: the arg-max of a row of -inf, 0.
+    knobs = [t, 0.0, params.repetition_penalty, 0, 0, params.cfg_weight, params.min_p]
+    return _launch("english_pick", _ENGLISH_SOURCE, flags, knobs, 0, logits, seen, fed, draw, by_uniform)
+
+
+def _launch(
+    name: str,
+    source: str,
+    flags: dict[str, bool],
+    knobs: list[float],
+    shared: int,
+    logits: mx.array,
+    seen: mx.array,
+    fed: mx.array,
+    draw: mx.array,
+    by_uniform: bool,
+) -> tuple[mx.array, mx.array]:
+    """One block of the kernel made from ``source`` with these flags (built once per set): (out, seen_out)."""
+    key = (name, *flags.values(), shared)
     if key not in _kernels:
-        name = "turbo_pick_" + "_".join(k.lower() for k, on in flags.items() if on)
+        full = "_".join([name] + [k.lower() for k, on in flags.items() if on])
         _kernels[key] = mx.fast.cuda_kernel(
-            name,
+            full,
             ["logits", "seen", "token", "knobs", "draws"],
             ["out", "seen_out"],
-            _SOURCE,
+            source,
             header=_HEADER,
             shared_memory=shared,
         )
-    # As float32, the numbers the composed chain divides and compares by; the no-token id here too, since MLX
-    # names a kernel after its template values and a "-" is no part of a name.
-    knobs = mx.array(
-        [t, 1 - params.top_p, params.repetition_penalty, params.top_k, no_token], dtype=mx.float32
-    )
     # The uniform, or the Gumbel noise ``sampling.gumbel_max`` adds (the same draw of the same key and shape).
-    draws = draw.reshape(1) if by_uniform else mx.random.gumbel(logits.shape, key=draw)
+    draws = draw.reshape(1) if by_uniform else mx.random.gumbel((1, logits.shape[1]), key=draw)
     out, seen_out = _kernels[key](
-        inputs=[logits, seen, fed.reshape(1), knobs, draws],
-        template=[("T", logits.dtype), ("V", vocab), *flags.items()],
+        inputs=[logits, seen, fed.reshape(1), mx.array(knobs, dtype=mx.float32), draws],
+        template=[("T", logits.dtype), ("V", logits.shape[1]), *flags.items()],
         grid=(_THREADS, 1, 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[(1,), seen.shape],

@@ -19,6 +19,7 @@ from ..models.t3 import T3, T3Cond
 from ..models.voice_encoder import VoiceEncoder
 from ..sampling import SamplingParams, check_max_new_tokens, draw, process_logits
 from ..text import EnTokenizer, punc_norm
+from . import fused_sampling
 from .voice import Voice, VoiceCloner
 
 
@@ -202,6 +203,8 @@ def decode_step(model: T3, params: SamplingParams, uniform_draws: bool) -> Calla
         ) -> tuple[mx.array, mx.array, list[mx.array]]:
             batch = kv[0].shape[0]
             logits, kv = model.decode(mx.broadcast_to(token, (batch,)), position[0], position[1], kv)
+            if fused_sampling.fits_english(logits, knobs):
+                return (*fused_sampling.english_pick(logits, seen, token, d, uniform_draws, knobs), kv)
             seen = seen | (vocab == token)
             args = _draw_args(knobs, uniform_draws, d)
             return draw(process_logits(logits, seen, knobs), knobs, *args), seen, kv
