@@ -9,6 +9,8 @@ Workloads (random full-size weights, one request, warm: ``--warm`` untimed runs 
 - s3gen: ``S3Gen.batch`` of ``--tokens`` speech tokens (250: 10 s) after a 10 s prompt, bf16 estimator, as
   ``probe_kernels --part s3gen`` runs it (15 tokens: a stream's first decode).
 - mark: the Perth watermark of 10 s of audio at 24 kHz (``Watermarker.apply``; the shipped weights).
+- t3: English's decode loop (``generate_speech_tokens``, CFG, upstream's knobs, bf16) of ``--tokens`` tokens
+  after its prefill, as ``bench_t3`` runs it: a step bound by its host (212 primitives, 151 of them our kernels).
 
 Only the samples inside ``profiled`` (the timed loop) are summed, or with ``--within ''`` every sample (a
 server run under ``py-spy record --subprocesses --threads``: the roots are then its processes and threads). A sample whose innermost frame waits in the
@@ -68,8 +70,27 @@ def run(workload: str, tokens: int, seconds: float, warm: int) -> dict:
         def once() -> None:
             marker.apply(wav, 24_000)
 
+    elif workload == "t3":
+        from bench_t3 import CFG, fixed_inputs, t3_voice
+
+        from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
+        from mlx_chatterbox.models.t3 import T3
+        from mlx_chatterbox.sampling import SamplingParams
+
+        model = T3(CFG)
+        model.set_dtype(mx.bfloat16)
+        mx.eval(model.parameters())
+        text, t3v = fixed_inputs()[0], t3_voice(mx.bfloat16)
+        params = SamplingParams(max_new_tokens=tokens)
+
+        def once() -> None:
+            for _ in generate_speech_tokens(
+                model, t3v, text, params, key=mx.random.key(0), stop_on_eos=False
+            ):
+                pass
+
     else:
-        raise SystemExit(f"--workload {workload}: s3gen or mark")
+        raise SystemExit(f"--workload {workload}: s3gen, mark or t3")
     for _ in range(warm):
         once()
     calls, elapsed = profiled(once, seconds)
@@ -148,8 +169,8 @@ def _short(fn: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="s3gen", help="s3gen or mark")
-    p.add_argument("--tokens", type=int, default=250, help="s3gen: speech tokens after the prompt")
+    p.add_argument("--workload", default="s3gen", help="s3gen, mark or t3")
+    p.add_argument("--tokens", type=int, default=250, help="s3gen: speech tokens after the prompt; t3: drawn")
     p.add_argument("--seconds", type=float, default=8.0, help="how long the profiled loop runs")
     p.add_argument("--warm", type=int, default=3, help="untimed runs before the loop")
     p.add_argument("--summarize", metavar="RAW", help="summarize py-spy's raw output instead of running")
