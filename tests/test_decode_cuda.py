@@ -680,21 +680,27 @@ def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_u
 
 @cuda
 @pytest.mark.parametrize("by_uniform", [False, True])
-def test_turbo_generation_draws_the_same_tokens_with_the_sampling_kernel(by_uniform, monkeypatch):
-    """The real Turbo loop (compiled, pipelined, 301 tokens) with the sampling chain one kernel and composed
-    of MLX's ops: the same tokens, drawn by key and by injected uniforms."""
+@pytest.mark.parametrize(
+    ("which", "switch", "seed"), [("turbo", "SAMPLING_KERNEL", 6), ("t3", "ENGLISH_SAMPLING_KERNEL", 9)]
+)
+def test_generation_draws_the_same_tokens_with_the_sampling_kernel(
+    which, switch, seed, by_uniform, monkeypatch
+):
+    """The real loops (compiled, pipelined; English with guidance) with the sampling chain one kernel and
+    composed of MLX's ops: the same tokens, drawn by key and by injected uniforms."""
     from mlx_chatterbox.generation import fused_sampling
 
-    mx.random.seed(6)
-    model, generate, params = small_loop("turbo", 300)  # the model first: the draws as they ran on the H200
+    mx.random.seed(seed)
+    model, generate, params = small_loop(which, 300)  # the model first: Turbo's draws as they ran on the H200
     voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
-    draws = dict(uniforms=mx.random.uniform(shape=(301,))) if by_uniform else dict(key=mx.random.key(2))
+    n = 300 + (which == "turbo")  # Turbo draws its first token and then max_new_tokens more
+    draws = dict(uniforms=mx.random.uniform(shape=(n,))) if by_uniform else dict(key=mx.random.key(2))
     tokens = {}
     for on in (False, True):
-        monkeypatch.setattr(fused_sampling, "SAMPLING_KERNEL", on)
+        monkeypatch.setattr(fused_sampling, switch, on)
         model.compiled_steps.clear()  # traced with the switch as it was
         tokens[on] = list(generate(model, voice, text, params, stop_on_eos=False, **draws))
-    assert len(tokens[True]) == 301 and tokens[True] == tokens[False]
+    assert len(tokens[True]) == n and tokens[True] == tokens[False]
 
 
 def near_an_english_threshold(
@@ -797,25 +803,6 @@ def test_the_english_sampling_kernel_takes_only_the_chains_it_computes(
     monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
     monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", switch)
     assert fused_sampling.fits_english(mx.zeros((rows, 8194)), params) == fits
-
-
-@cuda
-@pytest.mark.parametrize("by_uniform", [False, True])
-def test_english_generation_draws_the_same_tokens_with_the_sampling_kernel(by_uniform, monkeypatch):
-    """The real English loop (compiled, pipelined, guidance, 300 tokens) with the sampling chain one kernel and
-    composed of MLX's ops: the same tokens, drawn by key and by injected uniforms."""
-    from mlx_chatterbox.generation import fused_sampling
-
-    mx.random.seed(9)
-    model, generate, params = small_loop("t3", 300)
-    voice, text = random_voice(prompt_len=20), [5, 17, 42, 2, 99, 7]
-    draws = dict(uniforms=mx.random.uniform(shape=(300,))) if by_uniform else dict(key=mx.random.key(3))
-    tokens = {}
-    for on in (False, True):
-        monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", on)
-        model.compiled_steps.clear()  # traced with the switch as it was
-        tokens[on] = list(generate(model, voice, text, params, stop_on_eos=False, **draws))
-    assert len(tokens[True]) == 300 and tokens[True] == tokens[False]
 
 
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12, 0.1])
