@@ -230,3 +230,38 @@ def test_interleaved_memory_bounds_restore_the_callers_limit():
     assert mx.get_memory_limit() == limit
     _lower_memory_limit()
     assert mx.get_memory_limit() == limit
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "bucket", "finalize", "masked"),
+    [
+        ([9], 1, [True], False),  # one request, unpadded: every frame valid
+        ([9, 9], 1, [True, True], False),  # rows of one length
+        ([9], 16, [True], True),  # padded to the bucket
+        ([9, 5], 1, [True, True], True),  # the shorter row padded
+        ([9], 1, [False], True),  # the lookahead's frames dropped
+    ],
+)
+def test_the_solve_is_masked_only_where_a_frame_is_not_valid(
+    tts, new_tokens, bucket, finalize, masked, monkeypatch
+):
+    """``S3Gen.batch_mel`` hands the CFM solve a mask only where some row has padding or dropped frames; with
+    every frame valid it runs unmasked, as ``mel`` does, and gives ``mel``'s result."""
+    masks, real = [], vocode._solve_steps
+
+    def solve_steps(estimator, mu, mask, *args):
+        masks.append(mask)
+        return real(estimator, mu, mask, *args)
+
+    monkeypatch.setattr(vocode, "_solve_steps", solve_steps)
+    voice = random_voice(seed=1, gen_tokens=10)  # 10 prompt tokens
+    ids = [tokens(n, 30 + i) for i, n in enumerate(new_tokens)]
+    frames = [2 * (10 + n - (0 if final else 3)) for n, final in zip(new_tokens, finalize)]
+    noises = [mx.random.normal((1, f, 80), key=mx.random.key(50 + i)) for i, f in enumerate(frames)]
+    s3gen = tts.s3gen
+    batched = s3gen.batch_mel(
+        ids, [voice] * len(ids), cfm_steps=2, cfm_noises=noises, finalize=finalize, bucket=bucket
+    )
+    assert (masks[0] is not None) == masked
+    for row, t, noise, final in zip(batched, ids, noises, finalize):
+        assert rel_l2(row, s3gen.mel(t, voice, cfm_steps=2, cfm_noise=noise, finalize=final)) < MEL_TOL

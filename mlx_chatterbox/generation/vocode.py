@@ -451,6 +451,11 @@ def _batch_mel_steps(
         spans.append((prompt, own))
     if not all(finalize):  # a non-final row's dropped frames are masked as padding (mel: sliced off)
         mask = mask & (mx.arange(frames)[None] < mx.array([own for _, own in spans])[:, None])
+    elif all(length == width for length in lengths):
+        # No row padded and every one final (one request, or rows of one length): every frame is valid, and
+        # the solve runs without a mask as ``mel`` does (about 80 kernels a call fewer, the attention without
+        # a bias), the same up to float error.
+        mask = None
     spks = s3gen.flow.embed_speaker(mx.concatenate([voice.xvector for voice in voices], axis=0))
     cond, noise = mx.concatenate(conds, axis=0), mx.concatenate(noises, axis=0)
     mel = yield from _solve_steps(s3gen.estimator, mu, mask, spks, cond, noise, cfm_steps)
