@@ -164,6 +164,27 @@ def test_other_dtypes_and_the_switch_use_mlx_ops(monkeypatch):
     assert _on_cpu(layers.mish, x).tolist() == _on_cpu(nn.mish, x).tolist()
 
 
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mish_then_a_mask_and_a_sum_as_one_chain(monkeypatch, fast, dtype):
+    """``mish(x, mask, add)``: Mish times a frame mask plus a broadcast sum (the estimator's resnets), on the
+    CPU's fast path and as one fused kernel off it, against the three steps apart; each of mask and add alone
+    too. Fused, a multiply-add may round once where the steps apart round twice: 2 ulp of the result."""
+    monkeypatch.setattr(layers, "FAST_CPU_MATH", fast)
+    rng = np.random.default_rng(5)
+    x = mx.array(3 * rng.standard_normal((2, 7, 6)).astype(np.float32)).astype(dtype)
+    mask = mx.array((rng.random((2, 7, 1)) < 0.7).astype(np.float32)).astype(dtype)
+    add = mx.array(rng.standard_normal((2, 1, 6)).astype(np.float32)).astype(dtype)
+    y = _on_cpu(layers.mish, x)
+    ulp = 2 * float(np.finfo(np.float32).eps if dtype == mx.float32 else 2.0**-7)
+    for m, a in ((mask, add), (mask, None), (None, add)):
+        want = y * (1 if m is None else np.asarray(m.astype(mx.float32))) + (
+            0 if a is None else np.asarray(a.astype(mx.float32))
+        )
+        got = _on_cpu(lambda v, m=m, a=a: layers.mish(v, m, a), x)
+        np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp * np.abs(want).max())
+
+
 SIN_ABS = 2e-7  # measured 1.6e-7 up to |x| = 1e4 (MLX's CPU sin: 7.7e-8, at 40 ns per element)
 
 

@@ -255,9 +255,25 @@ def gelu_linear(x: mx.array, w_t: mx.array, bias: mx.array) -> mx.array:
     return _gelu_biased(x @ w_t, bias)
 
 
-def mish(x: mx.array) -> mx.array:
-    """x·tanh(softplus(x)), as ``nn.mish``."""
-    return _mish_cpu(x) if _fast_path(x) else nn.mish(x)
+def mish(x: mx.array, mask: mx.array | None = None, add: mx.array | None = None) -> mx.array:
+    """x·tanh(softplus(x)), as ``nn.mish``; then times ``mask`` and plus ``add`` (each broadcasting to x) where
+    given. Off the CPU's fast path that is one fused kernel: S3Gen's estimator is bound by its host, and a
+    separate multiply and add are a kernel each (its resnets add the time embedding and a bias after Mish)."""
+    if _fast_path(x):
+        y = _mish_cpu(x)
+        y = y if mask is None else y * mask
+        return y if add is None else y + add
+    return _mish_then(mask is not None, add is not None)(x, *(a for a in (mask, add) if a is not None))
+
+
+@cache
+def _mish_then(masked: bool, added: bool) -> Callable[..., mx.array]:
+    def chain(x: mx.array, *rest: mx.array) -> mx.array:
+        y = nn.mish(x)
+        y = y * rest[0] if masked else y
+        return y + rest[-1] if added else y
+
+    return mx.compile(chain, shapeless=True)
 
 
 # CPU attention: scores computed in one piece up to this many, else in query chunks of _CHUNK_SCORES.
