@@ -50,16 +50,9 @@ def run(workload: str, tokens: int, seconds: float, warm: int) -> dict:
     import numpy as np
 
     if workload == "s3gen":
-        from probe_s3gen import random_s3gen, voice
+        from probe_s3gen import lone_request
 
-        s3gen = random_s3gen()
-        s3gen.estimator.set_dtype(mx.bfloat16)
-        mx.eval(s3gen.estimator.parameters())
-        v = voice()
-        ids = [mx.array(np.random.default_rng(1).integers(0, 6561, (1, tokens)).astype(np.int32))]
-
-        def once() -> None:
-            mx.eval(s3gen.batch(ids, [v], keys=[mx.random.key(0)]))
+        once = lone_request(tokens)
 
     elif workload == "mark":
         from mlx_chatterbox.generation.watermark import Watermarker

@@ -91,18 +91,9 @@ def t3_kernels(model_name: str, dtype_name: str, steps: int) -> dict:
 
 def s3gen_kernels() -> dict:
     """One ``S3Gen.batch`` of a 10 s request (bf16 estimator) after two unprofiled ones."""
-    import numpy as np
-    from probe_s3gen import TOKENS, random_s3gen, voice
+    from probe_s3gen import lone_request
 
-    s3gen = random_s3gen()
-    s3gen.estimator.set_dtype(mx.bfloat16)
-    mx.eval(s3gen.estimator.parameters())
-    v = voice()
-    ids = [mx.array(np.random.default_rng(1).integers(0, 6561, (1, TOKENS)).astype(np.int32))]
-
-    def run() -> None:
-        mx.eval(s3gen.batch(ids, [v], keys=[mx.random.key(0)]))
-
+    run = lone_request()
     for _ in range(2):  # kernels built, shapes met
         run()
     return gpu_kernels(run) | dict(per=1)

@@ -35,6 +35,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -78,6 +79,22 @@ def voice() -> Voice:
         s3gen_prompt_mel=mx.array(rng.standard_normal((1, 2 * TOKENS, 80)).astype(np.float32) - 5),
         xvector=mx.array(rng.standard_normal((1, 192)).astype(np.float32)),
     )
+
+
+def lone_request(tokens: int = TOKENS) -> Callable[[], None]:
+    """One ``S3Gen.batch`` of a request of ``tokens`` speech tokens after a 10 s prompt, evaluated, on the random
+    full-size S3Gen with a bf16 estimator (``serve --cfm-dtype bfloat16``): the call probe_kernels and
+    probe_host profile."""
+    s3gen = random_s3gen()
+    s3gen.estimator.set_dtype(mx.bfloat16)
+    mx.eval(s3gen.estimator.parameters())
+    v = voice()
+    ids = [mx.array(np.random.default_rng(1).integers(0, 6561, (1, tokens)).astype(np.int32))]
+
+    def run() -> None:
+        mx.eval(s3gen.batch(ids, [v], keys=[mx.random.key(0)]))
+
+    return run
 
 
 # --- ops ---
