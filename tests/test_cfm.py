@@ -234,7 +234,8 @@ def build(seed: int) -> Estimator:
 
 def test_fused_qkv_equals_the_three_projections(estimator):
     """Attention takes q, k, v as one product against the weights side by side; the three separate linears
-    (upstream's computation) give the same output within 1e-6 of its largest value in fp32."""
+    (upstream's computation) give the same output, plus the residual, within 1e-6 of its largest value in fp32.
+    """
     attn = estimator.mid_blocks[0][1][0].attn1
     b, n, bias = 2, 7, mx.array([[0.0] * 7, [0.0] * 5 + [-1e10] * 2])[:, None, None, :]
     x = mx.array(np.random.default_rng(3).standard_normal((b * n, TINY.channels)).astype(np.float32))
@@ -245,8 +246,8 @@ def test_fused_qkv_equals_the_three_projections(estimator):
     out = mx.fast.scaled_dot_product_attention(
         heads(attn.to_q), heads(attn.to_k), heads(attn.to_v), scale=attn.head_dim**-0.5, mask=bias
     )
-    ref = nn.Linear.__call__(attn.to_out[0], out.transpose(0, 2, 1, 3).reshape(b * n, -1))
-    assert close(attn(x, b, bias), ref, 1e-6)
+    ref = nn.Linear.__call__(attn.to_out[0], out.transpose(0, 2, 1, 3).reshape(b * n, -1)) + x
+    assert close(attn(x, b, bias, residual=x), ref, 1e-6)
 
 
 def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):
@@ -262,7 +263,7 @@ def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):
 
     first = run(model)
     attn = model.mid_blocks[0][1][0].attn1
-    assert isinstance(attn.__dict__.get("_qkv_t"), cfm._Kept)  # the call kept it ...
+    assert isinstance(attn.__dict__.get("_qkv"), cfm._Kept)  # the call kept it ...
     keys = set(Estimator.checkpoint_table(TINY))
     assert {k for k, _ in tree_flatten(model.parameters())} == keys  # ... outside the parameters
     path = str(tmp_path / "w.safetensors")

@@ -22,6 +22,7 @@ from typing import TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import gemm
 from .layers import Conv1d, attention, gelu_linear, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
@@ -146,6 +147,15 @@ class Linear(nn.Linear):
         return mx.addmm(self["bias"], x, w_t) if "bias" in self else x @ w_t
 
 
+def linear(layer: Linear, x: mx.array, *, gelu: bool = False, add: mx.array | None = None) -> mx.array:
+    """``layer(x)``, then the exact GELU, then plus ``add`` (the layer's shape), each optional: one kernel of
+    ours where ``gemm.fits`` (CUDA, half precision), MLX's ops in this order elsewhere."""
+    if gemm.fits(x, layer.weight):
+        return gemm.product(x, layer.weight, layer.get("bias"), gelu=gelu, add=add)
+    y = gelu_linear(x, layer.weight_t(), layer["bias"]) if gelu else layer(x)
+    return y if add is None else y + add
+
+
 class TimestepEmbedding(nn.Module):
     """matcha ``TimestepEmbedding``: Linear -> SiLU -> Linear."""
 
@@ -174,10 +184,14 @@ def pointwise(conv: Conv1d, x: mx.array, c: mx.array) -> mx.array:
     """A 1x1 convolution of x (B, T, C_in) as one product plus ``c``: its bias (C_out,), or a (B, T, C_out)
     sum that holds the bias. One kernel (the bias or the sum is the product's C operand) where the
     convolution, its bias and a sum after it would be three; the weight's (C_in, C_out) view is kept."""
-    w_t = kept(conv, "_w_t", (conv["weight"],), lambda w: w[:, 0, :].T)
+    rows = kept(conv, "_w_rows", (conv["weight"],), lambda w: w.reshape(w.shape[0], -1))  # (C_out, C_in)
     b, n, _ = x.shape
-    c = c if c.ndim == 1 else c.reshape(b * n, -1)
-    return mx.addmm(c, x.reshape(b * n, -1), w_t).reshape(b, n, -1)
+    x, c = x.reshape(b * n, -1), c if c.ndim == 1 else c.reshape(b * n, -1)
+    if gemm.fits(x, rows):
+        y = gemm.product(x, rows, c) if c.ndim == 1 else gemm.product(x, rows, add=c)
+    else:
+        y = mx.addmm(c, x, kept(conv, "_w_t", (rows,), lambda r: r.T))
+    return y.reshape(b, n, -1)
 
 
 class CausalBlock1D(nn.Module):
@@ -235,17 +249,18 @@ class Attention(nn.Module):
         self.to_out = [Linear(inner, dim)]  # to_out.1 is dropout
 
     def qkv_weight(self) -> mx.array:
-        """(dim, 3 x inner): [W_q | W_k | W_v] transposed, kept until one of them is replaced."""
+        """(3 x inner, dim): [W_q; W_k; W_v], kept until one of them is replaced."""
         sources = (self.to_q["weight"], self.to_k["weight"], self.to_v["weight"])
-        return kept(self, "_qkv_t", sources, lambda *ws: mx.concatenate(ws, axis=0).T)
+        return kept(self, "_qkv", sources, lambda *ws: mx.concatenate(ws, axis=0))
 
-    def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
-        """x: (B·T, dim) rows of b sequences -> (B·T, dim)."""
-        n = x.shape[0] // b
-        qkv = (x @ self.qkv_weight()).reshape(b, n, 3 * self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+    def __call__(self, x: mx.array, b: int, bias: mx.array | None, residual: mx.array) -> mx.array:
+        """x: (B·T, dim) rows of b sequences -> the output projection plus ``residual``, (B·T, dim)."""
+        n, w = x.shape[0] // b, self.qkv_weight()
+        qkv = gemm.product(x, w) if gemm.fits(x, w) else x @ kept(self, "_qkv_t", (w,), lambda w: w.T)
+        qkv = qkv.reshape(b, n, 3 * self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, 3, axis=1)  # each (B, H, T, hd)
         out = attention(q, k, v, self.head_dim**-0.5, bias)
-        return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b * n, -1))
+        return linear(self.to_out[0], out.transpose(0, 2, 1, 3).reshape(b * n, -1), add=residual)
 
 
 class GELUProjection(nn.Module):
@@ -256,7 +271,7 @@ class GELUProjection(nn.Module):
         self.proj = Linear(dim, inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return gelu_linear(x, self.proj.weight_t(), self.proj["bias"])
+        return linear(self.proj, x, gelu=True)
 
 
 class FeedForward(nn.Module):
@@ -264,8 +279,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = [GELUProjection(dim, FF_MULT * dim), None, Linear(FF_MULT * dim, dim)]  # net.1: dropout
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.net[2](self.net[0](x))
+    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
+        """The feed-forward of x plus ``residual``."""
+        return linear(self.net[2], self.net[0](x), add=residual)
 
 
 class BasicTransformerBlock(nn.Module):
@@ -281,8 +297,8 @@ class BasicTransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
-        x = self.attn1(self.norm1(x), b, bias) + x
-        return self.ff(self.norm3(x)) + x
+        x = self.attn1(self.norm1(x), b, bias, residual=x)
+        return self.ff(self.norm3(x), residual=x)
 
 
 class Estimator(nn.Module):

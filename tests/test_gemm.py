@@ -1,0 +1,133 @@
+"""models/gemm.py: the estimator's products as our tensor-core kernel on CUDA (off by default until these GPU
+tests have run on one). What it takes is checked on any device; the kernel itself only where CUDA is (run with
+pytest on the H200), since CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.special import erf
+
+from mlx_chatterbox.models import cfm, gemm, layers
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
+
+# The estimator's products at full size: (N, K) of q/k/v, the output projection, the feed-forward's two, and
+# the resnets' 1x1 convolutions (the first one's input is x, mu, spks and cond: 320 channels).
+SHAPES = [(1536, 256), (256, 512), (1024, 256), (256, 1024), (256, 320)]
+
+
+def operands(seed: int, m: int, n: int, k: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
+    """x (m, k), weight (n, k) scaled as a layer's, bias (n,), add (m, n)."""
+    rng = np.random.default_rng(seed)
+    x, w, bias, add = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), (n,), (m, n)))
+    return tuple(mx.array(a).astype(dtype) for a in (x, w / np.sqrt(k), bias, add))
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, dtype, on_gpu, fits",
+    [
+        ((64, 256), (512, 256), mx.bfloat16, True, True),
+        ((2000, 1024), (256, 1024), mx.float16, True, True),
+        ((64, 256), (512, 256), mx.bfloat16, False, False),  # on the CPU: MLX's ops
+        (
+            (64, 256),
+            (512, 256),
+            mx.float32,
+            True,
+            False,
+        ),  # float32: TF32 on tensor cores, not upstream's sums
+        ((63, 256), (512, 256), mx.bfloat16, True, False),  # a few rows: cuBLAS or a matrix-vector product
+        ((64, 256), (80, 256), mx.bfloat16, True, False),  # N not a multiple of the tile's 64 (final_proj)
+        ((64, 80), (256, 80), mx.bfloat16, True, False),  # K not a multiple of 32
+        ((2, 32, 256), (512, 256), mx.bfloat16, True, False),  # rows as 2-D only
+    ],
+)
+def test_the_tiled_product_takes_only_what_its_kernel_computes(
+    monkeypatch, x_shape, w_shape, dtype, on_gpu, fits
+):
+    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: on_gpu)
+    x, w = mx.zeros(x_shape, dtype), mx.zeros(w_shape, dtype)
+    assert gemm.fits(x, w) is fits
+    monkeypatch.setattr(gemm, "TILED_PRODUCTS", False)
+    assert not gemm.fits(x, w)  # off: MLX's ops everywhere
+
+
+def test_the_linear_of_the_estimator_is_its_ops_in_order_without_the_kernel():
+    """Where the kernel does not run, ``cfm.linear`` is the layer, then GELU, then the sum, bit for bit."""
+    x, w, bias, add = operands(0, 40, 64, 32, mx.float32)
+    layer = cfm.Linear(32, 64)
+    layer.update({"weight": w, "bias": bias})
+    assert np.array_equal(cfm.linear(layer, x), layer(x))
+    assert np.array_equal(cfm.linear(layer, x, add=add), layer(x) + add)
+    assert np.array_equal(cfm.linear(layer, x, gelu=True), layers.gelu_linear(x, layer.weight_t(), bias))
+
+
+def reference(x, w, bias, gelu, add) -> np.ndarray:
+    """The epilogue's math in float64 on the rounded operands."""
+    y = np.asarray(x.astype(mx.float32), np.float64) @ np.asarray(w.astype(mx.float32), np.float64).T
+    y = y if bias is None else y + np.asarray(bias.astype(mx.float32), np.float64)
+    y = 0.5 * y * (1 + erf(y / np.sqrt(2))) if gelu else y
+    return y if add is None else y + np.asarray(add.astype(mx.float32), np.float64)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
+def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
+    """Every epilogue at every estimator shape and row counts past a tile's edge: within one rounding to the
+    output dtype (2^-8 of bf16, 2^-11 of fp16, relative) of float64's result, plus the float accumulators'
+    order (1e-5 of the row's scale)."""
+    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    for (n, k), (with_bias, gelu, with_add) in itertools.product(
+        SHAPES, itertools.product((False, True), repeat=3)
+    ):
+        x, w, bias, add = operands(n + k + m, m, n, k, dtype)
+        assert gemm.fits(x, w)
+        bias, add = (bias if with_bias else None), (add if with_add else None)
+        got = np.asarray(gemm.product(x, w, bias, gelu=gelu, add=add).astype(mx.float32), np.float64)
+        want = reference(x, w, bias, gelu, add)
+        assert got.shape == (m, n)
+        err = np.abs(got - want)
+        assert (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all(), (
+            n,
+            k,
+            with_bias,
+            gelu,
+            with_add,
+        )
+
+
+@cuda
+def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch):
+    """One full-size bf16 estimator call (2 rows of 530 frames: a stream's first decode after a 10 s prompt),
+    against the same call in float32: the kernel's rounding (once per product and epilogue) is no farther from
+    it than MLX's ops in bf16 (which round after each op), within 10%."""
+    est = cfm.Estimator(cfm.CFMConfig())
+    mx.eval(est.parameters())
+    rng = np.random.default_rng(0)
+    x, mu, cond = (mx.array(rng.standard_normal((2, 530, 80)).astype(np.float32)) for _ in range(3))
+    spks, t = mx.array(rng.standard_normal((2, 80)).astype(np.float32)), mx.array([0.3, 0.3])
+
+    def call(dtype: mx.Dtype) -> np.ndarray:
+        y = est(x.astype(dtype), None, mu.astype(dtype), t, spks.astype(dtype), cond.astype(dtype))
+        return np.asarray(y.astype(mx.float32), np.float64)
+
+    want = call(mx.float32)
+    est.set_dtype(mx.bfloat16)
+    composed = call(mx.bfloat16)
+    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(gemm, "_kernels", {})
+    tiled = call(mx.bfloat16)
+    assert len(gemm._kernels) == 4  # the kernel ran: q/k/v, with bias and sum, with bias and GELU, with a sum
+
+    def distance(y: np.ndarray) -> float:
+        return float(np.linalg.norm(y - want) / np.linalg.norm(want))
+
+    assert distance(tiled) <= 1.1 * distance(composed), (distance(tiled), distance(composed))
