@@ -36,6 +36,8 @@ import mlx.core as mx
 import numpy as np
 from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
+from mlx_chatterbox.models import gemm
+
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
 SPEECH_CODES = 6561  # valid S3 speech token ids are 0..6560
@@ -374,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
         "the device machine's way)",
     )
     p.add_argument("--cfm-dtype", default="float32", help="ours: the estimator's dtype (float32, bfloat16)")
+    p.add_argument(
+        "--tiled-products",
+        action="store_true",
+        help="ours: the estimator's products as our tensor-core kernel (models/gemm.py; CUDA, bf16 estimator)",
+    )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -385,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--built runs ours alone (--systems ours)")
     if args.cfm_dtype not in ("float32", "bfloat16", "float16"):
         p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")
+    if args.tiled_products and (set(systems) != {"ours"} or args.cfm_dtype == "float32"):
+        p.error("--tiled-products applies to ours (--systems ours) with a half-precision --cfm-dtype")
+    gemm.TILED_PRODUCTS = args.tiled_products
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
@@ -433,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
             clip_s=None if args.built else args.clip_seconds,
         )
         row.update(watermark=watermark, text=TEXT, **res, rss_peak_mib=rss_peak_mib(), **info)
+        if system == "ours":
+            row.update(tiled_products=args.tiled_products)
         write_line(row, args.out)
         rows.append(row)
     if rows:

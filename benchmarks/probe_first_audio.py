@@ -39,6 +39,7 @@ from mlx_chatterbox import TTS
 from mlx_chatterbox.generation import batch as t3_batch
 from mlx_chatterbox.generation import stream
 from mlx_chatterbox.generation.voice import Voice
+from mlx_chatterbox.models import gemm
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import SpeechJob, Worker
 
@@ -190,6 +191,12 @@ def main() -> None:
         help="sys.setswitchinterval (seconds; Python's default 0.005): how long a thread that wants the GIL waits "
         "for one that holds it, a cost of every hand-over between the Worker's threads",
     )
+    p.add_argument(
+        "--tiled-products",
+        action="store_true",
+        help="the estimator's products as our tensor-core kernel (models/gemm.py; bf16 estimator, in this process: "
+        "not with worker-process)",
+    )
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -197,6 +204,11 @@ def main() -> None:
         p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread, worker-process")
     if "worker-process" in modes and args.model is None:
         p.error("--modes worker-process needs --model: the vocoding process loads S3Gen from a model folder")
+    if args.tiled_products and "worker-process" in modes:
+        p.error(
+            "--tiled-products sets this process's switch: the vocoding process of worker-process would not see it"
+        )
+    gemm.TILED_PRODUCTS = args.tiled_products
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     mx.set_default_device(getattr(mx, args.device))
@@ -233,6 +245,7 @@ def main() -> None:
         write_line(
             dict(bench="first_audio", mode=mode, variant=tts.speech.variant, model=args.model or "built",
                  tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype,
+                 tiled_products=args.tiled_products,
                  switch_interval=sys.getswitchinterval(), **med, runs=rows, **info),
             args.out,
         )  # fmt: skip

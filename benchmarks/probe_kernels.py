@@ -7,7 +7,8 @@ probe for the H200; prints a short table per part.
 - t3: ``--steps`` decode steps of each of ``--models`` (English: CFG; Turbo, Nano: 1 row), queued as the loops
   queue them (the token read one step behind): GPU time a step by kernel, and the span from the first kernel's
   start to the last one's end (a span well over the kernels' sum: the GPU waits for the host).
-- s3gen: one ``S3Gen.batch`` of a 10 s request after a 10 s prompt (English, bf16 estimator, 10 steps).
+- s3gen: one ``S3Gen.batch`` of a 10 s request after a 10 s prompt (English, bf16 estimator, 10 steps), for each
+  of ``--systems`` ("ours-tiled-products": the estimator's products as our kernel, models/gemm.py).
 - scalars: a chain of multiplies on a 2 x 512 x 1,000 float32 array by a scalar made three ways: a Python
   float (a new 4-byte array from the host each op), one host-made array, and that array copied into device
   memory: what a kernel pays for reading a scalar that MLX keeps in managed memory.
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--part", default="scalars,t3,s3gen")
     parser.add_argument("--models", default="turbo,english")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--systems", default="ours", help=f"t3: comma-separated, of {', '.join(OURS)}")
+    parser.add_argument("--systems", default="ours", help=f"t3, s3gen: comma-separated, of {', '.join(OURS)}")
     parser.add_argument("--steps", type=int, default=50, help="t3: decode steps profiled")
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()
@@ -167,9 +168,12 @@ def main() -> None:
                     write_line(dict(part="t3", model=model, dtype=dn, system=system, **r), args.out)
                     print(table(f"{model} {dn} {system}", r), flush=True)
     if "s3gen" in parts:
-        r = s3gen_kernels()
-        write_line(dict(part="s3gen", **r), args.out)
-        print(table("S3Gen.batch, 10 s + 10 s, bf16 estimator (per call)", r), flush=True)
+        for system in systems:
+            use(system)
+            r = s3gen_kernels()
+            use("ours")
+            write_line(dict(part="s3gen", system=system, **r), args.out)
+            print(table(f"S3Gen.batch, 10 s + 10 s, bf16 estimator, {system} (per call)", r), flush=True)
 
 
 if __name__ == "__main__":

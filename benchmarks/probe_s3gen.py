@@ -10,7 +10,8 @@ and memory budget. A probe for the H200 (random full-size weights, no torch); pr
 - call: one estimator call at 2·N rows: primitives by kind, the host's time to build the graph, and the time to
   evaluate it.
 - solve: one CFM solve (10 steps with CFG) at 2·N rows of ``--frames`` frames, the estimator as it runs or, with
-  ``--estimator compiled``, compiled afresh for the solve (its trace counted): what a per-utterance compile gives.
+  ``--estimator compiled``, compiled afresh for the solve (its trace counted): what a per-utterance compile gives;
+  ``--estimator tiled`` (call, solve, device): the estimator's products as our tensor-core kernel (models/gemm.py).
 - device: the GPU's time for one estimator call at 2·N rows, apart from the host's (the calls queued behind a
   second-long chain of products; run with MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000).
 - batch: ``S3Gen.batch`` of N requests of 10 s (the 10 s voice prompt each) by stage (encoder, CFM, HiFT), under
@@ -28,6 +29,7 @@ import mlx_chatterbox  # noqa: F401  isort: skip
 
 import argparse
 import collections
+import contextlib
 import io
 import itertools
 import json
@@ -35,7 +37,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,7 +48,7 @@ from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation import vocode
 from mlx_chatterbox.generation.vocode import S3Gen, resolve_memory_budget
 from mlx_chatterbox.generation.voice import Voice
-from mlx_chatterbox.models import cfm
+from mlx_chatterbox.models import cfm, gemm
 from mlx_chatterbox.variants import ENGLISH
 
 FRAMES = 1000  # mel frames of a 10 s prompt + 10 s of speech
@@ -213,12 +215,25 @@ def astype_context(*outputs: mx.array) -> collections.Counter:
     return out
 
 
-def call(
-    s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, compiled: bool = False
-) -> dict:
+@contextlib.contextmanager
+def products(way: str) -> Iterator[None]:
+    """The estimator's products as our kernel (models/gemm.py) for the "tiled" way, MLX's otherwise."""
+    gemm.TILED_PRODUCTS = way == "tiled"
+    try:
+        yield
+    finally:
+        gemm.TILED_PRODUCTS = False
+
+
+def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, way: str = "plain") -> dict:
     """One estimator call at 2·requests rows (CFG); with a padding mask when requests > 1, as batches run.
-    compiled: through ``mx.compile`` (traced for this shape on its first call; its element-wise chains fused).
-    """
+    way "compiled": through ``mx.compile`` (traced for this shape on its first call; its element-wise chains
+    fused); "tiled": its products as our kernel."""
+    with products(way):
+        return _call(s3gen, dtype, requests, repeats, frames, way == "compiled") | dict(estimator=way)
+
+
+def _call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, compiled: bool) -> dict:
     est = s3gen.estimator
     est.set_dtype(dtype)
     mx.eval(est.parameters())  # else every graph below would start with the weights' casts
@@ -244,7 +259,6 @@ def call(
     return dict(
         dtype=str(dtype).split(".")[-1],
         rows=b,
-        compiled=compiled,
         primitives=sum(counts.values()),
         views=sum(v for k, v in counts.items() if k in VIEWS),
         build_ms=1e3 * statistics.median(builds[1:]),
@@ -254,7 +268,12 @@ def call(
     )
 
 
-def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls: int = 6) -> dict:
+def device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, way: str = "plain") -> dict:
+    with products(way):
+        return _device_time(s3gen, dtype, requests, frames) | dict(estimator=way)
+
+
+def _device_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, calls: int = 6) -> dict:
     """The GPU's time for one estimator call at 2·requests rows, apart from the host's: a chain of large
     products keeps the GPU busy for about a second while the host queues ``calls`` calls behind it (each one CUDA
     graph, MLX_MAX_OPS_PER_BUFFER being set high: MLX holds the host back at 10 graphs in flight), so the wall
@@ -330,8 +349,9 @@ def solve_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, way: s
     for _ in range(repeats + 1):
         mx.synchronize()
         t0 = time.perf_counter()
-        estimator = est if way == "plain" else _CompiledEstimator(est)
-        mx.eval(cfm.solve(estimator, mu, mask, spks, cond, noise, 10, 0.7))
+        estimator = _CompiledEstimator(est) if way == "compiled" else est
+        with products(way):
+            mx.eval(cfm.solve(estimator, mu, mask, spks, cond, noise, 10, 0.7))
         times.append(time.perf_counter() - t0)
     est.set_dtype(mx.float32)
     return dict(
@@ -438,8 +458,9 @@ def main() -> None:
     p.add_argument(
         "--estimator",
         default="plain",
-        help="call, solve: the estimator as it runs (plain) or through mx.compile (compiled: element-wise chains "
-        "fused; solve compiles once per solve); a comma-separated list runs each, back to back",
+        help="call, solve, device: the estimator as it runs (plain), through mx.compile (compiled: element-wise "
+        "chains fused; solve compiles once per solve; not device), or with its products as our tensor-core kernel "
+        "(tiled: models/gemm.py, bf16 and fp16); a comma-separated list runs each, back to back",
     )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops, call, solve, device: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
@@ -451,8 +472,8 @@ def main() -> None:
     parts, dtypes = args.part.split(","), [getattr(mx, d) for d in args.dtypes.split(",")]
     requests = [int(r) for r in args.rows.split(",")]
     ways = args.estimator.split(",")
-    if set(ways) - {"plain", "compiled"}:
-        p.error(f"--estimator {args.estimator}: plain, compiled, or both")
+    if set(ways) - {"plain", "compiled", "tiled"}:
+        p.error(f"--estimator {args.estimator}: of plain, compiled, tiled")
     if "device" in parts and int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0")) < 100_000:
         p.error(
             "--part device needs MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000 (a graph a call)"
@@ -498,10 +519,10 @@ def main() -> None:
             "\n| dtype | estimator | rows | primitives (views) | build ms | eval ms | top kinds | casts (made by -> "
             "read by) |\n|---|---|---|---|---|---|---|---|",
             (
-                call(s3gen, d, r, args.repeats, args.frames, way == "compiled")
+                call(s3gen, d, r, args.repeats, args.frames, way)
                 for d, r, way in itertools.product(dtypes, requests, ways)
             ),
-            lambda row: f"| {row['dtype']} | {'compiled' if row['compiled'] else 'plain'} | {row['rows']} | "
+            lambda row: f"| {row['dtype']} | {row['estimator']} | {row['rows']} | "
             f"{row['primitives']} ({row['views']}) | {row['build_ms']:.1f} | {row['eval_ms']:.1f} | "
             + ", ".join(f"{k} {v}" for k, v in list(row["kinds"].items())[:6])
             + " | "
@@ -522,9 +543,13 @@ def main() -> None:
     if "device" in parts:
         table(
             "device",
-            "\n| dtype | rows | GPU ms a call (rounds) | chain ms | valid |\n|---|---|---|---|---|",
-            (device_time(s3gen, d, r, args.frames) for d, r in itertools.product(dtypes, requests)),
-            lambda row: f"| {row['dtype']} | {row['rows']} | {row['device_ms']:.1f} ({row['device_ms_rounds']}) | "
+            "\n| dtype | estimator | rows | GPU ms a call (rounds) | chain ms | valid |\n|---|---|---|---|---|---|",
+            (
+                device_time(s3gen, d, r, args.frames, way)
+                for d, r, way in itertools.product(dtypes, requests, [w for w in ways if w != "compiled"])
+            ),
+            lambda row: f"| {row['dtype']} | {row['estimator']} | {row['rows']} | {row['device_ms']:.1f} "
+            f"({row['device_ms_rounds']}) | "
             f"{row['chain_ms']:.0f} | {row['valid']} |",
         )
     if "batch" in parts:

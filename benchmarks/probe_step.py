@@ -55,7 +55,7 @@ from common import write_line
 
 from mlx_chatterbox import sampling
 from mlx_chatterbox.generation import fused_sampling
-from mlx_chatterbox.models import layers
+from mlx_chatterbox.models import gemm, layers
 
 MLX_MATH = sampling.mlx_math
 OURS = (
@@ -70,6 +70,7 @@ OURS = (
     "ours-host-scalars",
     "ours-loaded-weights",
     "ours-loaded-copied",
+    "ours-tiled-products",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -204,6 +205,7 @@ def use(system: str) -> None:
     fused_sampling.SAMPLING_KERNEL = system != "ours-composed-sampling"
     fused_sampling.ENGLISH_SAMPLING_KERNEL = system == "ours-english-sampling"
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
+    gemm.TILED_PRODUCTS = system == "ours-tiled-products"  # S3Gen's estimator (probe_kernels --part s3gen)
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
 
