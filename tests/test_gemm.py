@@ -44,7 +44,12 @@ def operands(seed: int, m: int, n: int, k: int, dtype: mx.Dtype) -> tuple[mx.arr
         ((63, 256), (512, 256), mx.bfloat16, True, False),  # a few rows: cuBLAS or a matrix-vector product
         ((64, 256), (80, 256), mx.bfloat16, True, False),  # N not a multiple of the tile's 64 (final_proj)
         ((64, 80), (256, 80), mx.bfloat16, True, False),  # K not a multiple of 32
-        ((2, 32, 256), (512, 256), mx.bfloat16, True, False),  # rows as 2-D only
+        ((2, 32, 256), (512, 256), mx.bfloat16, True, False),  # a product's rows as 2-D only
+        ((2, 530, 320), (256, 3, 320), mx.bfloat16, True, True),  # a causal convolution (the first resnet's)
+        ((1, 63, 256), (256, 3, 256), mx.bfloat16, True, False),  # a few frames
+        ((2, 530, 84), (256, 3, 84), mx.bfloat16, True, False),  # channels not a multiple of 8
+        ((2, 530, 256), (80, 3, 256), mx.bfloat16, True, False),  # N not a multiple of 64
+        ((1060, 256), (256, 3, 256), mx.bfloat16, True, False),  # a convolution's x as (B, T, C) only
     ],
 )
 def test_the_tiled_product_takes_only_what_its_kernel_computes(
@@ -105,6 +110,29 @@ def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("b, t", [(1, 64), (2, 530), (3, 37)])
+def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t):
+    """The estimator's causal k=3 convolutions (320, 256 and 512 channels in, 256 out; its sequences cross the
+    kernel's 64-row tiles), with the bias, against float64's convolution of the zero-padded input: within one
+    rounding to the output dtype, plus the float accumulators' order."""
+    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    rng = np.random.default_rng(b * t)
+    for c in (320, 256, 512):
+        x = mx.array(rng.standard_normal((b, t, c)).astype(np.float32)).astype(dtype)
+        w = mx.array((rng.standard_normal((256, 3, c)) / np.sqrt(3 * c)).astype(np.float32)).astype(dtype)
+        bias = mx.array(rng.standard_normal(256).astype(np.float32)).astype(dtype)
+        assert gemm.fits(x, w)
+        got = np.asarray(gemm.product(x, w, bias).astype(mx.float32), np.float64)
+        xp = np.pad(np.asarray(x.astype(mx.float32), np.float64), [(0, 0), (2, 0), (0, 0)])
+        wf = np.asarray(w.astype(mx.float32), np.float64)
+        want = sum(xp[:, j : j + t] @ wf[:, j].T for j in range(3)) + np.asarray(bias.astype(mx.float32))
+        err = np.abs(got - want)
+        assert got.shape == (b, t, 256) and (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all(), c
+
+
+@cuda
 def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch):
     """One full-size bf16 estimator call (2 rows of 530 frames: a stream's first decode after a 10 s prompt),
     against the same call in float32: the kernel's rounding (once per product and epilogue) is no farther from
@@ -125,7 +153,8 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
     monkeypatch.setattr(gemm, "_kernels", {})
     tiled = call(mx.bfloat16)
-    assert len(gemm._kernels) == 4  # the kernel ran: q/k/v, with bias and sum, with bias and GELU, with a sum
+    # The kernel ran: q/k/v; with a bias and a sum; a bias and GELU; a sum (the 1x1 convolutions); a bias (k=3).
+    assert len(gemm._kernels) == 5
 
     def distance(y: np.ndarray) -> float:
         return float(np.linalg.norm(y - want) / np.linalg.norm(want))

@@ -1,13 +1,17 @@
-"""Products of many rows in half precision as one CUDA kernel of ours (issue 25): ``x @ weight.T``, then the
-bias, GELU and a sum as its epilogue. For S3Gen's estimator, which is bound by its host: MLX hands every product
-to cuBLAS, which costs 15-20 µs of host time a call (a matmul descriptor and an algorithm query each time, and
-a stream capture under CUDA graphs; RESULTS, `probe_step --part micro`) against 7-10 µs for a kernel of ours,
-and a bf16 estimator call makes 242 products; their biases' sums, GELUs and residual sums are 168 kernels more.
+"""Products of many rows in half precision as one CUDA kernel of ours (issue 25): ``x @ weight.T``, or a causal
+convolution as that product over the frames it sees, then the bias, GELU and a sum as its epilogue. For S3Gen's
+estimator, which is bound by its host: MLX hands every product to cuBLAS and every convolution to cuDNN, which
+cost 15-20 µs of host time a call (a matmul descriptor and an algorithm query each time, and a stream capture
+under CUDA graphs; RESULTS, `probe_step --part micro`) against 7-10 µs for a kernel of ours. A bf16 estimator
+call makes 242 products and 31 convolutions; their biases' sums, GELUs and residual sums are 199 kernels more.
 
 The kernel: tiles of 64 x 64 outputs, 128 threads in 4 warps of 32 x 32, tensor cores through WMMA (16 x 16 x
 16 fragments, float accumulators), the next 32-wide slice of x and the weight loaded into registers while the
 current one is multiplied from shared memory. Rows past x's end read zeros and write nothing, so any row count
-runs; the weight's rows (N) must be a multiple of 64 and its columns (K) of 32. float32 stays with MLX's
+runs; the weight's rows (N) must be a multiple of 64 and its columns (K) of 32. A causal convolution of x (B,
+T, C) by a weight (N, taps, C) is the product of its weight's rows (N, taps·C) with rows that the kernel reads
+from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by side, zeros before its start
+(no copy of x is made, and no padded one). float32 stays with MLX's
 product: a tensor-core product in float32 would be TF32, and the fp32 estimator is upstream's numbers.
 
 Sums differ from MLX's ops in rounding only: the bias, GELU and the sum are applied to the float accumulator
@@ -32,7 +36,8 @@ _TILE_M, _TILE_N, _TILE_K, _THREADS = 64, 64, 32, 128
 
 _HEADER = "#include <mma.h>\n"
 
-# T, N and K come as template constants, M (x's rows) from x's shape; the epilogue is put in by ``product``.
+# T, N, K and TAPS (1: a product of x's rows) come as template constants, x's rows and frames from its shape (2-D
+# for a product, (B, T, C) for a convolution); the epilogue is put in by ``product``.
 _SOURCE = """
   using namespace nvcuda;
   constexpr int BM = 64, BN = 64, BK = 32;
@@ -45,19 +50,25 @@ _SOURCE = """
   T* ws = xs + 2 * BM * LDS;           // [2][BN][LDS]
   float* cs = reinterpret_cast<float*>(smem);  // [BM][LDC]
 
-  const int M = x_shape[0];
+  constexpr int C = K / TAPS;  // x's channels
+  const int M = TAPS == 1 ? x_shape[0] : x_shape[0] * x_shape[1];
+  const int FRAMES = TAPS == 1 ? 1 : x_shape[1];
   const int tid = threadIdx.x;
   const int warp_m = (tid >> 5) >> 1, warp_n = (tid >> 5) & 1;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
-  // Each thread moves two 16-byte pieces of each tile: piece p is row p / 4, columns (p % 4) * 8 on.
+  // Each thread moves two 16-byte pieces of each tile: piece p is row p / 4, columns (p % 4) * 8 on. Column k
+  // of row m is x's element (m, k), or for a convolution channel k % C of tap k / C: frame m - TAPS + 1 + k / C,
+  // zero before its sequence's first (C is a multiple of 8, so a piece lies within one tap).
   uint4 xr[2], wr[2];
   auto fetch = [&](int k0) {
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
-      xr[i] = m0 + r < M ? *reinterpret_cast<const uint4*>(x + (size_t)(m0 + r) * K + k0 + c)
-                         : make_uint4(0, 0, 0, 0);
+      const int m = m0 + r, tap = (k0 + c) / C, back = TAPS - 1 - tap;
+      const bool valid = m < M && (TAPS == 1 || m % FRAMES >= back);
+      xr[i] = valid ? *reinterpret_cast<const uint4*>(x + (size_t)(m - back) * C + (k0 + c) % C)
+                    : make_uint4(0, 0, 0, 0);
       wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k0 + c);
     }
   };
@@ -130,18 +141,21 @@ _kernels: dict[tuple[bool, bool, bool], object] = {}
 
 
 def fits(x: mx.array, weight: mx.array) -> bool:
-    """Whether ``product`` runs x (M, K) against weight (N, K) as our kernel here."""
-    n, k = weight.shape
+    """Whether ``product`` runs x (M, K) against weight (N, K), or the causal convolution of x (B, T, C) by
+    weight (N, taps, C), as our kernel here."""
+    n, c = weight.shape[0], weight.shape[-1]
+    k = weight.size // n
     return (
         TILED_PRODUCTS
         and layers._use_cuda_paths()
         and x.dtype in (mx.bfloat16, mx.float16)
         and weight.dtype == x.dtype
-        and x.ndim == 2
-        and x.shape[1] == k
-        and x.shape[0] >= MIN_ROWS
+        and x.ndim == weight.ndim in (2, 3)
+        and x.shape[-1] == c
+        and x.size // c >= MIN_ROWS
         and n % _TILE_N == 0
         and k % _TILE_K == 0
+        and c % 8 == 0
     )
 
 
@@ -154,10 +168,12 @@ def product(
     add: mx.array | None = None,
 ) -> mx.array:
     """``x @ weight.T`` (+ bias) (then the exact GELU) (+ add), as one kernel; the caller asks ``fits`` first.
-    x (M, K) and weight (N, K) row-contiguous (a ``Linear``'s weight as it is kept), bias (N,), add (M, N)."""
-    (m, k), n = x.shape, weight.shape[0]
-    if add is not None and add.shape != (m, n):
-        raise ValueError(f"add has shape {add.shape}: the product's is {(m, n)}")
+    x (M, K) and weight (N, K) (a ``Linear``'s), or the causal convolution of x (B, T, C) by weight (N, taps, C)
+    (a ``Conv1d``'s: stride 1, no dilation), then x's shape with N channels; bias (N,), add as the output."""
+    n, taps = weight.shape[0], weight.shape[1] if weight.ndim == 3 else 1
+    shape = (*x.shape[:-1], n)
+    if add is not None and add.shape != shape:
+        raise ValueError(f"add has shape {add.shape}: the product's is {shape}")
     key = (bias is not None, gelu, add is not None)
     if key not in _kernels:
         parts = [part for part, on in zip(_EPILOGUE, key) if on]
@@ -168,10 +184,10 @@ def product(
     inputs = [x, weight] + [a for a in (bias, add) if a is not None]
     (out,) = _kernels[key](
         inputs=inputs,
-        template=[("T", x.dtype), ("N", n), ("K", k)],
-        grid=(n // _TILE_N * _THREADS, -(-m // _TILE_M), 1),
+        template=[("T", x.dtype), ("N", n), ("K", weight.size // n), ("TAPS", taps)],
+        grid=(n // _TILE_N * _THREADS, -(-(x.size // x.shape[-1]) // _TILE_M), 1),
         threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(m, n)],
+        output_shapes=[shape],
         output_dtypes=[x.dtype],
     )
     return out
