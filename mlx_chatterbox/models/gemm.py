@@ -5,9 +5,9 @@ cost 15-20 µs of host time a call (a matmul descriptor and an algorithm query e
 under CUDA graphs; RESULTS, `probe_step --part micro`) against 7-10 µs for a kernel of ours. A bf16 estimator
 call makes 242 products and 31 convolutions; their biases' sums, GELUs and residual sums are 199 kernels more.
 
-The kernel: tiles of 64 x 64 outputs, 128 threads in 4 warps of 32 x 32, tensor cores through WMMA (16 x 16 x
-16 fragments, float accumulators), the next 32-wide slice of x and the weight loaded into registers while the
-current one is multiplied from shared memory. Rows past x's end read zeros and write nothing, so any row count
+The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
+tensor cores through WMMA (16 x 16 x 16 fragments, float accumulators), the next 32-wide slice of x and the
+weight loaded into registers while the current one is multiplied from shared memory. Rows past x's end read zeros and write nothing, so any row count
 runs; the weight's rows (N) must be a multiple of 64 and its columns (K) of 32. A causal convolution of x (B,
 T, C) by a weight (N, taps, C) is the product of its weight's rows (N, taps·C) with rows that the kernel reads
 from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by side, zeros before its start
@@ -32,19 +32,22 @@ TILED_PRODUCTS = False
 # Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows).
 MIN_ROWS = 64
 
-_TILE_M, _TILE_N, _TILE_K, _THREADS = 64, 64, 32, 128
+_TILE_N, _TILE_K, _THREADS = 64, 32, 128
 
 _HEADER = "#include <mma.h>\n"
 
-# T, N, K and TAPS (1: a product of x's rows) come as template constants, x's rows and frames from its shape (2-D
-# for a product, (B, T, C) for a convolution); the epilogue is put in by ``product``.
+# T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
+# come as template constants, x's rows and frames from its shape (2-D for a product, (B, T, C) for a
+# convolution); the epilogue is put in by ``product``.
 _SOURCE = """
   using namespace nvcuda;
-  constexpr int BM = 64, BN = 64, BK = 32;
+  constexpr int BN = 64, BK = 32;
+  constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32
   constexpr int LDS = BK + 8;  // a shared row of the x and weight tiles, in elements: 80 bytes, 16-byte aligned
   constexpr int LDC = BN + 4;  // a shared row of the output tile, in floats
   constexpr int TILES = K / BK;
-  // Two buffers of the x and weight tiles (20,480 bytes), which the output tile (17,408) reuses at the end.
+  // Two buffers of the x and weight tiles (20,480 bytes at BM 64), which the output tile (17,408) reuses at the
+  // end.
   __shared__ __align__(128) unsigned char smem[2 * (BM + BN) * LDS * sizeof(T)];
   T* xs = reinterpret_cast<T*>(smem);  // [2][BM][LDS]
   T* ws = xs + 2 * BM * LDS;           // [2][BN][LDS]
@@ -57,33 +60,42 @@ _SOURCE = """
   const int warp_m = (tid >> 5) >> 1, warp_n = (tid >> 5) & 1;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
-  // Each thread moves two 16-byte pieces of each tile: piece p is row p / 4, columns (p % 4) * 8 on. Column k
+  // Each thread moves FM 16-byte pieces of x's tile and two of the weight's: piece p is row p / 4, columns
+  // (p % 4) * 8 on. Column k
   // of row m is x's element (m, k), or for a convolution channel k % C of tap k / C: frame m - TAPS + 1 + k / C,
   // zero before its sequence's first (C is a multiple of 8, so a piece lies within one tap).
-  uint4 xr[2], wr[2];
+  uint4 xr[FM], wr[2];
   auto fetch = [&](int k0) {
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < FM; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
       const int m = m0 + r, tap = (k0 + c) / C, back = TAPS - 1 - tap;
       const bool valid = m < M && (TAPS == 1 || m % FRAMES >= back);
       xr[i] = valid ? *reinterpret_cast<const uint4*>(x + (size_t)(m - back) * C + (k0 + c) % C)
                     : make_uint4(0, 0, 0, 0);
+    }
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
       wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k0 + c);
     }
   };
   auto stash = [&](int buf) {
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < FM; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
       *reinterpret_cast<uint4*>(xs + (buf * BM + r) * LDS + c) = xr[i];
+    }
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
       *reinterpret_cast<uint4*>(ws + (buf * BN + r) * LDS + c) = wr[i];
     }
   };
 
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FM][2];
   #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < FM; ++i)
     #pragma unroll
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
@@ -95,16 +107,16 @@ _SOURCE = """
     if (t + 1 < TILES) fetch((t + 1) * BK);  // in flight while this tile is multiplied
     #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fx[2];
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fx[FM];
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fw[2];
       #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        wmma::load_matrix_sync(fx[i], xs + (buf * BM + warp_m * 32 + i * 16) * LDS + kk, LDS);
+      for (int i = 0; i < FM; ++i)
+        wmma::load_matrix_sync(fx[i], xs + (buf * BM + warp_m * (BM / 2) + i * 16) * LDS + kk, LDS);
       #pragma unroll
       for (int j = 0; j < 2; ++j)
         wmma::load_matrix_sync(fw[j], ws + (buf * BN + warp_n * 32 + j * 16) * LDS + kk, LDS);
       #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < FM; ++i)
         #pragma unroll
         for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fx[i], fw[j], acc[i][j]);
     }
@@ -115,10 +127,10 @@ _SOURCE = """
 
   // Every warp has read its last tile (the loop's last barrier): the output tile takes their place.
   #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < FM; ++i)
     #pragma unroll
     for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(cs + (warp_m * 32 + i * 16) * LDC + warp_n * 32 + j * 16, acc[i][j], LDC,
+      wmma::store_matrix_sync(cs + (warp_m * (BM / 2) + i * 16) * LDC + warp_n * 32 + j * 16, acc[i][j], LDC,
                               wmma::mem_row_major);
   __syncthreads();
   for (int e = tid; e < BM * BN; e += 128) {
@@ -181,11 +193,15 @@ def product(
         source = _SOURCE.replace("// epilogue", "\n    ".join(_EPILOGUE[part] for part in parts))
         label = "_".join(["tiled_product", *parts])
         _kernels[key] = mx.fast.cuda_kernel(label, names, ["out"], source, header=_HEADER)
+    # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
+    # channels: one block of 4 warps an SM waits on each k-tile's loads).
+    m = x.size // x.shape[-1]
+    bm = 64 if -(-m // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32
     inputs = [x, weight] + [a for a in (bias, add) if a is not None]
     (out,) = _kernels[key](
         inputs=inputs,
-        template=[("T", x.dtype), ("N", n), ("K", weight.size // n), ("TAPS", taps)],
-        grid=(n // _TILE_N * _THREADS, -(-(x.size // x.shape[-1]) // _TILE_M), 1),
+        template=[("T", x.dtype), ("N", n), ("K", weight.size // n), ("TAPS", taps), ("BM", bm)],
+        grid=(n // _TILE_N * _THREADS, -(-m // bm), 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[shape],
         output_dtypes=[x.dtype],
