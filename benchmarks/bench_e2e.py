@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
-from mlx_chatterbox.models import gemm
+from mlx_chatterbox.models import cfm
 
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--tiled-products",
         action="store_true",
-        help="ours: the estimator's products as our tensor-core kernel (models/gemm.py; CUDA, bf16 estimator)",
+        help="ours: the estimator's products as our tensor-core kernel (cfm.tiled_product; CUDA, bf16 estimator)",
     )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")
     if args.tiled_products and (set(systems) != {"ours"} or args.cfm_dtype == "float32"):
         p.error("--tiled-products applies to ours (--systems ours) with a half-precision --cfm-dtype")
-    gemm.TILED_PRODUCTS = args.tiled_products
+    cfm.TILED_PRODUCTS = args.tiled_products
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)

@@ -39,7 +39,7 @@ from mlx_chatterbox import TTS
 from mlx_chatterbox.generation import batch as t3_batch
 from mlx_chatterbox.generation import stream
 from mlx_chatterbox.generation.voice import Voice
-from mlx_chatterbox.models import gemm
+from mlx_chatterbox.models import cfm
 from mlx_chatterbox.server import worker as worker_module
 from mlx_chatterbox.server.worker import SpeechJob, Worker
 
@@ -194,7 +194,7 @@ def main() -> None:
     p.add_argument(
         "--tiled-products",
         action="store_true",
-        help="the estimator's products as our tensor-core kernel (models/gemm.py; bf16 estimator, in this process: "
+        help="the estimator's products as our tensor-core kernel (cfm.tiled_product; bf16 estimator, in this process: "
         "not with worker-process)",
     )
     p.add_argument("--out", help="append JSON lines here")
@@ -208,7 +208,7 @@ def main() -> None:
         p.error(
             "--tiled-products sets this process's switch: the vocoding process of worker-process would not see it"
         )
-    gemm.TILED_PRODUCTS = args.tiled_products
+    cfm.TILED_PRODUCTS = args.tiled_products
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     mx.set_default_device(getattr(mx, args.device))

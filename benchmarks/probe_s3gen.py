@@ -11,7 +11,7 @@ and memory budget. A probe for the H200 (random full-size weights, no torch); pr
   evaluate it.
 - solve: one CFM solve (10 steps with CFG) at 2·N rows of ``--frames`` frames, the estimator as it runs or, with
   ``--estimator compiled``, compiled afresh for the solve (its trace counted): what a per-utterance compile gives;
-  ``--estimator tiled`` (call, solve, device): the estimator's products as our tensor-core kernel (models/gemm.py).
+  ``--estimator tiled`` (call, solve, device): the estimator's products as our tensor-core kernel (cfm.tiled_product).
 - device: the GPU's time for one estimator call at 2·N rows, apart from the host's (the calls queued behind a
   second-long chain of products; run with MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000).
 - batch: ``S3Gen.batch`` of N requests of 10 s (the 10 s voice prompt each) by stage (encoder, CFM, HiFT), under
@@ -48,7 +48,7 @@ from mlx_chatterbox.convert import S3GEN_PARTS, sanitize_s3gen_part, split_s3gen
 from mlx_chatterbox.generation import vocode
 from mlx_chatterbox.generation.vocode import S3Gen, resolve_memory_budget
 from mlx_chatterbox.generation.voice import Voice
-from mlx_chatterbox.models import cfm, gemm
+from mlx_chatterbox.models import cfm
 from mlx_chatterbox.variants import ENGLISH
 
 FRAMES = 1000  # mel frames of a 10 s prompt + 10 s of speech
@@ -217,12 +217,12 @@ def astype_context(*outputs: mx.array) -> collections.Counter:
 
 @contextlib.contextmanager
 def products(way: str) -> Iterator[None]:
-    """The estimator's products as our kernel (models/gemm.py) for the "tiled" way, MLX's otherwise."""
-    gemm.TILED_PRODUCTS = way == "tiled"
+    """The estimator's products as our kernel (cfm.tiled_product) for the "tiled" way, MLX's otherwise."""
+    cfm.TILED_PRODUCTS = way == "tiled"
     try:
         yield
     finally:
-        gemm.TILED_PRODUCTS = False
+        cfm.TILED_PRODUCTS = False
 
 
 def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, way: str = "plain") -> dict:
@@ -460,7 +460,7 @@ def main() -> None:
         default="plain",
         help="call, solve, device: the estimator as it runs (plain), through mx.compile (compiled: element-wise "
         "chains fused; solve compiles once per solve; not device), or with its products as our tensor-core kernel "
-        "(tiled: models/gemm.py, bf16 and fp16); a comma-separated list runs each, back to back",
+        "(tiled: cfm.tiled_product, bf16 and fp16); a comma-separated list runs each, back to back",
     )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops, call, solve, device: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")

@@ -55,7 +55,7 @@ from common import write_line
 
 from mlx_chatterbox import sampling
 from mlx_chatterbox.generation import fused_sampling
-from mlx_chatterbox.models import gemm, layers
+from mlx_chatterbox.models import cfm, layers
 
 MLX_MATH = sampling.mlx_math
 OURS = (
@@ -205,7 +205,7 @@ def use(system: str) -> None:
     fused_sampling.SAMPLING_KERNEL = system != "ours-composed-sampling"
     fused_sampling.ENGLISH_SAMPLING_KERNEL = system == "ours-english-sampling"
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
-    gemm.TILED_PRODUCTS = system == "ours-tiled-products"  # S3Gen's estimator (probe_kernels --part s3gen)
+    cfm.TILED_PRODUCTS = system == "ours-tiled-products"  # S3Gen's estimator (probe_kernels --part s3gen)
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
 

@@ -1,4 +1,4 @@
-"""models/gemm.py: the estimator's products as our tensor-core kernel on CUDA (off by default until these GPU
+"""models/cfm.py's tiled products: the estimator's products as our tensor-core kernel on CUDA (off by default until these GPU
 tests have run on one). What it takes is checked on any device; the kernel itself only where CUDA is (run with
 pytest on the H200), since CI has no GPU.
 """
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.special import erf
 
-from mlx_chatterbox.models import cfm, gemm, layers
+from mlx_chatterbox.models import cfm, layers
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -61,12 +61,12 @@ def operands(seed: int, m: int, n: int, k: int, dtype: mx.Dtype) -> tuple[mx.arr
 def test_the_tiled_product_takes_only_what_its_kernel_computes(
     monkeypatch, x_shape, w_shape, dtype, on_gpu, fits
 ):
-    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     monkeypatch.setattr(layers, "_use_cuda_paths", lambda: on_gpu)
     x, w = mx.zeros(x_shape, dtype), mx.zeros(w_shape, dtype)
-    assert gemm.fits(x, w) is fits
-    monkeypatch.setattr(gemm, "TILED_PRODUCTS", False)
-    assert not gemm.fits(x, w)  # off: MLX's ops everywhere
+    assert cfm.tiled_fits(x, w) is fits
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", False)
+    assert not cfm.tiled_fits(x, w)  # off: MLX's ops everywhere
 
 
 def test_the_linear_of_the_estimator_is_its_ops_in_order_without_the_kernel():
@@ -94,13 +94,13 @@ def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
     """The estimator's products with their epilogues, at row counts past a tile's edge (tiles of 32 and 64
     rows): within one rounding to the output dtype (2^-8 of bf16, 2^-11 of fp16, relative) of float64's
     result, plus the float accumulators' order (1e-5 of the largest)."""
-    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
     for (n, k), (with_bias, gelu, with_add) in PRODUCTS:
         x, w, bias, add = operands(n + k + m, m, n, k, dtype)
-        assert gemm.fits(x, w)
+        assert cfm.tiled_fits(x, w)
         bias, add = (bias if with_bias else None), (add if with_add else None)
-        got = np.asarray(gemm.product(x, w, bias, gelu=gelu, add=add).astype(mx.float32), np.float64)
+        got = np.asarray(cfm.tiled_product(x, w, bias, gelu=gelu, add=add).astype(mx.float32), np.float64)
         want = reference(x, w, bias, gelu, add)
         assert got.shape == (m, n)
         err = np.abs(got - want)
@@ -120,15 +120,15 @@ def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatc
     """The estimator's causal k=3 convolutions (320, 256 and 512 channels in, 256 out; its sequences cross the
     kernel's 64-row tiles), with the bias, against float64's convolution of the zero-padded input: within one
     rounding to the output dtype, plus the float accumulators' order."""
-    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
     rng = np.random.default_rng(b * t)
     for c in (320, 256, 512):
         x = mx.array(rng.standard_normal((b, t, c)).astype(np.float32)).astype(dtype)
         w = mx.array((rng.standard_normal((256, 3, c)) / np.sqrt(3 * c)).astype(np.float32)).astype(dtype)
         bias = mx.array(rng.standard_normal(256).astype(np.float32)).astype(dtype)
-        assert gemm.fits(x, w)
-        got = np.asarray(gemm.product(x, w, bias).astype(mx.float32), np.float64)
+        assert cfm.tiled_fits(x, w)
+        got = np.asarray(cfm.tiled_product(x, w, bias).astype(mx.float32), np.float64)
         xp = np.pad(np.asarray(x.astype(mx.float32), np.float64), [(0, 0), (2, 0), (0, 0)])
         wf = np.asarray(w.astype(mx.float32), np.float64)
         want = sum(xp[:, j : j + t] @ wf[:, j].T for j in range(3)) + np.asarray(bias.astype(mx.float32))
@@ -154,11 +154,11 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     want = call(mx.float32)
     est.set_dtype(mx.bfloat16)
     composed = call(mx.bfloat16)
-    monkeypatch.setattr(gemm, "TILED_PRODUCTS", True)
-    monkeypatch.setattr(gemm, "_kernels", {})
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "_tiled_kernels", {})
     tiled = call(mx.bfloat16)
     # The kernel ran: q/k/v; with a bias and a sum; a bias and GELU; a sum (the 1x1 convolutions); a bias (k=3).
-    assert len(gemm._kernels) == 5
+    assert len(cfm._tiled_kernels) == 5
 
     def distance(y: np.ndarray) -> float:
         return float(np.linalg.norm(y - want) / np.linalg.norm(want))
