@@ -236,18 +236,21 @@ def test_fused_qkv_equals_the_three_projections(estimator):
     """Attention takes q, k, v as one product against the weights side by side; the three separate linears
     (upstream's computation) give the same output, plus the residual, within 1e-6 of its largest value in fp32.
     """
-    attn = estimator.mid_blocks[0][1][0].attn1
+    block = estimator.mid_blocks[0][1][0]
+    attn = block.attn1
     b, n, bias = 2, 7, mx.array([[0.0] * 7, [0.0] * 5 + [-1e10] * 2])[:, None, None, :]
     x = mx.array(np.random.default_rng(3).standard_normal((b * n, TINY.channels)).astype(np.float32))
 
-    def heads(linear):  # nn.Linear's own call: x @ W.T
-        return nn.Linear.__call__(linear, x).reshape(b, n, attn.num_heads, -1).transpose(0, 2, 1, 3)
+    def heads(linear):  # nn.Linear's own call: norm1(x) @ W.T
+        return (
+            nn.Linear.__call__(linear, block.norm1(x)).reshape(b, n, attn.num_heads, -1).transpose(0, 2, 1, 3)
+        )
 
     out = mx.fast.scaled_dot_product_attention(
         heads(attn.to_q), heads(attn.to_k), heads(attn.to_v), scale=attn.head_dim**-0.5, mask=bias
     )
     ref = nn.Linear.__call__(attn.to_out[0], out.transpose(0, 2, 1, 3).reshape(b * n, -1)) + x
-    assert close(attn(x, b, bias, residual=x), ref, 1e-6)
+    assert close(attn(x, b, bias, residual=x, norm=block.norm1), ref, 1e-6)
 
 
 def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):

@@ -6,6 +6,7 @@ pytest on the H200), since CI has no GPU.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from scipy.special import erf
@@ -14,24 +15,36 @@ from mlx_chatterbox.models import cfm, layers
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
-# The estimator's products at full size, (N, K) with the epilogue each takes (bias, GELU, sum): q/k/v, the output
-# projection, the feed-forward's two, the resnets' 1x1 convolutions (the first one's input is x, mu, spks and
-# cond: 320 channels), and every epilogue at once. A kernel is built for each set (NVRTC, about a second).
+# The estimator's products at full size, (N, K) with what each takes (LayerNorm before; bias, GELU, sum after):
+# q/k/v, the output projection, the feed-forward's two, the resnets' 1x1 convolutions (the first one's input
+# is x, mu, spks and cond: 320 channels), and everything at once. A kernel is built for each set (NVRTC, about a
+# second).
 PRODUCTS = [
-    ((1536, 256), (False, False, False)),
-    ((256, 512), (True, False, True)),
-    ((1024, 256), (True, True, False)),
-    ((256, 1024), (True, False, True)),
-    ((256, 320), (False, False, True)),
-    ((256, 512), (True, True, True)),
+    ((1536, 256), (True, False, False, False)),
+    ((256, 512), (False, True, False, True)),
+    ((1024, 256), (True, True, True, False)),
+    ((256, 1024), (False, True, False, True)),
+    ((256, 320), (False, False, False, True)),
+    ((256, 256), (True, True, True, True)),
 ]
 
 
 def operands(seed: int, m: int, n: int, k: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
-    """x (m, k), weight (n, k) scaled as a layer's, bias (n,), add (m, n)."""
+    """x (m, k) off zero mean and unit scale, weight (n, k) scaled as a layer's, bias (n,), add (m, n)."""
     rng = np.random.default_rng(seed)
     x, w, bias, add = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), (n,), (m, n)))
-    return tuple(mx.array(a).astype(dtype) for a in (x, w / np.sqrt(k), bias, add))
+    return tuple(mx.array(a).astype(dtype) for a in (3 * x + 1, w / np.sqrt(k), bias, add))
+
+
+def layer_norm(k: int, seed: int, dtype: mx.Dtype) -> nn.LayerNorm:
+    """An affine LayerNorm with random weight (1 + 0.1·N) and bias (0.1·N)."""
+    norm = nn.LayerNorm(k, eps=1e-5)
+    rng = np.random.default_rng(seed)
+    norm.update(
+        {"weight": mx.array(1 + 0.1 * rng.standard_normal(k)), "bias": mx.array(0.1 * rng.standard_normal(k))}
+    )
+    norm.set_dtype(dtype)
+    return norm
 
 
 @pytest.mark.parametrize(
@@ -77,11 +90,24 @@ def test_the_linear_of_the_estimator_is_its_ops_in_order_without_the_kernel():
     assert np.array_equal(cfm.linear(layer, x), layer(x))
     assert np.array_equal(cfm.linear(layer, x, add=add), layer(x) + add)
     assert np.array_equal(cfm.linear(layer, x, gelu=True), layers.gelu_linear(x, layer.weight_t(), bias))
+    norm = layer_norm(32, 1, mx.float32)
+    assert np.array_equal(cfm.linear(layer, x, gelu=True, norm=norm), cfm.linear(layer, norm(x), gelu=True))
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.asarray(a.astype(mx.float32), np.float64)
+
+
+def normed(x: mx.array, norm: nn.LayerNorm) -> np.ndarray:
+    """LayerNorm in float64 on the rounded operands."""
+    x = f64(x)
+    y = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + norm.eps)
+    return y * f64(norm.weight) + f64(norm.bias)
 
 
 def reference(x, w, bias, gelu, add) -> np.ndarray:
-    """The epilogue's math in float64 on the rounded operands."""
-    y = np.asarray(x.astype(mx.float32), np.float64) @ np.asarray(w.astype(mx.float32), np.float64).T
+    """The epilogue's math in float64 on the rounded operands (x an array, or already float64)."""
+    y = (x if isinstance(x, np.ndarray) else f64(x)) @ f64(w).T
     y = y if bias is None else y + np.asarray(bias.astype(mx.float32), np.float64)
     y = 0.5 * y * (1 + erf(y / np.sqrt(2))) if gelu else y
     return y if add is None else y + np.asarray(add.astype(mx.float32), np.float64)
@@ -91,25 +117,33 @@ def reference(x, w, bias, gelu, add) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
 def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
-    """The estimator's products with their epilogues, at row counts past a tile's edge (tiles of 32 and 64
+    """The estimator's products with what each takes, at row counts past a tile's edge (tiles of 32 and 64
     rows): within one rounding to the output dtype (2^-8 of bf16, 2^-11 of fp16, relative) of float64's
-    result, plus the float accumulators' order (1e-5 of the largest)."""
+    result, plus the float accumulators' order (1e-5 of the largest); with a LayerNorm, whose output the kernel
+    rounds to the dtype as MLX's does, plus that rounding's reach: 2^-8 (2^-11) of sum_k |norm(x)_k w_k|, with
+    GELU's slope (at most 1.13)."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
-    for (n, k), (with_bias, gelu, with_add) in PRODUCTS:
+    for (n, k), (with_norm, with_bias, gelu, with_add) in PRODUCTS:
         x, w, bias, add = operands(n + k + m, m, n, k, dtype)
         assert cfm.tiled_fits(x, w)
+        norm = layer_norm(k, n + m, dtype) if with_norm else None
         bias, add = (bias if with_bias else None), (add if with_add else None)
-        got = np.asarray(cfm.tiled_product(x, w, bias, gelu=gelu, add=add).astype(mx.float32), np.float64)
-        want = reference(x, w, bias, gelu, add)
+        out = cfm.tiled_product(x, w, bias, gelu=gelu, add=add, norm=norm)
+        got = np.asarray(out.astype(mx.float32), np.float64)
+        xn = normed(x, norm) if with_norm else f64(x)
+        want = reference(xn, w, bias, gelu, add)
         assert got.shape == (m, n)
         err = np.abs(got - want)
+        if with_norm:
+            err -= 1.13 * ulp * (np.abs(xn) @ np.abs(f64(w)).T)
         assert (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all(), (
             n,
             k,
             with_bias,
             gelu,
             with_add,
+            with_norm,
         )
 
 

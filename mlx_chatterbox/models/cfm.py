@@ -148,11 +148,19 @@ class Linear(nn.Linear):
         return mx.addmm(self["bias"], x, w_t) if "bias" in self else x @ w_t
 
 
-def linear(layer: Linear, x: mx.array, *, gelu: bool = False, add: mx.array | None = None) -> mx.array:
-    """``layer(x)``, then the exact GELU, then plus ``add`` (the layer's shape), each optional: one kernel of
-    ours where ``tiled_fits`` (CUDA, half precision), MLX's ops in this order elsewhere."""
+def linear(
+    layer: Linear,
+    x: mx.array,
+    *,
+    gelu: bool = False,
+    add: mx.array | None = None,
+    norm: nn.LayerNorm | None = None,
+) -> mx.array:
+    """``layer(norm(x))``, then the exact GELU, then plus ``add`` (the layer's shape), each optional: one kernel
+    of ours where ``tiled_fits`` (CUDA, half precision), MLX's ops in this order elsewhere."""
     if tiled_fits(x, layer.weight):
-        return tiled_product(x, layer.weight, layer.get("bias"), gelu=gelu, add=add)
+        return tiled_product(x, layer.weight, layer.get("bias"), gelu=gelu, add=add, norm=norm)
+    x = x if norm is None else norm(x)
     y = gelu_linear(x, layer.weight_t(), layer["bias"]) if gelu else layer(x)
     return y if add is None else y + add
 
@@ -257,10 +265,16 @@ class Attention(nn.Module):
         sources = (self.to_q["weight"], self.to_k["weight"], self.to_v["weight"])
         return kept(self, "_qkv", sources, lambda *ws: mx.concatenate(ws, axis=0))
 
-    def __call__(self, x: mx.array, b: int, bias: mx.array | None, residual: mx.array) -> mx.array:
-        """x: (B·T, dim) rows of b sequences -> the output projection plus ``residual``, (B·T, dim)."""
+    def __call__(
+        self, x: mx.array, b: int, bias: mx.array | None, residual: mx.array, norm: nn.LayerNorm
+    ) -> mx.array:
+        """x: (B·T, dim) rows of b sequences -> attention over ``norm(x)``, its output projection plus
+        ``residual``, (B·T, dim)."""
         n, w = x.shape[0] // b, self.qkv_weight()
-        qkv = tiled_product(x, w) if tiled_fits(x, w) else x @ kept(self, "_qkv_t", (w,), lambda w: w.T)
+        if tiled_fits(x, w):
+            qkv = tiled_product(x, w, norm=norm)
+        else:
+            qkv = norm(x) @ kept(self, "_qkv_t", (w,), lambda w: w.T)
         qkv = qkv.reshape(b, n, 3 * self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, 3, axis=1)  # each (B, H, T, hd)
         out = attention(q, k, v, self.head_dim**-0.5, bias)
@@ -274,8 +288,8 @@ class GELUProjection(nn.Module):
         super().__init__()
         self.proj = Linear(dim, inner)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return linear(self.proj, x, gelu=True)
+    def __call__(self, x: mx.array, norm: nn.LayerNorm) -> mx.array:
+        return linear(self.proj, x, gelu=True, norm=norm)
 
 
 class FeedForward(nn.Module):
@@ -283,9 +297,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = [GELUProjection(dim, FF_MULT * dim), None, Linear(FF_MULT * dim, dim)]  # net.1: dropout
 
-    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
-        """The feed-forward of x plus ``residual``."""
-        return linear(self.net[2], self.net[0](x), add=residual)
+    def __call__(self, x: mx.array, residual: mx.array, norm: nn.LayerNorm) -> mx.array:
+        """The feed-forward of ``norm(x)`` plus ``residual``."""
+        return linear(self.net[2], self.net[0](x, norm), add=residual)
 
 
 class BasicTransformerBlock(nn.Module):
@@ -301,8 +315,9 @@ class BasicTransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def __call__(self, x: mx.array, b: int, bias: mx.array | None) -> mx.array:
-        x = self.attn1(self.norm1(x), b, bias, residual=x)
-        return self.ff(self.norm3(x), residual=x)
+        # The norms are taken inside the products that follow them (the tiled kernel's prologue on CUDA).
+        x = self.attn1(x, b, bias, residual=x, norm=self.norm1)
+        return self.ff(x, residual=x, norm=self.norm3)
 
 
 class Estimator(nn.Module):
@@ -648,11 +663,11 @@ def meanflow_steps(
 # --- The estimator's products as one CUDA kernel of ours (issue 25) ---
 #
 # Products of many rows in half precision, ``x @ weight.T`` or a causal convolution as that product over the
-# frames it sees, with the bias, GELU and a sum as the kernel's epilogue. The estimator is bound by its host, and
-# MLX hands every product to cuBLAS and every convolution to cuDNN: 15-20 µs of host time a call (a matmul
-# descriptor and an algorithm query each time, and a stream capture under CUDA graphs; RESULTS, `probe_step
-# --part micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and 31 convolutions, and
-# their biases' sums, GELUs and residual sums are 199 kernels more.
+# frames it sees, with a LayerNorm before and the bias, GELU and a sum after inside the kernel. The estimator is
+# bound by its host, and MLX hands every product to cuBLAS and every convolution to cuDNN: 15-20 µs of host time
+# a call (a matmul descriptor and an algorithm query each time, and a stream capture under CUDA graphs; RESULTS,
+# `probe_step --part micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and 31
+# convolutions, and their biases' sums, GELUs, residual sums and the norms before them are 311 kernels more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
 # tensor cores through WMMA (16 x 16 x 16 fragments, float accumulators), the next 32-wide slice of x and the
@@ -720,10 +735,12 @@ _TILED_SOURCE = """
       wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k0 + c);
     }
   };
-  auto stash = [&](int buf) {
+  // prologue
+  auto stash = [&](int buf, int k0) {
     #pragma unroll
     for (int i = 0; i < FM; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
+      // normalize
       *reinterpret_cast<uint4*>(xs + (buf * BM + r) * LDS + c) = xr[i];
     }
     #pragma unroll
@@ -740,7 +757,7 @@ _TILED_SOURCE = """
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
   fetch(0);
-  stash(0);
+  stash(0, 0);
   __syncthreads();
   for (int t = 0; t < TILES; ++t) {
     const int buf = t & 1;
@@ -761,7 +778,7 @@ _TILED_SOURCE = """
         for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fx[i], fw[j], acc[i][j]);
     }
     // The other buffer was last read in the previous tile, before the barrier that ended it.
-    if (t + 1 < TILES) stash(buf ^ 1);
+    if (t + 1 < TILES) stash(buf ^ 1, (t + 1) * BK);
     __syncthreads();
   }
 
@@ -783,13 +800,49 @@ _TILED_SOURCE = """
   }
 """
 
+# A LayerNorm before the product (``norm``): each warp finds the mean and 1/std of BM / 4 of the tile's rows
+# (two passes over a row held in registers, lane j holding columns j, j + 32, ...), and each piece of x is
+# normalized, scaled, shifted and rounded to T as it goes into shared memory, as MLX's LayerNorm rounds its
+# output; rows past x's end stay zero. EPS is put in as a literal.
+_TILED_NORM_PROLOGUE = """
+  __shared__ float row_mean[BM], row_rstd[BM];
+  for (int r = tid >> 5; r < BM; r += 4) {
+    const int lane = tid & 31;
+    float v[K / 32], sum = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < K / 32; ++j) {
+      v[j] = m0 + r < M ? static_cast<float>(x[(size_t)(m0 + r) * K + j * 32 + lane]) : 0.0f;
+      sum += v[j];
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float mean = sum / K;
+    float squares = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < K / 32; ++j) squares += (v[j] - mean) * (v[j] - mean);
+    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+    if (lane == 0) {
+      row_mean[r] = mean;
+      row_rstd[r] = rsqrtf(squares / K + EPS);
+    }
+  }
+  __syncthreads();"""
+_TILED_NORM_PIECE = """if (m0 + r < M) {
+        T* e = reinterpret_cast<T*>(&xr[i]);
+        #pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int k = k0 + c + q;
+          const float y = (static_cast<float>(e[q]) - row_mean[r]) * row_rstd[r];
+          e[q] = static_cast<T>(y * static_cast<float>(norm_w[k]) + static_cast<float>(norm_b[k]));
+        }
+      }"""
+
 _TILED_EPILOGUE = {
     "bias": "y += static_cast<float>(bias[n0 + c]);",
     "gelu": "y = 0.5f * y * (1.0f + erff(y * 0.7071067811865476f));",
     "add": "y += static_cast<float>(add[at]);",
 }
 
-_tiled_kernels: dict[tuple[bool, bool, bool], object] = {}
+_tiled_kernels: dict[tuple[bool, bool, bool, str | None], object] = {}
 
 
 def tiled_fits(x: mx.array, weight: mx.array) -> bool:
@@ -818,26 +871,35 @@ def tiled_product(
     *,
     gelu: bool = False,
     add: mx.array | None = None,
+    norm: nn.LayerNorm | None = None,
 ) -> mx.array:
-    """``x @ weight.T`` (+ bias) (then the exact GELU) (+ add), as one kernel; the caller asks ``tiled_fits`` first.
-    x (M, K) and weight (N, K) (a ``Linear``'s), or the causal convolution of x (B, T, C) by weight (N, taps, C)
-    (a ``Conv1d``'s: stride 1, no dilation), then x's shape with N channels; bias (N,), add as the output."""
+    """``norm(x) @ weight.T`` (+ bias) (then the exact GELU) (+ add), as one kernel; the caller asks
+    ``tiled_fits`` first. x (M, K) and weight (N, K) (a ``Linear``'s), or the causal convolution of x (B, T, C)
+    by weight (N, taps, C) (a ``Conv1d``'s: stride 1, no dilation; no ``norm``), then x's shape with N channels;
+    bias (N,), add as the output; ``norm`` an affine LayerNorm over x's K channels."""
     n, taps = weight.shape[0], weight.shape[1] if weight.ndim == 3 else 1
     shape = (*x.shape[:-1], n)
     if add is not None and add.shape != shape:
         raise ValueError(f"add has shape {add.shape}: the product's is {shape}")
-    key = (bias is not None, gelu, add is not None)
+    if norm is not None and (taps > 1 or "weight" not in norm or "bias" not in norm):
+        raise ValueError("norm: an affine LayerNorm before a product (not a convolution)")
+    eps = None if norm is None else layers._float_literal(norm.eps)
+    key = (bias is not None, gelu, add is not None, eps)
     if key not in _tiled_kernels:
         parts = [part for part, on in zip(_TILED_EPILOGUE, key) if on]
-        names = ["x", "w"] + [part for part in parts if part != "gelu"]
+        names = ["x", "w"] + ["norm_w", "norm_b"] * (norm is not None) + [p for p in parts if p != "gelu"]
         source = _TILED_SOURCE.replace("// epilogue", "\n    ".join(_TILED_EPILOGUE[part] for part in parts))
-        label = "_".join(["tiled_product", *parts])
+        if norm is not None:
+            source = f"constexpr float EPS = {eps};" + source.replace("// prologue", _TILED_NORM_PROLOGUE)
+            source = source.replace("// normalize", _TILED_NORM_PIECE)
+        label = "_".join(["tiled_product", *(["norm"] * (norm is not None)), *parts])
         _tiled_kernels[key] = mx.fast.cuda_kernel(label, names, ["out"], source, header=_TILED_HEADER)
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads).
     m = x.size // x.shape[-1]
     bm = 64 if -(-m // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32
-    inputs = [x, weight] + [a for a in (bias, add) if a is not None]
+    inputs = [x, weight] + ([norm.weight, norm.bias] if norm is not None else [])
+    inputs += [a for a in (bias, add) if a is not None]
     (out,) = _tiled_kernels[key](
         inputs=inputs,
         template=[("T", x.dtype), ("N", n), ("K", weight.size // n), ("TAPS", taps), ("BM", bm)],
