@@ -701,8 +701,7 @@ _TILED_SOURCE = """
   constexpr int LDS = BK + 8;  // a shared row of the x and weight tiles, in elements: 80 bytes, 16-byte aligned
   constexpr int LDC = BN + 4;  // a shared row of the output tile, in floats
   constexpr int TILES = K / BK;
-  // Two buffers of the x and weight tiles (20,480 bytes at BM 64), which the output tile (17,408) reuses at the
-  // end.
+  // Two buffers of the x and weight tiles (20,480 bytes at BM 64), which the output tile (17,408) reuses.
   __shared__ __align__(128) unsigned char smem[2 * (BM + BN) * LDS * sizeof(T)];
   T* xs = reinterpret_cast<T*>(smem);  // [2][BM][LDS]
   T* ws = xs + 2 * BM * LDS;           // [2][BN][LDS]
@@ -716,9 +715,8 @@ _TILED_SOURCE = """
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
   // Each thread moves FM 16-byte pieces of x's tile and two of the weight's: piece p is row p / 4, columns
-  // (p % 4) * 8 on. Column k
-  // of row m is x's element (m, k), or for a convolution channel k % C of tap k / C: frame m - TAPS + 1 + k / C,
-  // zero before its sequence's first (C is a multiple of 8, so a piece lies within one tap).
+  // (p % 4) * 8 on. Column k of row m is x's element (m, k), or for a convolution channel k % C of tap k / C:
+  // frame m - TAPS + 1 + k / C, zero before its sequence's first (C is a multiple of 8: a piece is in one tap).
   uint4 xr[FM], wr[2];
   auto fetch = [&](int k0) {
     #pragma unroll
