@@ -670,7 +670,7 @@ def meanflow_steps(
 # convolutions, and their biases' sums, GELUs, residual sums and the norms before them are 311 kernels more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
-# tensor cores through WMMA (16 x 16 x 16 fragments, float accumulators), the next 32-wide slice of x and the
+# tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next 32-wide slice of x and the
 # weight loaded into registers while the current one is multiplied from shared memory. Rows past x's end read
 # zeros and write nothing, so any row count runs; the weight's rows (N) must be a multiple of 64 and its columns
 # (K) of 32. A causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows
@@ -689,23 +689,19 @@ TILED_MIN_ROWS = 64
 
 _TILE_N, _TILE_K, _THREADS = 64, 32, 128
 
-_TILED_HEADER = "#include <mma.h>\n"
-
 # T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
 # come as template constants, x's rows and frames from its shape (2-D for a product, (B, T, C) for a
 # convolution); the epilogue is put in by ``tiled_product``.
 _TILED_SOURCE = """
-  using namespace nvcuda;
   constexpr int BN = 64, BK = 32;
-  constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32
-  constexpr int LDS = BK + 8;  // a shared row of the x and weight tiles, in elements: 80 bytes, 16-byte aligned
-  constexpr int LDC = BN + 4;  // a shared row of the output tile, in floats
+  constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32, four 8-column fragments
+  // A shared row of the x and weight tiles, in elements: 80 bytes, so that the 8 rows a fragment load reads
+  // at once fall in distinct banks (word 20·g + t for row g, pair t).
+  constexpr int LDS = BK + 8;
   constexpr int TILES = K / BK;
-  // Two buffers of the x and weight tiles (20,480 bytes at BM 64), which the output tile (17,408) reuses.
-  __shared__ __align__(128) unsigned char smem[2 * (BM + BN) * LDS * sizeof(T)];
-  T* xs = reinterpret_cast<T*>(smem);  // [2][BM][LDS]
-  T* ws = xs + 2 * BM * LDS;           // [2][BN][LDS]
-  float* cs = reinterpret_cast<float*>(smem);  // [BM][LDC]
+  // Two buffers of the x and weight tiles: 20,480 bytes at BM 64.
+  __shared__ __align__(128) T xs[2 * BM * LDS];
+  __shared__ __align__(128) T ws[2 * BN * LDS];
 
   constexpr int C = K / TAPS;  // x's channels
   const int M = TAPS == 1 ? x_shape[0] : x_shape[0] * x_shape[1];
@@ -748,11 +744,19 @@ _TILED_SOURCE = """
     }
   };
 
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FM][2];
+  // mma.sync m16n8k16 (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4·g + t holds of x's 16 x 16
+  // fragment the pairs (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8), of the weight's 16 x 8 the pairs
+  // (k = 2t, n = g) and (2t + 8, g), and of the 16 x 8 float sum (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8,
+  // 2t + 1). A pair of 16-bit values is one 32-bit word, its lower column in the low half.
+  const int g = (tid & 31) >> 2, t = tid & 3;
+  float acc[FM][4][4];
   #pragma unroll
   for (int i = 0; i < FM; ++i)
     #pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int j = 0; j < 4; ++j)
+      #pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  auto pair = [](const T* p) { return *reinterpret_cast<const unsigned*>(p); };
 
   fetch(0);
   stash(0, 0);
@@ -762,40 +766,54 @@ _TILED_SOURCE = """
     if (t + 1 < TILES) fetch((t + 1) * BK);  // in flight while this tile is multiplied
     #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fx[FM];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fw[2];
+      unsigned a[FM][4], b[4][2];
       #pragma unroll
-      for (int i = 0; i < FM; ++i)
-        wmma::load_matrix_sync(fx[i], xs + (buf * BM + warp_m * (BM / 2) + i * 16) * LDS + kk, LDS);
+      for (int i = 0; i < FM; ++i) {
+        const T* row = xs + (buf * BM + warp_m * (BM / 2) + i * 16 + g) * LDS + kk + 2 * t;
+        a[i][0] = pair(row);
+        a[i][1] = pair(row + 8 * LDS);
+        a[i][2] = pair(row + 8);
+        a[i][3] = pair(row + 8 * LDS + 8);
+      }
       #pragma unroll
-      for (int j = 0; j < 2; ++j)
-        wmma::load_matrix_sync(fw[j], ws + (buf * BN + warp_n * 32 + j * 16) * LDS + kk, LDS);
+      for (int j = 0; j < 4; ++j) {
+        const T* col = ws + (buf * BN + warp_n * 32 + j * 8 + g) * LDS + kk + 2 * t;
+        b[j][0] = pair(col);
+        b[j][1] = pair(col + 8);
+      }
       #pragma unroll
       for (int i = 0; i < FM; ++i)
         #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fx[i], fw[j], acc[i][j]);
+        for (int j = 0; j < 4; ++j) {
+          float* d = acc[i][j];
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.MMA_TYPE.MMA_TYPE.f32 "
+              "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+              : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b[j][0]), "r"(b[j][1]));
+        }
     }
     // The other buffer was last read in the previous tile, before the barrier that ended it.
     if (t + 1 < TILES) stash(buf ^ 1, (t + 1) * BK);
     __syncthreads();
   }
 
-  // Every warp has read its last tile (the loop's last barrier): the output tile takes their place.
+  // Each sum goes out from the lane that holds it, through the epilogue, rounded to T once.
   #pragma unroll
   for (int i = 0; i < FM; ++i)
     #pragma unroll
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(cs + (warp_m * (BM / 2) + i * 16) * LDC + warp_n * 32 + j * 16, acc[i][j], LDC,
-                              wmma::mem_row_major);
-  __syncthreads();
-  for (int e = tid; e < BM * BN; e += 128) {
-    const int r = e / BN, c = e % BN;
-    if (m0 + r >= M) break;  // rows only grow with e
-    const size_t at = (size_t)(m0 + r) * N + n0 + c;
-    float y = cs[r * LDC + c];
-    // epilogue
-    out[at] = static_cast<T>(y);
-  }
+    for (int j = 0; j < 4; ++j)
+      #pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int m = m0 + warp_m * (BM / 2) + i * 16 + g + (q >> 1) * 8;
+        const int c = warp_n * 32 + j * 8 + 2 * t + (q & 1);  // the column within the tile
+        if (m < M) {
+          const size_t at = (size_t)m * N + n0 + c;
+          float y = acc[i][j][q];
+          // epilogue
+          out[at] = static_cast<T>(y);
+        }
+      }
 """
 
 # A LayerNorm before the product (``norm``): each warp finds the mean and 1/std of BM / 4 of the tile's rows
@@ -840,7 +858,7 @@ _TILED_EPILOGUE = {
     "add": "y += static_cast<float>(add[at]);",
 }
 
-_tiled_kernels: dict[tuple[bool, bool, bool, str | None], object] = {}
+_tiled_kernels: dict[tuple[mx.Dtype, bool, bool, bool, str | None], object] = {}
 
 
 def tiled_fits(x: mx.array, weight: mx.array) -> bool:
@@ -882,16 +900,20 @@ def tiled_product(
     if norm is not None and (taps > 1 or "weight" not in norm or "bias" not in norm):
         raise ValueError("norm: an affine LayerNorm before a product (not a convolution)")
     eps = None if norm is None else layers._float_literal(norm.eps)
-    key = (bias is not None, gelu, add is not None, eps)
+    flags = (bias is not None, gelu, add is not None)
+    key = (x.dtype, *flags, eps)
     if key not in _tiled_kernels:
-        parts = [part for part, on in zip(_TILED_EPILOGUE, key) if on]
+        parts = [part for part, on in zip(_TILED_EPILOGUE, flags) if on]
         names = ["x", "w"] + ["norm_w", "norm_b"] * (norm is not None) + [p for p in parts if p != "gelu"]
-        source = _TILED_SOURCE.replace("// epilogue", "\n    ".join(_TILED_EPILOGUE[part] for part in parts))
+        source = _TILED_SOURCE.replace(
+            "// epilogue", "\n          ".join(_TILED_EPILOGUE[part] for part in parts)
+        )
+        source = source.replace("MMA_TYPE", "bf16" if x.dtype == mx.bfloat16 else "f16")
         if norm is not None:
             source = f"constexpr float EPS = {eps};" + source.replace("// prologue", _TILED_NORM_PROLOGUE)
             source = source.replace("// normalize", _TILED_NORM_PIECE)
         label = "_".join(["tiled_product", *(["norm"] * (norm is not None)), *parts])
-        _tiled_kernels[key] = mx.fast.cuda_kernel(label, names, ["out"], source, header=_TILED_HEADER)
+        _tiled_kernels[key] = mx.fast.cuda_kernel(label, names, ["out"], source)
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads).
     m = x.size // x.shape[-1]
