@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The estimator's products, convolutions and norms as our kernel (cfm.tiled_product, off by default) against
+# MLX's cuBLAS and cuDNN calls, in one lease (about 6 minutes after the installs):
+#   bash benchmarks/device/start.sh tiled 560
+# Its GPU tests first; the timings run whatever they say (a failing kernel's cost is still worth knowing),
+# each pair alternating in one process where the probe allows it. Results in ~/res/*.jsonl.
+export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
+echo "== commit $BENCH_COMMIT"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tiled_products.py 2>&1 | tail -15
+for frames in 530 1000; do  # a stream's first decode (10 s prompt + 15 tokens); 10 s after a 10 s prompt
+  timeout 300 python3 benchmarks/probe_s3gen.py --part call,solve --dtypes bfloat16 --rows 1 --frames "$frames" \
+      --estimator plain,tiled,plain,tiled --out ~/res/s3gen_probe.jsonl
+done
+MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000 timeout 300 python3 benchmarks/probe_s3gen.py \
+    --part device --dtypes bfloat16 --rows 1 --estimator plain,tiled --out ~/res/s3gen_probe.jsonl
+timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-tiled-products \
+    --out ~/res/kernels.jsonl 2>&1 | grep -v '^{'
+for graphs in 1 0; do  # with CUDA graphs (TTS in one process), without (the server's vocoding process)
+  for tiled in "" --tiled-products; do
+    MLX_USE_CUDA_GRAPHS=$graphs timeout 300 python3 benchmarks/probe_first_audio.py --modes stream $tiled \
+        --out ~/res/first_audio.jsonl
+  done
+done
+for tiled in "" --tiled-products "" --tiled-products; do
+  timeout 300 python3 benchmarks/bench_e2e.py --built full --cfm-dtype bfloat16 $tiled --out ~/res/e2e.jsonl
+done
+echo "== done"
