@@ -171,18 +171,21 @@ def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatc
 
 
 @cuda
-def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch):
-    """One full-size bf16 estimator call (2 rows of 530 frames: a stream's first decode after a 10 s prompt),
-    against the same call in float32: the kernel's rounding (once per product and epilogue) is no farther from
-    it than MLX's ops in bf16 (which round after each op), within 10%."""
+@pytest.mark.parametrize("padded", [0, 130])
+def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded):
+    """One full-size bf16 estimator call (2 rows of 530 frames: a stream's first decode after a 10 s prompt; or
+    a batch whose second request is ``padded`` frames shorter, masked), against the same call in float32: the
+    kernel's rounding (once per product and epilogue) is no farther from it than MLX's ops in bf16 (which round
+    after each op), within 10%."""
     est = cfm.Estimator(cfm.CFMConfig())
     mx.eval(est.parameters())
     rng = np.random.default_rng(0)
     x, mu, cond = (mx.array(rng.standard_normal((2, 530, 80)).astype(np.float32)) for _ in range(3))
     spks, t = mx.array(rng.standard_normal((2, 80)).astype(np.float32)), mx.array([0.3, 0.3])
+    mask = mx.array(np.arange(530)[None] < np.array([[530], [530 - padded]])) if padded else None
 
     def call(dtype: mx.Dtype) -> np.ndarray:
-        y = est(x.astype(dtype), None, mu.astype(dtype), t, spks.astype(dtype), cond.astype(dtype))
+        y = est(x.astype(dtype), mask, mu.astype(dtype), t, spks.astype(dtype), cond.astype(dtype))
         return np.asarray(y.astype(mx.float32), np.float64)
 
     want = call(mx.float32)
@@ -193,6 +196,8 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     tiled = call(mx.bfloat16)
     # The kernel ran: q/k/v; with a bias and a sum; a bias and GELU; a sum (the 1x1 convolutions); a bias (k=3).
     assert len(cfm._tiled_kernels) == 5
+    if padded:
+        assert not tiled[1, 530 - padded :].any()  # the estimator zeroes padded frames
 
     def distance(y: np.ndarray) -> float:
         return float(np.linalg.norm(y - want) / np.linalg.norm(want))
