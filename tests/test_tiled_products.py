@@ -1,6 +1,6 @@
-"""models/cfm.py's tiled products: the estimator's products as our tensor-core kernel on CUDA (off by default until these GPU
-tests have run on one). What it takes is checked on any device; the kernel itself only where CUDA is (run with
-pytest on the H200), since CI has no GPU.
+"""models/cfm.py's tiled products: the estimator's products as our tensor-core kernel on CUDA (off by default
+until these GPU tests have run on one). What it takes is checked on any device; the kernel itself only where
+CUDA is (run with pytest on the H200), since CI has no GPU.
 """
 
 from __future__ import annotations
@@ -53,20 +53,15 @@ def layer_norm(k: int, seed: int, dtype: mx.Dtype) -> nn.LayerNorm:
         ((64, 256), (512, 256), mx.bfloat16, True, True),
         ((2000, 1024), (256, 1024), mx.float16, True, True),
         ((64, 256), (512, 256), mx.bfloat16, False, False),  # on the CPU: MLX's ops
-        (
-            (64, 256),
-            (512, 256),
-            mx.float32,
-            True,
-            False,
-        ),  # float32: TF32 on tensor cores, not upstream's sums
+        ((64, 256), (512, 256), mx.float32, True, False),  # float32: TF32 on tensor cores
         ((63, 256), (512, 256), mx.bfloat16, True, False),  # a few rows: cuBLAS or a matrix-vector product
         ((64, 256), (80, 256), mx.bfloat16, True, False),  # N not a multiple of the tile's 64 (final_proj)
         ((64, 80), (256, 80), mx.bfloat16, True, False),  # K not a multiple of 32
         ((2, 32, 256), (512, 256), mx.bfloat16, True, False),  # a product's rows as 2-D only
         ((2, 530, 320), (256, 3, 320), mx.bfloat16, True, True),  # a causal convolution (the first resnet's)
         ((1, 63, 256), (256, 3, 256), mx.bfloat16, True, False),  # a few frames
-        ((2, 530, 84), (256, 3, 84), mx.bfloat16, True, False),  # channels not a multiple of 8
+        ((2, 530, 84), (256, 3, 84), mx.bfloat16, True, False),  # K = 252, not a multiple of 32
+        ((2, 530, 4), (256, 8, 4), mx.bfloat16, True, False),  # channels not a multiple of 8 (K = 32)
         ((2, 530, 256), (80, 3, 256), mx.bfloat16, True, False),  # N not a multiple of 64
         ((1060, 256), (256, 3, 256), mx.bfloat16, True, False),  # a convolution's x as (B, T, C) only
     ],
