@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")
     if args.tiled_products and (set(systems) != {"ours"} or args.cfm_dtype == "float32"):
         p.error("--tiled-products applies to ours (--systems ours) with a half-precision --cfm-dtype")
+    if args.tiled_products and (args.device == "cpu" or not mx.cuda.is_available()):
+        p.error("--tiled-products is a CUDA kernel: it needs MLX's CUDA backend and the GPU")
     cfm.TILED_PRODUCTS = args.tiled_products
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:

@@ -204,6 +204,8 @@ def main() -> None:
         p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread, worker-process")
     if "worker-process" in modes and args.model is None:
         p.error("--modes worker-process needs --model: the vocoding process loads S3Gen from a model folder")
+    if args.tiled_products and (args.device == "cpu" or not mx.cuda.is_available()):
+        p.error("--tiled-products is a CUDA kernel: it needs MLX's CUDA backend and the GPU")
     if args.tiled_products and "worker-process" in modes:
         p.error(
             "--tiled-products sets this process's switch: the vocoding process of worker-process would not see it"

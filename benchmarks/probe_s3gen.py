@@ -474,6 +474,8 @@ def main() -> None:
     ways = args.estimator.split(",")
     if set(ways) - {"plain", "compiled", "tiled"}:
         p.error(f"--estimator {args.estimator}: of plain, compiled, tiled")
+    if "tiled" in ways and (args.device == "cpu" or not mx.cuda.is_available()):
+        p.error("--estimator tiled is a CUDA kernel: it needs MLX's CUDA backend and the GPU")
     if "device" in parts and "compiled" in ways:
         p.error("--part device times the estimator plain or tiled, not compiled: run it apart")
     if "device" in parts and int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0")) < 100_000:

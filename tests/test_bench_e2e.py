@@ -22,9 +22,13 @@ def test_built_model_row(tmp_path):
                "--no-watermark", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["system"] == "ours" and row["model"].startswith("built tiny") and row["cfm_dtype"] == "bfloat16"
+    assert (
+        row["system"] == "ours" and row["model"].startswith("built tiny") and row["cfm_dtype"] == "bfloat16"
+    )
     assert row["voice_s"] is None and row["clip_s"] is None  # no voice is cloned
-    assert row["audio_s"] == 20 * 0.04 and row["t3_s"] > 0 and row["s3gen_s"] > 0 and row["watermark_s"] < 0.01
+    assert (
+        row["audio_s"] == 20 * 0.04 and row["t3_s"] > 0 and row["s3gen_s"] > 0 and row["watermark_s"] < 0.01
+    )
     assert row["peak_mem_bytes"] > 0
 
 
@@ -35,3 +39,5 @@ def test_built_refuses_upstream_unknown_dtypes_and_tiled_products_in_float32():
     assert done.returncode == 2 and "--cfm-dtype int8" in done.stderr
     done = run("--built", "tiny", "--tiled-products")  # the default float32 estimator
     assert done.returncode == 2 and "--tiled-products applies to ours" in done.stderr
+    done = run("--built", "tiny", "--cfm-dtype", "bfloat16", "--tiled-products")  # --device cpu
+    assert done.returncode == 2 and "--tiled-products is a CUDA kernel" in done.stderr
