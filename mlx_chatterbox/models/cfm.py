@@ -696,7 +696,7 @@ _TILED_SOURCE = """
   constexpr int BN = 64, BK = 32;
   constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32, four 8-column fragments
   // A shared row of the x and weight tiles, in elements: 80 bytes, so that the 8 rows a fragment load reads
-  // at once fall in distinct banks (word 20·g + t for row g, pair t).
+  // at once fall in distinct banks (word 20·g + tg for row g, pair tg).
   constexpr int LDS = BK + 8;
   constexpr int TILES = K / BK;
   // Two buffers of the x and weight tiles: 20,480 bytes at BM 64.
@@ -713,8 +713,9 @@ _TILED_SOURCE = """
   // Each thread moves FM 16-byte pieces of x's tile and two of the weight's: piece p is row p / 4, columns
   // (p % 4) * 8 on. Column k of row m is x's element (m, k), or for a convolution channel k % C of tap k / C:
   // frame m - TAPS + 1 + k / C, zero before its sequence's first (C is a multiple of 8: a piece is in one tap).
-  uint4 xr[FM], wr[2];
-  auto fetch = [&](int k0) {
+  // Two register sets take turns: the slice two ahead is loaded while this one is multiplied (2 in flight).
+  uint4 xr0[FM], wr0[2], xr1[FM], wr1[2];
+  auto fetch = [&](int k0, uint4 (&xr)[FM], uint4 (&wr)[2]) {
     #pragma unroll
     for (int i = 0; i < FM; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
@@ -730,7 +731,7 @@ _TILED_SOURCE = """
     }
   };
   // prologue
-  auto stash = [&](int buf, int k0) {
+  auto stash = [&](int buf, int k0, uint4 (&xr)[FM], uint4 (&wr)[2]) {
     #pragma unroll
     for (int i = 0; i < FM; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
@@ -744,11 +745,11 @@ _TILED_SOURCE = """
     }
   };
 
-  // mma.sync m16n8k16 (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4·g + t holds of x's 16 x 16
-  // fragment the pairs (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8), of the weight's 16 x 8 the pairs
-  // (k = 2t, n = g) and (2t + 8, g), and of the 16 x 8 float sum (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8,
-  // 2t + 1). A pair of 16-bit values is one 32-bit word, its lower column in the low half.
-  const int g = (tid & 31) >> 2, t = tid & 3;
+  // mma.sync m16n8k16 (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4·g + tg holds of x's 16 x 16
+  // fragment the pairs at (g, 2tg), (g + 8, 2tg), (g, 2tg + 8), (g + 8, 2tg + 8), of the weight's 16 x 8 those
+  // at (k = 2tg, n = g) and (2tg + 8, g), and of the 16 x 8 float sum (g, 2tg), (g, 2tg + 1), (g + 8, 2tg),
+  // (g + 8, 2tg + 1). A pair of 16-bit values is one 32-bit word, its lower column in the low half.
+  const int g = (tid & 31) >> 2, tg = tid & 3;
   float acc[FM][4][4];
   #pragma unroll
   for (int i = 0; i < FM; ++i)
@@ -758,18 +759,15 @@ _TILED_SOURCE = """
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
   auto pair = [](const T* p) { return *reinterpret_cast<const unsigned*>(p); };
 
-  fetch(0);
-  stash(0, 0);
-  __syncthreads();
-  for (int t = 0; t < TILES; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < TILES) fetch((t + 1) * BK);  // in flight while this tile is multiplied
+
+  // x's slice in shared buffer buf times the weight's, into acc.
+  auto multiply = [&](int buf) {
     #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       unsigned a[FM][4], b[4][2];
       #pragma unroll
       for (int i = 0; i < FM; ++i) {
-        const T* row = xs + (buf * BM + warp_m * (BM / 2) + i * 16 + g) * LDS + kk + 2 * t;
+        const T* row = xs + (buf * BM + warp_m * (BM / 2) + i * 16 + g) * LDS + kk + 2 * tg;
         a[i][0] = pair(row);
         a[i][1] = pair(row + 8 * LDS);
         a[i][2] = pair(row + 8);
@@ -777,7 +775,7 @@ _TILED_SOURCE = """
       }
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const T* col = ws + (buf * BN + warp_n * 32 + j * 8 + g) * LDS + kk + 2 * t;
+        const T* col = ws + (buf * BN + warp_n * 32 + j * 8 + g) * LDS + kk + 2 * tg;
         b[j][0] = pair(col);
         b[j][1] = pair(col + 8);
       }
@@ -793,8 +791,23 @@ _TILED_SOURCE = """
               : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b[j][0]), "r"(b[j][1]));
         }
     }
-    // The other buffer was last read in the previous tile, before the barrier that ended it.
-    if (t + 1 < TILES) stash(buf ^ 1, (t + 1) * BK);
+  };
+
+  // Slice s is multiplied from buffer s % 2 and loaded into register set s % 2 two slices before. A buffer
+  // is written (stash) only after the barrier that ends the slice which last read it.
+  fetch(0, xr0, wr0);
+  stash(0, 0, xr0, wr0);
+  if (TILES > 1) fetch(BK, xr1, wr1);
+  __syncthreads();
+  for (int s = 0; s < TILES; s += 2) {
+    if (s + 2 < TILES) fetch((s + 2) * BK, xr0, wr0);
+    multiply(0);
+    if (s + 1 < TILES) stash(1, (s + 1) * BK, xr1, wr1);
+    __syncthreads();
+    if (s + 1 == TILES) break;
+    if (s + 3 < TILES) fetch((s + 3) * BK, xr1, wr1);
+    multiply(1);
+    if (s + 2 < TILES) stash(0, (s + 2) * BK, xr0, wr0);
     __syncthreads();
   }
 
@@ -806,7 +819,7 @@ _TILED_SOURCE = """
       #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int m = m0 + warp_m * (BM / 2) + i * 16 + g + (q >> 1) * 8;
-        const int c = warp_n * 32 + j * 8 + 2 * t + (q & 1);  // the column within the tile
+        const int c = warp_n * 32 + j * 8 + 2 * tg + (q & 1);  // the column within the tile
         if (m < M) {
           const size_t at = (size_t)m * N + n0 + c;
           float y = acc[i][j][q];
