@@ -12,6 +12,7 @@ import pytest
 from scipy.special import erf
 
 from mlx_chatterbox.models import cfm, layers
+from tests import emulated_cuda
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -108,16 +109,11 @@ def reference(x, w, bias, gelu, add) -> np.ndarray:
     return y if add is None else y + np.asarray(add.astype(mx.float32), np.float64)
 
 
-@cuda
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
-def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
-    """The estimator's products with what each takes, at row counts past a tile's edge (tiles of 32 and 64
-    rows): within one rounding to the output dtype (2^-8 of bf16, 2^-11 of fp16, relative) of float64's
-    result, plus the float accumulators' order (1e-5 of the largest); with a LayerNorm, whose output the kernel
-    rounds to the dtype as MLX's does, plus that rounding's reach: 2^-8 (2^-11) of sum_k |norm(x)_k w_k|, with
-    GELU's slope (at most 1.13)."""
-    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+def check_products(dtype: mx.Dtype, m: int) -> None:
+    """The estimator's products with what each takes, at m rows: within one rounding to the output dtype
+    (2^-8 of bf16, 2^-11 of fp16, relative) of float64's result, plus the float accumulators' order (1e-5 of the
+    largest); with a LayerNorm, whose output the kernel rounds to the dtype as MLX's does, plus that rounding's
+    reach: 2^-8 (2^-11) of sum_k |norm(x)_k w_k|, with GELU's slope (at most 1.13)."""
     ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
     for (n, k), (with_norm, with_bias, gelu, with_add) in PRODUCTS:
         x, w, bias, add = operands(n + k + m, m, n, k, dtype)
@@ -132,24 +128,14 @@ def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
         err = np.abs(got - want)
         if with_norm:
             err -= 1.13 * ulp * (np.abs(xn) @ np.abs(f64(w)).T)
-        assert (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all(), (
-            n,
-            k,
-            with_bias,
-            gelu,
-            with_add,
-            with_norm,
-        )
+        bound = ulp * np.abs(want) + 1e-5 * np.abs(want).max()
+        assert (err <= bound).all(), (n, k, with_norm, with_bias, gelu, with_add)
 
 
-@cuda
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("b, t", [(1, 64), (2, 530), (3, 37)])
-def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t):
-    """The estimator's causal k=3 convolutions (320, 256 and 512 channels in, 256 out; its sequences cross the
-    kernel's 64-row tiles), with the bias, against float64's convolution of the zero-padded input: within one
-    rounding to the output dtype, plus the float accumulators' order."""
-    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+def check_convolutions(dtype: mx.Dtype, b: int, t: int) -> None:
+    """The estimator's causal k=3 convolutions (320, 256 and 512 channels in, 256 out) of b sequences of t
+    frames, with the bias, against float64's convolution of the zero-padded input: within one rounding to the
+    output dtype, plus the float accumulators' order."""
     ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
     rng = np.random.default_rng(b * t)
     for c in (320, 256, 512):
@@ -158,11 +144,46 @@ def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatc
         bias = mx.array(rng.standard_normal(256).astype(np.float32)).astype(dtype)
         assert cfm.tiled_fits(x, w)
         got = np.asarray(cfm.tiled_product(x, w, bias).astype(mx.float32), np.float64)
-        xp = np.pad(np.asarray(x.astype(mx.float32), np.float64), [(0, 0), (2, 0), (0, 0)])
-        wf = np.asarray(w.astype(mx.float32), np.float64)
-        want = sum(xp[:, j : j + t] @ wf[:, j].T for j in range(3)) + np.asarray(bias.astype(mx.float32))
+        xp = np.pad(f64(x), [(0, 0), (2, 0), (0, 0)])
+        want = sum(xp[:, j : j + t] @ f64(w)[:, j].T for j in range(3)) + f64(bias)
         err = np.abs(got - want)
         assert got.shape == (b, t, 256) and (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all(), c
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
+def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
+    """``check_products`` on the GPU, at row counts past a tile's edge (tiles of 32 and 64 rows)."""
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    check_products(dtype, m)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("b, t", [(1, 64), (2, 530), (3, 37)])
+def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t):
+    """``check_convolutions`` on the GPU (the sequences cross the kernel's tiles)."""
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    check_convolutions(dtype, b, t)
+
+
+@pytest.mark.parametrize("sm_count", [132, 1])
+def test_the_kernel_source_computes_the_products_on_the_cpu(monkeypatch, sm_count):
+    """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
+    mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
+    products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
+    of 32 rows here) and with one (tiles of 64). What a GPU alone can say (its compiler, timing, memory model)
+    is for the tests above; this one found a lane index shadowed by the loop's in an earlier version."""
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
+    monkeypatch.setattr(cfm, "_tiled_kernels", {})
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    for m in (64, 127):
+        check_products(mx.bfloat16, m)
+    for b, t in ((1, 64), (3, 37)):
+        check_convolutions(mx.bfloat16, b, t)
 
 
 @cuda
