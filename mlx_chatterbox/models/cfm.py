@@ -663,25 +663,27 @@ def meanflow_steps(
 # --- The estimator's products as one CUDA kernel of ours (issue 25) ---
 #
 # Products of many rows in half precision, ``x @ weight.T`` or a causal convolution as that product over the
-# frames it sees, with a LayerNorm before and the bias, GELU and a sum after inside the kernel. The estimator is
-# bound by its host, and MLX hands every product to cuBLAS and every convolution to cuDNN: 15-20 µs of host time
-# a call (a matmul descriptor and an algorithm query each time, and a stream capture under CUDA graphs; RESULTS,
-# `probe_step --part micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and 31
-# convolutions, and their biases' sums, GELUs, residual sums and the norms before them are 311 kernels more.
+# frames it sees, with a LayerNorm before and the bias, GELU and a sum after inside the kernel. The estimator
+# is bound by its host, and MLX hands every product to cuBLAS and every convolution to cuDNN: 15-20 µs of host
+# time a call (a matmul descriptor and an algorithm query each time, and a stream capture under CUDA graphs;
+# RESULTS, `probe_step --part micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and
+# 31 convolutions, and their biases' sums, GELUs, residual sums and the norms before them are 311 kernels
+# more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
-# tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next 32-wide slice of x and the
-# weight loaded into registers while the current one is multiplied from shared memory. Rows past x's end read
-# zeros and write nothing, so any row count runs; the weight's rows (N) must be a multiple of 64 and its columns
-# (K) of 32. A causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows
-# (N, taps·C) with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence
-# b side by side, zeros before its start (no padded copy of x). float32 stays with MLX: a tensor-core product in
+# tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two 32-wide slices of x and
+# the weight loading into registers while one is multiplied from shared memory. Rows past x's end read zeros
+# and write nothing, so any row count runs; the weight's rows (N) must be a multiple of 64 and its columns (K)
+# of 32. A causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N,
+# taps·C) with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b
+# side by side, zeros before its start (no padded copy of x). float32 stays with MLX: a tensor-core product in
 # float32 would be TF32, and the fp32 estimator is upstream's numbers. Sums differ from MLX's ops in rounding
 # only: the epilogue works on the float accumulator and rounds once, where the composed ops round after each
-# op. Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed ops.
+# op. Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed ops. Its source also
+# runs on the CPU in the tests (tests/emulated_cuda.py).
 
-# Off until tests/test_tiled_products.py's GPU tests have run on a GPU: a kernel that has not run does not ship
-# (benchmarks' "ours-tiled-products" and ``--estimator tiled`` turn it on).
+# Off until tests/test_tiled_products.py's GPU tests have run on a GPU: a kernel that has not run does not
+# ship (benchmarks' "ours-tiled-products" and ``--estimator tiled`` turn it on).
 TILED_PRODUCTS = False
 
 # Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows).
