@@ -635,6 +635,11 @@ def near_a_threshold(
     ids=["upstream", "narrow", "wide", "no-top-p", "temperature-only", "top-p-only"],
 )
 def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_uniform):
+    """``check_turbo_pick`` on the GPU, 60 cases."""
+    check_turbo_pick(params, dtype, by_uniform, 60)
+
+
+def check_turbo_pick(params: TurboParams, dtype: mx.Dtype, by_uniform: bool, cases: int) -> None:
     """Turbo's chain as one kernel (fused_sampling.turbo_pick) against ``process_turbo_logits`` + ``_pick``
     on random logits: the same id and the same history, every case but those whose cumulative probability lies
     within 1e-6 of a threshold (a sum's order may decide those either way; at most 2 of 60 here). Among the
@@ -649,7 +654,7 @@ def test_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_u
     ids = mx.arange(v)
     assert fused_sampling.fits(mx.zeros((1, v), dtype), params)
     near = 0
-    for case in range(60):
+    for case in range(cases):
         logits = 3 * rng.standard_normal((1, v))
         if case == 5:
             logits[:] = 1.5
@@ -740,21 +745,28 @@ def near_an_english_threshold(
     ids=["upstream", "no-guidance", "guidance-only", "strong", "cold-no-min-p"],
 )
 def test_english_sampling_kernel_draws_what_the_composed_chain_draws(params, dtype, by_uniform, monkeypatch):
+    """``check_english_pick`` on the GPU, 60 cases."""
+    from mlx_chatterbox.generation import fused_sampling
+
+    monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", True)
+    check_english_pick(params, dtype, by_uniform, 60)
+
+
+def check_english_pick(params: SamplingParams, dtype: mx.Dtype, by_uniform: bool, cases: int) -> None:
     """English's chain as one kernel (fused_sampling.english_pick) against ``process_logits`` + ``draw`` on
     random (conditional, unconditional) logits over the 8,194 speech ids: the same id and the same history,
-    every case but those within 1e-6 of a threshold (a sum's order may decide those either way). Among the
-    cases: logits in steps of 0.5 (repeats at min_p's threshold), a row whose two halves are equal (guidance
-    adds nothing) and a row of one value (min_p keeps every id)."""
+    every case but those within 1e-6 of a threshold (a sum's order may decide those either way; at most 2).
+    Among the cases: logits in steps of 0.5 (repeats at min_p's threshold), a row whose two halves are equal
+    (guidance adds nothing) and a row of one value (min_p keeps every id)."""
     from mlx_chatterbox.generation import fused_sampling
     from mlx_chatterbox.sampling import draw, process_logits
 
-    monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", True)
     rng, v = np.random.default_rng(8), 8194
     rows = 2 if params.cfg_weight > 0 else 1
     ids = mx.arange(v)
     assert fused_sampling.fits_english(mx.zeros((rows, v), dtype), params)
     near = 0
-    for case in range(60):
+    for case in range(cases):
         logits = 3 * rng.standard_normal((rows, v))
         if case == 5:
             logits[:] = 1.5
@@ -780,6 +792,27 @@ def test_english_sampling_kernel_draws_what_the_composed_chain_draws(params, dty
             continue
         assert got.tolist() == want.tolist(), (case, got.tolist(), want.tolist())
     assert near <= 2, near
+
+
+@pytest.mark.parametrize("by_uniform", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_sampling_kernels_sources_draw_on_the_cpu(dtype, by_uniform, monkeypatch):
+    """Turbo's and English's sampling kernels, their sources run on the CPU (tests/emulated_cuda.py: each
+    thread a std::thread, the warp's shuffles traded between them), through the GPU tests' checks: 12 cases
+    each for upstream's knobs and one more set. Turbo's ran on the H200 (runs AD, AE) and passes here, which
+    says the emulation keeps what the GPU computes; English's has not run on a GPU yet (off by default)."""
+    from mlx_chatterbox.generation import fused_sampling
+    from tests import emulated_cuda
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(fused_sampling, "_kernels", {})
+    monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", True)
+    for turbo in (TurboParams(), TurboParams(top_k=0, top_p=0.8)):
+        check_turbo_pick(turbo, dtype, by_uniform, 12)
+    strong = SamplingParams(temperature=1.5, min_p=0.2, repetition_penalty=2.0, cfg_weight=1.0)
+    for english in (SamplingParams(), strong):
+        check_english_pick(english, dtype, by_uniform, 12)
 
 
 @pytest.mark.parametrize(
