@@ -22,6 +22,7 @@ struct Dim {
   int x = 0, y = 0, z = 0;
 };
 thread_local Dim threadIdx, blockIdx;
+Dim blockDim, gridDim;
 struct uint4 {
   unsigned x, y, z, w;
 };
@@ -66,6 +67,7 @@ std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline int lane_id() { return threadIdx.x & 31; }
 inline int warp_id() { return threadIdx.x >> 5; }
 inline void warp_sync() { warp_barriers[warp_id()]->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_sync(); }
 
 // Shuffles: every lane of the warp takes part (our kernels call them with the full mask).
 uint64_t shuffle_slots[32][32];
@@ -168,6 +170,7 @@ template <typename F>
 void launch(int gx, int gy, int block, F kernel) {
   std::barrier<> barrier(block);
   block_barrier = &barrier;
+  blockDim = {block, 1, 1}, gridDim = {gx, gy, 1};
   for (int w = 0; w < (block + 31) / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
   std::vector<std::thread> threads;
   for (int tid = 0; tid < block; ++tid)

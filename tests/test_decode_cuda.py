@@ -794,18 +794,52 @@ def check_english_pick(params: SamplingParams, dtype: mx.Dtype, by_uniform: bool
     assert near <= 2, near
 
 
+@pytest.fixture
+def emulated(monkeypatch):
+    """Our CUDA kernels' sources run on the CPU (tests/emulated_cuda.py), the CUDA paths taken where
+    ``CUDA_DECODE`` says (the tests switch it off for their composed references)."""
+    from tests import emulated_cuda
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: layers.CUDA_DECODE)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    for cache in ("_gemv_kernels", "_decode_attention_kernels"):
+        monkeypatch.setattr(layers, cache, {})
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("gemv", mx.float32, 1e-6, 1, "rms"),
+        ("gemv", mx.bfloat16, 1e-2, 2, "layer"),
+        ("attention", mx.float32, 2e-6, True, 255),
+        ("attention", mx.bfloat16, 1e-2, False, 5),
+    ],
+    ids=lambda case: "-".join(str(v).split(".")[-1] for v in case),
+)
+def test_the_decode_kernels_sources_run_on_the_cpu(case, emulated, monkeypatch):
+    """T3's matrix-vector kernel (a norm before; residual, SwiGLU, GELU after) and its decode attention, their
+    sources run on the CPU through their GPU tests (they ran on the H200): so a change to them is checked
+    where no GPU is. A few of the GPU tests' cases (each takes seconds emulated); fp32's LayerNorm + SwiGLU
+    case is left out: against the CPU's composed SwiGLU, whose exp is MLX's CPU approximation, it lands at
+    1.1e-6 of the GPU test's 1e-6."""
+    kind, dtype, tol, *rest = case
+    if kind == "gemv":
+        test_fused_gemv_kernel_equals_composed(dtype, tol, *rest, monkeypatch)
+    else:
+        with_pad, position = rest
+        test_decode_attention_kernel_equals_composed(dtype, tol, with_pad, position, 3)
+
+
 @pytest.mark.parametrize("by_uniform", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_the_sampling_kernels_sources_draw_on_the_cpu(dtype, by_uniform, monkeypatch):
+def test_the_sampling_kernels_sources_draw_on_the_cpu(dtype, by_uniform, emulated, monkeypatch):
     """Turbo's and English's sampling kernels, their sources run on the CPU (tests/emulated_cuda.py: each
     thread a std::thread, the warp's shuffles traded between them), through the GPU tests' checks: 12 cases
     each for upstream's knobs and one more set. Turbo's ran on the H200 (runs AD, AE) and passes here, which
     says the emulation keeps what the GPU computes; English's has not run on a GPU yet (off by default)."""
     from mlx_chatterbox.generation import fused_sampling
-    from tests import emulated_cuda
 
-    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
-    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
     monkeypatch.setattr(fused_sampling, "_kernels", {})
     monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", True)
     for turbo in (TurboParams(), TurboParams(top_k=0, top_p=0.8)):
