@@ -761,7 +761,6 @@ _TILED_SOURCE = """
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
   auto pair = [](const T* p) { return *reinterpret_cast<const unsigned*>(p); };
 
-
   // x's slice in shared buffer buf times the weight's, into acc.
   auto multiply = [&](int buf) {
     #pragma unroll
