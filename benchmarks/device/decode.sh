@@ -5,9 +5,9 @@
 # --upstream-src DIR).
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 echo "== commit $BENCH_COMMIT"
-# DECODE_TESTS (a pytest -k expression) runs only those tests.
-timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda.py ${DECODE_TESTS:+-k "$DECODE_TESTS"} 2>&1 \
-    | tail -8
+# DECODE_TESTS (a pytest -k expression) runs only those tests; never the CPU runs of the kernels' sources (CI's).
+timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda.py \
+    -k "(${DECODE_TESTS:-not nothing}) and not on_the_cpu" 2>&1 | tail -8
 timeout 500 python3 benchmarks/probe_step.py --part step,split --tokens 200 --repeats 2 --systems mlx-ops,ours \
     --models english,turbo,nano --dtypes float32,bfloat16 --out ~/res/step.jsonl "$@" 2>&1 | grep -v '^{'
 echo "== done"
