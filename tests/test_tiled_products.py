@@ -186,19 +186,25 @@ def test_the_kernel_source_computes_the_products_on_the_cpu(monkeypatch, sm_coun
         check_convolutions(mx.bfloat16, b, t)
 
 
-@cuda
-@pytest.mark.parametrize("padded", [0, 130])
-def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded):
-    """One full-size bf16 estimator call (2 rows of 530 frames: a stream's first decode after a 10 s prompt; or
-    a batch whose second request is ``padded`` frames shorter, masked), against the same call in float32: the
-    kernel's rounding (once per product and epilogue) is no farther from it than MLX's ops in bf16 (which round
-    after each op), within 10%."""
-    est = cfm.Estimator(cfm.CFMConfig())
+# The smallest estimator whose every product and convolution the kernel takes (channels, widths and the
+# q/k/v width multiples of 64): its calls on the CPU through the kernel's source take seconds.
+SMALL = cfm.CFMConfig(
+    in_channels=64, out_channels=16, channels=64, n_blocks=1, num_mid_blocks=2, num_heads=2, head_dim=32
+)
+
+
+def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -> None:
+    """One bf16 estimator call (2 rows of ``frames`` frames; the second request ``padded`` frames shorter,
+    masked, when not 0) against the same call in float32: the kernel's rounding (once per product and
+    epilogue) is no farther from it than MLX's ops in bf16 (which round after each op), within 10%."""
+    est = cfm.Estimator(cfg)
     mx.eval(est.parameters())
     rng = np.random.default_rng(0)
-    x, mu, cond = (mx.array(rng.standard_normal((2, 530, 80)).astype(np.float32)) for _ in range(3))
-    spks, t = mx.array(rng.standard_normal((2, 80)).astype(np.float32)), mx.array([0.3, 0.3])
-    mask = mx.array(np.arange(530)[None] < np.array([[530], [530 - padded]])) if padded else None
+    mel = cfg.out_channels
+    x, mu, cond = (mx.array(rng.standard_normal((2, frames, mel)).astype(np.float32)) for _ in range(3))
+    spks, t = mx.array(rng.standard_normal((2, mel)).astype(np.float32)), mx.array([0.3, 0.3])
+    lengths = np.array([[frames], [frames - padded]])
+    mask = mx.array(np.arange(frames)[None] < lengths) if padded else None
 
     def call(dtype: mx.Dtype) -> np.ndarray:
         y = est(x.astype(dtype), mask, mu.astype(dtype), t, spks.astype(dtype), cond.astype(dtype))
@@ -213,9 +219,29 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     # The kernel ran: q/k/v; with a bias and a sum; a bias and GELU; a sum (the 1x1 convolutions); a bias (k=3).
     assert len(cfm._tiled_kernels) == 5
     if padded:
-        assert not tiled[1, 530 - padded :].any()  # the estimator zeroes padded frames
+        assert not tiled[1, frames - padded :].any()  # the estimator zeroes padded frames
 
     def distance(y: np.ndarray) -> float:
         return float(np.linalg.norm(y - want) / np.linalg.norm(want))
 
     assert distance(tiled) <= 1.1 * distance(composed), (distance(tiled), distance(composed))
+
+
+@pytest.mark.parametrize("padded", [0, 13])
+def test_the_estimator_with_the_kernel_source_on_the_cpu(monkeypatch, padded):
+    """``check_estimator`` of a small estimator (every call site of the kernel: q/k/v with norm1, the output
+    projection and the feed-forward's with their sums, norm3 and GELU, the resnets' 1x1 and k=3 convolutions),
+    the kernel's source run on the CPU, plain and as a padded batch (tiled 1.10e-2 and 1.18e-2 from fp32,
+    MLX's bf16 ops 1.13e-2 and 1.18e-2, when written)."""
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    check_estimator(SMALL, 40, padded, monkeypatch)
+
+
+@cuda
+@pytest.mark.parametrize("padded", [0, 130])
+def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded):
+    """``check_estimator`` at full size on the GPU: 2 rows of 530 frames, a stream's first decode after a 10 s
+    prompt, plain and as a padded batch."""
+    check_estimator(cfm.CFMConfig(), 530, padded, monkeypatch)
