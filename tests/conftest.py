@@ -167,3 +167,20 @@ def tiny_t3() -> T3:
 @pytest.fixture
 def voice() -> Voice:
     return random_voice()
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Our CUDA kernels' sources run on the CPU (tests/emulated_cuda.py), the CUDA paths taken where
+    ``layers.CUDA_DECODE`` says (tests switch it off for their composed references), an H200's 132 SMs, and
+    every kernel cache empty (a kernel is the emulation's only for the test)."""
+    from mlx_chatterbox.generation import fused_sampling
+    from mlx_chatterbox.models import cfm, layers
+    from tests import emulated_cuda
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: layers.CUDA_DECODE)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    for module, cache in ((layers, "_gemv_kernels"), (layers, "_decode_attention_kernels"),
+                          (fused_sampling, "_kernels"), (cfm, "_tiled_kernels")):  # fmt: skip
+        monkeypatch.setattr(module, cache, {})

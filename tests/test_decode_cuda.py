@@ -794,19 +794,6 @@ def check_english_pick(params: SamplingParams, dtype: mx.Dtype, by_uniform: bool
     assert near <= 2, near
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """Our CUDA kernels' sources run on the CPU (tests/emulated_cuda.py), the CUDA paths taken where
-    ``CUDA_DECODE`` says (the tests switch it off for their composed references)."""
-    from tests import emulated_cuda
-
-    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
-    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: layers.CUDA_DECODE)
-    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
-    for cache in ("_gemv_kernels", "_decode_attention_kernels"):
-        monkeypatch.setattr(layers, cache, {})
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -840,7 +827,6 @@ def test_the_sampling_kernels_sources_draw_on_the_cpu(dtype, by_uniform, emulate
     says the emulation keeps what the GPU computes; English's has not run on a GPU yet (off by default)."""
     from mlx_chatterbox.generation import fused_sampling
 
-    monkeypatch.setattr(fused_sampling, "_kernels", {})
     monkeypatch.setattr(fused_sampling, "ENGLISH_SAMPLING_KERNEL", True)
     for turbo in (TurboParams(), TurboParams(top_k=0, top_p=0.8)):
         check_turbo_pick(turbo, dtype, by_uniform, 12)

@@ -12,7 +12,6 @@ import pytest
 from scipy.special import erf
 
 from mlx_chatterbox.models import cfm, layers
-from tests import emulated_cuda
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -169,16 +168,13 @@ def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatc
 
 
 @pytest.mark.parametrize("sm_count", [132, 1])
-def test_the_kernel_source_computes_the_products_on_the_cpu(monkeypatch, sm_count):
+def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count):
     """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
     mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
     products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
     of 32 rows here) and with one (tiles of 64). What a GPU alone can say (its compiler, timing, memory model)
     is for the tests above; this one found a lane index shadowed by the loop's in an earlier version."""
-    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
-    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
     monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
-    monkeypatch.setattr(cfm, "_tiled_kernels", {})
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     for m in (64, 127):
         check_products(mx.bfloat16, m)
@@ -228,14 +224,11 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
 
 
 @pytest.mark.parametrize("padded", [0, 13])
-def test_the_estimator_with_the_kernel_source_on_the_cpu(monkeypatch, padded):
+def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded):
     """``check_estimator`` of a small estimator (every call site of the kernel: q/k/v with norm1, the output
     projection and the feed-forward's with their sums, norm3 and GELU, the resnets' 1x1 and k=3 convolutions),
     the kernel's source run on the CPU, plain and as a padded batch (tiled 1.10e-2 and 1.18e-2 from fp32,
     MLX's bf16 ops 1.13e-2 and 1.18e-2, when written)."""
-    monkeypatch.setattr(mx.fast, "cuda_kernel", emulated_cuda.cuda_kernel, raising=False)
-    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
-    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
     check_estimator(SMALL, 40, padded, monkeypatch)
 
 

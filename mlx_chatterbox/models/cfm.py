@@ -872,7 +872,7 @@ _TILED_EPILOGUE = {
     "add": "y += static_cast<float>(add[at]);",
 }
 
-_tiled_kernels: dict[tuple[mx.Dtype, bool, bool, bool, str | None], object] = {}
+_tiled_kernels: dict[tuple[mx.Dtype, bool, bool, bool, float | None], object] = {}
 
 
 def tiled_fits(x: mx.array, weight: mx.array) -> bool:
@@ -913,7 +913,7 @@ def tiled_product(
         raise ValueError(f"add has shape {add.shape}: the product's is {shape}")
     if norm is not None and (taps > 1 or "weight" not in norm or "bias" not in norm):
         raise ValueError("norm: an affine LayerNorm before a product (not a convolution)")
-    eps = None if norm is None else layers._float_literal(norm.eps)
+    eps = None if norm is None else norm.eps
     flags = (bias is not None, gelu, add is not None)
     key = (x.dtype, *flags, eps)
     if key not in _tiled_kernels:
@@ -924,7 +924,8 @@ def tiled_product(
         )
         source = source.replace("MMA_TYPE", "bf16" if x.dtype == mx.bfloat16 else "f16")
         if norm is not None:
-            source = f"constexpr float EPS = {eps};" + source.replace("// prologue", _TILED_NORM_PROLOGUE)
+            eps_source = f"constexpr float EPS = {layers._float_literal(eps)};"
+            source = eps_source + source.replace("// prologue", _TILED_NORM_PROLOGUE)
             source = source.replace("// normalize", _TILED_NORM_PIECE)
         label = "_".join(["tiled_product", *(["norm"] * (norm is not None)), *parts])
         _tiled_kernels[key] = mx.fast.cuda_kernel(label, names, ["out"], source)
