@@ -182,5 +182,6 @@ def emulated(monkeypatch):
     monkeypatch.setattr(layers, "_use_cuda_paths", lambda: layers.CUDA_DECODE)
     monkeypatch.setattr(layers, "_sm_count", lambda: 132)
     for module, cache in ((layers, "_gemv_kernels"), (layers, "_decode_attention_kernels"),
-                          (fused_sampling, "_kernels"), (cfm, "_tiled_kernels")):  # fmt: skip
+                          (fused_sampling, "_kernels"), (cfm, "_tiled_kernels"),
+                          (cfm, "_tiled_launches")):  # fmt: skip
         monkeypatch.setattr(module, cache, {})

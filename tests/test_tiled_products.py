@@ -77,6 +77,32 @@ def test_the_tiled_product_takes_only_what_its_kernel_computes(
     assert not cfm.tiled_fits(x, w)  # off: MLX's ops everywhere
 
 
+@pytest.mark.parametrize(
+    "x_shape, w_shape, options, message",
+    [
+        ((64, 256), (256, 256), dict(add=(64, 128)), "add has shape"),
+        ((2, 40, 80), (256, 3, 80), dict(norm=80), "multiple of 32"),
+        ((64, 256), (256, 256), dict(norm_mish=True), "follow a norm"),
+        ((2, 40, 256), (256, 3, 256), dict(shift=(256, 2)), "follow a norm"),
+        ((2, 40, 256), (256, 3, 256), dict(norm=256, shift=(2, 256)), "shift"),
+        ((80, 256), (256, 256), dict(norm=256, shift=(256, 80)), "shift"),  # a product has no sequences
+        ((64, 256), (256, 256), dict(add_norm=256), "add_norm takes add"),
+        ((2, 40, 256), (256, 3, 256), dict(mask=(2, 40)), "mask has shape"),
+    ],
+)
+def test_the_tiled_product_refuses_what_its_kernel_does_not_take(x_shape, w_shape, options, message):
+    """Checked before any kernel is built (so on any device)."""
+    dtype = mx.bfloat16
+    x, w = mx.zeros(x_shape, dtype), mx.zeros(w_shape, dtype)
+    args = {
+        k: (v if isinstance(v, bool) else mx.zeros(v, dtype)) for k, v in options.items() if "norm" not in k
+    }
+    args.update({k: layer_norm(v, 0, dtype) for k, v in options.items() if k in ("norm", "add_norm")})
+    args.update(norm_mish=options.get("norm_mish", False))
+    with pytest.raises(ValueError, match=message):
+        cfm.tiled_product(x, w, **args)
+
+
 def test_the_linear_of_the_estimator_is_its_ops_in_order_without_the_kernel():
     """Where the kernel does not run, ``cfm.linear`` is the layer, then GELU, then the sum, bit for bit."""
     x, w, bias, add = operands(0, 40, 64, 32, mx.float32)
@@ -149,6 +175,57 @@ def check_convolutions(dtype: mx.Dtype, b: int, t: int) -> None:
         assert got.shape == (b, t, 256) and (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all(), c
 
 
+def mish(y: np.ndarray) -> np.ndarray:
+    return y * np.tanh(np.logaddexp(y, 0.0))
+
+
+def rounded(y: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    return f64(mx.array(y.astype(np.float32)).astype(dtype))
+
+
+def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
+    """A resnet's two products with its blocks' LayerNorms and Mish inside (256 channels; the last request
+    ``padded`` frames shorter, masked, when not 0), against float64 from the rounded operands:
+
+    - the second k=3 convolution, reading Mish(LayerNorm(x)) plus the time embedding of each frame's sequence,
+      masked frames as zeros: within the product's bound (one rounding of the output, the accumulators' order)
+      plus what the two roundings of its input reach (the norm's output as MLX rounds it, through Mish's slope
+      of at most 1.1, and the input's own), through the weight's magnitudes;
+    - the 1x1 convolution (masked frames read as zeros) plus its bias and Mish(LayerNorm(add)) where the frame
+      is not masked: within the output's rounding and the accumulators' order, plus the norm's rounding through
+      Mish's slope."""
+    ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    c, rng = 256, np.random.default_rng(b * t + padded)
+    rand = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    x = mx.array(3 * rand(b, t, c) + 1).astype(dtype)
+    w = mx.array(rand(c, 3, c) / np.sqrt(3 * c)).astype(dtype)
+    bias, shift = mx.array(rand(c)).astype(dtype), mx.array(rand(c, b)).astype(dtype)
+    norm1, norm2 = layer_norm(c, 1, dtype), layer_norm(c, 2, dtype)
+    keep = (np.arange(t)[None] < t - padded * (np.arange(b)[:, None] == b - 1)).astype(np.float32)
+    mask = mx.array(keep.reshape(-1)).astype(dtype) if padded else None
+    assert cfm.tiled_fits(x, w)
+    out = cfm.tiled_product(x, w, bias, norm=norm1, norm_mish=True, shift=shift, mask=mask)
+    got = f64(out)
+    ln = rounded(normed(x, norm1), dtype)
+    xin = (mish(ln) + f64(shift).T[:, None, :]) * keep[..., None]
+    reach = ulp * (1.1 * np.abs(ln) + np.abs(xin)) * keep[..., None]
+    pad = [(0, 0), (2, 0), (0, 0)]
+    xp, rp, wf = np.pad(xin, pad), np.pad(reach, pad), f64(w)
+    want = sum(xp[:, j : j + t] @ wf[:, j].T for j in range(3)) + f64(bias)
+    spread = sum(rp[:, j : j + t] @ np.abs(wf[:, j]).T for j in range(3))
+    err = np.abs(got - want) - spread
+    assert got.shape == (b, t, c) and (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all()
+
+    rows, w1 = mx.array(rand(b * t, c)).astype(dtype), mx.array(rand(c, c) / np.sqrt(c)).astype(dtype)
+    add = out.reshape(b * t, c)
+    got = f64(cfm.tiled_product(rows, w1, bias, add=add, add_norm=norm2, mask=mask))
+    ln = rounded(normed(add, norm2), dtype)
+    kept = keep.reshape(-1, 1)
+    want = (f64(rows) * kept) @ f64(w1).T + f64(bias) + mish(ln) * kept
+    err = np.abs(got - want) - 1.1 * ulp * np.abs(ln) * kept
+    assert (err <= ulp * np.abs(want) + 1e-5 * np.abs(want).max()).all()
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
@@ -167,6 +244,15 @@ def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatc
     check_convolutions(dtype, b, t)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("b, t, padded", [(1, 64, 0), (2, 530, 0), (2, 530, 130), (3, 37, 5)])
+def test_the_resnet_products_take_its_norms_and_mish(monkeypatch, dtype, b, t, padded):
+    """``check_resnet`` on the GPU: sequences across tiles, masked frames."""
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    check_resnet(dtype, b, t, padded)
+
+
 @pytest.mark.parametrize("sm_count", [132, 1])
 def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count):
     """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
@@ -180,6 +266,8 @@ def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatc
         check_products(mx.bfloat16, m)
     for b, t in ((1, 64), (3, 37)):
         check_convolutions(mx.bfloat16, b, t)
+    for b, t, padded in ((1, 64, 0), (3, 37, 5)):
+        check_resnet(mx.bfloat16, b, t, padded)
 
 
 # The smallest estimator whose every product and convolution the kernel takes (channels, widths and the
@@ -193,6 +281,7 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
     """One bf16 estimator call (2 rows of ``frames`` frames; the second request ``padded`` frames shorter,
     masked, when not 0) against the same call in float32: the kernel's rounding (once per product and
     epilogue) is no farther from it than MLX's ops in bf16 (which round after each op), within 10%."""
+    mx.random.seed(0)  # the weights MLX draws
     est = cfm.Estimator(cfg)
     mx.eval(est.parameters())
     rng = np.random.default_rng(0)
@@ -211,9 +300,12 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
     composed = call(mx.bfloat16)
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     monkeypatch.setattr(cfm, "_tiled_kernels", {})
+    monkeypatch.setattr(cfm, "_tiled_launches", {})
     tiled = call(mx.bfloat16)
-    # The kernel ran: q/k/v; with a bias and a sum; a bias and GELU; a sum (the 1x1 convolutions); a bias (k=3).
-    assert len(cfm._tiled_kernels) == 5
+    # The kernel ran: q/k/v; with a bias and a sum; a bias and GELU; a bias (the k=3 convolutions); the resnets'
+    # second convolution with norm, Mish and the time embedding, and their 1x1 with the norm and Mish of its sum;
+    # padded, the resnets' first convolution reads the mask (the others read masked inputs).
+    assert len(cfm._tiled_kernels) == 6 + bool(padded)
     if padded:
         assert not tiled[1, frames - padded :].any()  # the estimator zeroes padded frames
 
@@ -226,9 +318,9 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
 @pytest.mark.parametrize("padded", [0, 13])
 def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded):
     """``check_estimator`` of a small estimator (every call site of the kernel: q/k/v with norm1, the output
-    projection and the feed-forward's with their sums, norm3 and GELU, the resnets' 1x1 and k=3 convolutions),
-    the kernel's source run on the CPU, plain and as a padded batch (tiled 1.10e-2 and 1.18e-2 from fp32,
-    MLX's bf16 ops 1.13e-2 and 1.18e-2, when written)."""
+    projection and the feed-forward's with their sums, norm3 and GELU, the resnets' convolutions with their
+    norms, Mish, time embedding and mask), the kernel's source run on the CPU, plain and as a padded batch
+    (tiled 1.31e-2 and 1.27e-2 from fp32, MLX's bf16 ops 1.27e-2 and 1.41e-2, when written)."""
     check_estimator(SMALL, 40, padded, monkeypatch)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import string
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -192,11 +193,16 @@ class CausalConv1d(Conv1d):
         return self.padded(x, self.weight.shape[1] - 1, 0)
 
 
+def weight_rows(conv: Conv1d) -> mx.array:
+    """A 1x1 convolution's weight as (C_out, C_in) rows, kept."""
+    return kept(conv, "_w_rows", (conv["weight"],), lambda w: w.reshape(w.shape[0], -1))
+
+
 def pointwise(conv: Conv1d, x: mx.array, c: mx.array) -> mx.array:
     """A 1x1 convolution of x (B, T, C_in) as one product plus ``c``: its bias (C_out,), or a (B, T, C_out)
     sum that holds the bias. One kernel (the bias or the sum is the product's C operand) where the
     convolution, its bias and a sum after it would be three; the weight's (C_in, C_out) view is kept."""
-    rows = kept(conv, "_w_rows", (conv["weight"],), lambda w: w.reshape(w.shape[0], -1))  # (C_out, C_in)
+    rows = weight_rows(conv)
     b, n, _ = x.shape
     x, c = x.reshape(b * n, -1), c if c.ndim == 1 else c.reshape(b * n, -1)
     if tiled_fits(x, rows):
@@ -224,7 +230,10 @@ class CausalResnetBlock1D(nn.Module):
     """Two causal blocks with the time embedding added between them, plus a 1x1 residual conv; the output is
     not re-masked (matcha ``ResnetBlock1D``). The time embedding and the residual conv's bias are added in the
     blocks' Mish kernels, and the residual conv is one product onto the second block's output (``pointwise``):
-    three kernels fewer than upstream's order of operations, the same sums up to rounding."""
+    three kernels fewer than upstream's order of operations, the same sums up to rounding. Where the tiled
+    kernel takes all three products, the blocks' LayerNorms and Mish go inside them too: the first block's into
+    the second convolution's reads, the second's into the residual product's sum (three kernels, not seven).
+    """
 
     def __init__(self, dim: int, dim_out: int, time_embed_dim: int):
         super().__init__()
@@ -235,9 +244,28 @@ class CausalResnetBlock1D(nn.Module):
         self.res_conv = Conv1d(dim, dim_out, 1)
 
     def __call__(self, x: mx.array, m: mx.array | None, t_proj: mx.array) -> mx.array:
-        """t_proj: (B, 1, dim_out) ``mlp`` of the time embedding, which the estimator computes for all its
-        resnets in one product (``Estimator.time_projections``)."""
-        h = self.block1(x, m, t_proj)
+        """t_proj: (dim_out, B) ``mlp`` of the time embedding, which the estimator computes for all its resnets
+        in one product (``Estimator.time_projections``)."""
+        (conv1, _, norm1), (conv2, _, norm2) = self.block1.block, self.block2.block
+        # The kernel takes conv1 only if its dim_out is a multiple of 64 and 3·dim of 32: then it takes conv2
+        # and the 1x1 convolution as well, and dim_out is a multiple of 32, as the norm inside needs.
+        if tiled_fits(x, conv1.weight):
+            b, n, _ = x.shape
+            frames = None if m is None else m.reshape(-1)  # the kernel reads masked frames as zeros
+            h = tiled_product(x, conv1.weight, conv1.bias, mask=frames)
+            h = tiled_product(
+                h, conv2.weight, conv2.bias, norm=norm1, norm_mish=True, shift=t_proj, mask=frames
+            )
+            h = tiled_product(
+                x.reshape(b * n, -1),
+                weight_rows(self.res_conv),
+                self.res_conv.bias,
+                add=h.reshape(b * n, -1),
+                add_norm=norm2,
+                mask=frames,
+            )
+            return h.reshape(b, n, -1)
+        h = self.block1(x, m, t_proj.T[:, None, :])
         h = self.block2(h, m, self.res_conv["bias"])
         return pointwise(self.res_conv, masked(x, m), h)
 
@@ -416,14 +444,17 @@ class Estimator(nn.Module):
         return masked(pointwise(self.final_proj, masked(h, m), self.final_proj["bias"]), m)
 
     def time_projections(self, t_emb: mx.array) -> list[mx.array]:
-        """Each resnet's ``mlp`` (Mish, Linear) of the (B, temb) time embedding, in call order, as (B, 1, c):
-        Mish once and one product against the resnets' weights side by side (kept), instead of 14 products
-        and their broadcasts."""
+        """Each resnet's ``mlp`` (Mish, Linear) of the (B, temb) time embedding, in call order, as (c, B):
+        Mish once and one product of the resnets' weights stacked (kept) with it, instead of 14 products and
+        their broadcasts. Channels first, so that each resnet's part is rows of the product (contiguous, as the
+        tiled kernel reads it), not a strided slice of every row."""
         lins = [r.mlp[1] for r, *_ in self.down_blocks + self.mid_blocks + self.up_blocks]
-        w_t = kept(self, "_time_w_t", tuple(lin["weight"] for lin in lins), lambda *ws: mx.concatenate(ws).T)
-        bias = kept(self, "_time_bias", tuple(lin["bias"] for lin in lins), lambda *bs: mx.concatenate(bs))
-        proj = mx.addmm(bias, mish(t_emb), w_t)[:, None, :]  # (B, 1, 14·c)
-        return mx.split(proj, len(lins), axis=-1)
+        w = kept(self, "_time_w", tuple(lin["weight"] for lin in lins), lambda *ws: mx.concatenate(ws))
+        bias = kept(
+            self, "_time_bias", tuple(lin["bias"] for lin in lins), lambda *bs: mx.concatenate(bs)[:, None]
+        )
+        proj = mx.addmm(bias, w, mish(t_emb).T)  # (14·c, B)
+        return mx.split(proj, len(lins), axis=0)
 
     @staticmethod
     def checkpoint_table(cfg: CFMConfig) -> dict[str, tuple]:
@@ -709,6 +740,7 @@ _TILED_SOURCE = """
   const int M = TAPS == 1 ? x_shape[0] : x_shape[0] * x_shape[1];
   const int FRAMES = TAPS == 1 ? 1 : x_shape[1];
   const int tid = threadIdx.x;
+  auto mish = [](float y) { return y * tanhf(fmaxf(y, 0.0f) + log1pf(expf(-fabsf(y)))); };
   const int warp_m = (tid >> 5) >> 1, warp_n = (tid >> 5) & 1;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
@@ -717,14 +749,15 @@ _TILED_SOURCE = """
   // frame m - TAPS + 1 + k / C, zero before its sequence's first (C is a multiple of 8: a piece is in one tap).
   // Two register sets take turns: the slice two ahead is loaded while this one is multiplied (2 in flight).
   uint4 xr0[FM], wr0[2], xr1[FM], wr1[2];
+  // Whether row m reads the frame `back` frames before it (else zeros): one of its own sequence.
+  auto reads = [&](int m, int back) { return m < M && (TAPS == 1 || m % FRAMES >= back)/* mask */; };
   auto fetch = [&](int k0, uint4 (&xr)[FM], uint4 (&wr)[2]) {
     #pragma unroll
     for (int i = 0; i < FM; ++i) {
       const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
-      const int m = m0 + r, tap = (k0 + c) / C, back = TAPS - 1 - tap;
-      const bool valid = m < M && (TAPS == 1 || m % FRAMES >= back);
-      xr[i] = valid ? *reinterpret_cast<const uint4*>(x + (size_t)(m - back) * C + (k0 + c) % C)
-                    : make_uint4(0, 0, 0, 0);
+      const int m = m0 + r, back = TAPS - 1 - (k0 + c) / C;
+      xr[i] = reads(m, back) ? *reinterpret_cast<const uint4*>(x + (size_t)(m - back) * C + (k0 + c) % C)
+                             : make_uint4(0, 0, 0, 0);
     }
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -830,68 +863,92 @@ _TILED_SOURCE = """
       }
 """
 
-# A LayerNorm before the product (``norm``): each warp finds the mean and 1/std of BM / 4 of the tile's rows
-# (two passes over a row held in registers, lane j holding columns j, j + 32, ...), and each piece of x is
-# normalized, scaled, shifted and rounded to T as it goes into shared memory, as MLX's LayerNorm rounds its
-# output; rows past x's end stay zero. EPS is put in as a literal.
-_TILED_NORM_PROLOGUE = """
-  __shared__ float row_mean[BM], row_rstd[BM];
-  for (int r = tid >> 5; r < BM; r += 4) {
-    const int lane = tid & 31;
-    float v[K / 32], sum = 0.0f;
+# LayerNorms inside the kernel, each row's mean and 1/std found first (a warp a row, two passes over it held in
+# registers, lane j holding columns j, j + 32, ...; rows outside x's are never read): ``norm``'s of x's frames
+# FIRST = m0 - TAPS + 1 on (a convolution reads TAPS - 1 frames before its tile's), and ``add_norm``'s of add's
+# rows. The epsilon is put in as a literal.
+_TILED_ROW_STATS = string.Template("""
+  __shared__ float ${name}_mean[$rows], ${name}_rstd[$rows];
+  for (int r = tid >> 5; r < $rows; r += 4) {
+    const int lane = tid & 31, row = $first + r;
+    const bool inside = row >= 0 && row < M;
+    float v[$width / 32], sum = 0.0f;
     #pragma unroll
-    for (int j = 0; j < K / 32; ++j) {
-      v[j] = m0 + r < M ? static_cast<float>(x[(size_t)(m0 + r) * K + j * 32 + lane]) : 0.0f;
+    for (int j = 0; j < $width / 32; ++j) {
+      v[j] = inside ? static_cast<float>(${name}[(size_t)row * $width + j * 32 + lane]) : 0.0f;
       sum += v[j];
     }
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float mean = sum / K;
+    const float mean = sum / $width;
     float squares = 0.0f;
     #pragma unroll
-    for (int j = 0; j < K / 32; ++j) squares += (v[j] - mean) * (v[j] - mean);
+    for (int j = 0; j < $width / 32; ++j) squares += (v[j] - mean) * (v[j] - mean);
     for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
     if (lane == 0) {
-      row_mean[r] = mean;
-      row_rstd[r] = rsqrtf(squares / K + EPS);
+      ${name}_mean[r] = mean;
+      ${name}_rstd[r] = rsqrtf(squares / $width + $eps);
     }
-  }
-  __syncthreads();"""
-_TILED_NORM_PIECE = """if (m0 + r < M) {
-        T* e = reinterpret_cast<T*>(&xr[i]);
-        #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const int k = k0 + c + q;
-          const float y = (static_cast<float>(e[q]) - row_mean[r]) * row_rstd[r];
-          e[q] = static_cast<T>(y * static_cast<float>(norm_w[k]) + static_cast<float>(norm_b[k]));
+  }""")
+# Each piece of x that is read is normalized, scaled and shifted, and rounded to T as MLX's LayerNorm rounds
+# its output; then Mish, and the time embedding's row of the piece's sequence, where asked (`// then`); it goes
+# into shared memory rounded to T.
+_TILED_NORM_PIECE = """{
+        const int tap = (k0 + c) / C, channel = (k0 + c) % C;
+        if (reads(m0 + r, TAPS - 1 - tap)) {
+          T* e = reinterpret_cast<T*>(&xr[i]);
+          const float mean = x_mean[r + tap], rstd = x_rstd[r + tap];
+          #pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const float gain = static_cast<float>(norm_w[channel + q]), offset = static_cast<float>(norm_b[channel + q]);
+            float y = static_cast<float>(static_cast<T>((static_cast<float>(e[q]) - mean) * rstd * gain + offset));
+            // then
+            e[q] = static_cast<T>(y);
+          }
         }
       }"""
+_TILED_NORM_THEN = {
+    "mish": "y = mish(y);",
+    "shift": "y += static_cast<float>(shift[(channel + q) * shift_shape[1] + (m0 + r) / FRAMES]);",
+}
 
 _TILED_EPILOGUE = {
     "bias": "y += static_cast<float>(bias[n0 + c]);",
     "gelu": "y = 0.5f * y * (1.0f + erff(y * 0.7071067811865476f));",
     "add": "y += static_cast<float>(add[at]);",
 }
+# The sum through ``add_norm`` (rounded to T, as MLX's LayerNorm rounds) and Mish; rows that ``mask`` leaves
+# out take none of it (`/* kept */`).
+_TILED_ADD_NORM = """if (true/* kept */) {
+            const float gain = static_cast<float>(add_norm_w[n0 + c]), offset = static_cast<float>(add_norm_b[n0 + c]);
+            const float a = (static_cast<float>(add[at]) - add_mean[m - m0]) * add_rstd[m - m0] * gain + offset;
+            y += mish(static_cast<float>(static_cast<T>(a)));
+          }"""
 
-_tiled_kernels: dict[tuple[mx.Dtype, bool, bool, bool, float | None], object] = {}
+_tiled_kernels: dict[tuple, object] = {}
+_tiled_launches: dict[tuple, tuple[object, dict]] = {}
+_tiled_fitting: dict[tuple, bool] = {}
 
 
 def tiled_fits(x: mx.array, weight: mx.array) -> bool:
     """Whether ``tiled_product`` runs x (M, K) against weight (N, K), or the causal convolution of x (B, T, C) by
     weight (N, taps, C), as our kernel here."""
-    n, c = weight.shape[0], weight.shape[-1]
-    k = weight.size // n
-    return (
-        TILED_PRODUCTS
-        and layers._use_cuda_paths()
-        and x.dtype in (mx.bfloat16, mx.float16)
-        and weight.dtype == x.dtype
-        and x.ndim == weight.ndim in (2, 3)
-        and x.shape[-1] == c
-        and x.size // c >= TILED_MIN_ROWS
-        and n % _TILE_N == 0
-        and k % _TILE_K == 0
-        and c % 8 == 0
-    )
+    if not (TILED_PRODUCTS and layers._use_cuda_paths()):
+        return False
+    key = (x.shape, x.dtype, weight.shape, weight.dtype)
+    fits = _tiled_fitting.get(key)
+    if fits is None:
+        n, c, k = weight.shape[0], weight.shape[-1], weight.size // weight.shape[0]
+        fits = _tiled_fitting[key] = (
+            x.dtype in (mx.bfloat16, mx.float16)
+            and weight.dtype == x.dtype
+            and x.ndim == weight.ndim in (2, 3)
+            and x.shape[-1] == c
+            and x.size // c >= TILED_MIN_ROWS
+            and n % _TILE_N == 0
+            and k % _TILE_K == 0
+            and c % 8 == 0
+        )
+    return fits
 
 
 def tiled_product(
@@ -899,48 +956,127 @@ def tiled_product(
     weight: mx.array,
     bias: mx.array | None = None,
     *,
+    norm: nn.LayerNorm | None = None,
+    norm_mish: bool = False,
+    shift: mx.array | None = None,
     gelu: bool = False,
     add: mx.array | None = None,
-    norm: nn.LayerNorm | None = None,
+    add_norm: nn.LayerNorm | None = None,
+    mask: mx.array | None = None,
 ) -> mx.array:
     """``norm(x) @ weight.T`` (+ bias) (then the exact GELU) (+ add), as one kernel; the caller asks
     ``tiled_fits`` first. x (M, K) and weight (N, K) (a ``Linear``'s), or the causal convolution of x (B, T, C)
-    by weight (N, taps, C) (a ``Conv1d``'s: stride 1, no dilation; no ``norm``), then x's shape with N channels;
-    bias (N,), add as the output; ``norm`` an affine LayerNorm over x's K channels."""
-    n, taps = weight.shape[0], weight.shape[1] if weight.ndim == 3 else 1
-    shape = (*x.shape[:-1], n)
-    if add is not None and add.shape != shape:
-        raise ValueError(f"add has shape {add.shape}: the product's is {shape}")
-    if norm is not None and (taps > 1 or "weight" not in norm or "bias" not in norm):
-        raise ValueError("norm: an affine LayerNorm before a product (not a convolution)")
-    eps = None if norm is None else norm.eps
-    flags = (bias is not None, gelu, add is not None)
-    key = (x.dtype, *flags, eps)
+    by weight (N, taps, C) (a ``Conv1d``'s: stride 1, no dilation), then x's shape with N channels; bias (N,),
+    add as the output.
+
+    ``norm``: an affine LayerNorm over x's channels (C a multiple of 32), applied to each frame as it is read;
+    then Mish (``norm_mish``) and plus ``shift`` (C, B), the column of the frame's sequence (a resnet's time
+    embedding). ``add_norm``: an affine LayerNorm over add's N channels, then Mish, before the sum. ``mask``
+    (B·T,) 0/1 over x's frames (the output's rows; a resnet's padded frames): a frame at 0 is read as zeros, and
+    ``add_norm``'s sum leaves its row out."""
+    # Everything the kernel, its template and grid depend on: worked out and checked once for each (a call
+    # builds 269 of these, and the estimator is bound by its host).
+    signature = (
+        x.shape,
+        x.dtype,
+        weight.shape,
+        bias is not None,
+        gelu,
+        None if add is None else add.shape,
+        None if norm is None else (norm.eps, "weight" in norm and "bias" in norm),
+        norm_mish,
+        None if shift is None else shift.shape,
+        None if add_norm is None else (add_norm.eps, "weight" in add_norm and "bias" in add_norm),
+        None if mask is None else mask.shape,
+    )
+    launch = _tiled_launches.get(signature)
+    if launch is None:
+        launch = _tiled_launches[signature] = _tiled_launch(*signature)
+    inputs = [x, weight]
+    if norm is not None:
+        inputs += [norm.weight, norm.bias]
+    inputs += [a for a in (shift, bias, add) if a is not None]
+    if add_norm is not None:
+        inputs += [add_norm.weight, add_norm.bias]
+    if mask is not None:
+        inputs.append(mask)
+    kernel, options = launch
+    return kernel(inputs=inputs, **options)[0]
+
+
+def _tiled_launch(
+    x_shape, dtype, w_shape, bias, gelu, add_shape, norm, norm_mish, shift_shape, add_norm, mask_shape
+):
+    """The kernel and call options of ``tiled_product`` for a signature (norms as (eps, affine)), once its
+    arguments are checked."""
+    n, taps = w_shape[0], w_shape[1] if len(w_shape) == 3 else 1
+    c, shape = x_shape[-1], (*x_shape[:-1], n)
+    rows = math.prod(x_shape) // c
+    if add_shape is not None and add_shape != shape:
+        raise ValueError(f"add has shape {add_shape}: the product's is {shape}")
+    for name, layer in (("norm", norm), ("add_norm", add_norm)):
+        if layer is not None and not layer[1]:
+            raise ValueError(f"{name}: an affine LayerNorm")
+    if norm is not None and c % 32:
+        raise ValueError(f"norm: x's channels ({c}) must be a multiple of 32")
+    if norm is None and (norm_mish or shift_shape is not None):
+        raise ValueError("norm_mish and shift follow a norm of x")
+    if shift_shape is not None and (taps == 1 or shift_shape != (c, x_shape[0])):
+        raise ValueError(f"shift: (channels, sequences) = {(c, x_shape[0])} of a convolution's x")
+    if add_norm is not None and add_shape is None:
+        raise ValueError("add_norm takes add")
+    if mask_shape is not None and mask_shape != (rows,):
+        raise ValueError(f"mask has shape {mask_shape}: one value a frame of x, ({rows},)")
+    options = (norm_mish, shift_shape is not None, mask_shape is not None)
+    key = (dtype, bias, gelu, add_shape is not None, *options) + tuple(
+        None if layer is None else layer[0] for layer in (norm, add_norm)
+    )
     if key not in _tiled_kernels:
-        parts = [part for part, on in zip(_TILED_EPILOGUE, flags) if on]
-        names = ["x", "w"] + ["norm_w", "norm_b"] * (norm is not None) + [p for p in parts if p != "gelu"]
-        source = _TILED_SOURCE.replace(
-            "// epilogue", "\n          ".join(_TILED_EPILOGUE[part] for part in parts)
-        )
-        source = source.replace("MMA_TYPE", "bf16" if x.dtype == mx.bfloat16 else "f16")
-        if norm is not None:
-            eps_source = f"constexpr float EPS = {layers._float_literal(eps)};"
-            source = eps_source + source.replace("// prologue", _TILED_NORM_PROLOGUE)
-            source = source.replace("// normalize", _TILED_NORM_PIECE)
-        label = "_".join(["tiled_product", *(["norm"] * (norm is not None)), *parts])
-        _tiled_kernels[key] = mx.fast.cuda_kernel(label, names, ["out"], source)
+        _tiled_kernels[key] = _tiled_kernel(*key)
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads).
-    m = x.size // x.shape[-1]
-    bm = 64 if -(-m // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32
-    inputs = [x, weight] + ([norm.weight, norm.bias] if norm is not None else [])
-    inputs += [a for a in (bias, add) if a is not None]
-    (out,) = _tiled_kernels[key](
-        inputs=inputs,
-        template=[("T", x.dtype), ("N", n), ("K", weight.size // n), ("TAPS", taps), ("BM", bm)],
-        grid=(n // _TILE_N * _THREADS, -(-m // bm), 1),
+    bm = 64 if -(-rows // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32
+    return _tiled_kernels[key], dict(
+        template=[("T", dtype), ("N", n), ("K", math.prod(w_shape) // n), ("TAPS", taps), ("BM", bm)],
+        grid=(n // _TILE_N * _THREADS, -(-rows // bm), 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[shape],
-        output_dtypes=[x.dtype],
+        output_dtypes=[dtype],
     )
-    return out
+
+
+def _tiled_kernel(dtype, bias, gelu, add, norm_mish, shift, mask, norm_eps, add_norm_eps) -> object:
+    """The kernel for ``_tiled_launch``'s key: its source put together from the pieces above, with inputs
+    named (and ordered) as ``tiled_product`` passes them."""
+    flags, norm, add_norm = (bias, gelu, add), norm_eps is not None, add_norm_eps is not None
+    parts = [part for part, on in zip(_TILED_EPILOGUE, flags) if on]
+    epilogue = [_TILED_EPILOGUE[part] for part in parts]
+    if add_norm:
+        epilogue[-1] = _TILED_ADD_NORM
+    source = _TILED_SOURCE.replace("// epilogue", "\n          ".join(epilogue))
+    source = source.replace("MMA_TYPE", "bf16" if dtype == mx.bfloat16 else "f16")
+    stats = []
+    if norm:
+        then = [_TILED_NORM_THEN[part] for part, on in (("mish", norm_mish), ("shift", shift)) if on]
+        piece = _TILED_NORM_PIECE.replace("// then", "\n            ".join(then))
+        source = source.replace("// normalize", piece)
+        eps = layers._float_literal(norm_eps)
+        stats.append(
+            _TILED_ROW_STATS.substitute(
+                name="x", rows="BM + TAPS - 1", first="m0 - TAPS + 1", width="C", eps=eps
+            )
+        )
+    if add_norm:
+        eps = layers._float_literal(add_norm_eps)
+        stats.append(_TILED_ROW_STATS.substitute(name="add", rows="BM", first="m0", width="N", eps=eps))
+    if stats:
+        source = source.replace("// prologue", "".join(stats) + "\n  __syncthreads();")
+    if mask:
+        source = source.replace("/* mask */", " && static_cast<float>(mask[m - back]) != 0.0f")
+        source = source.replace("true/* kept */", "static_cast<float>(mask[m]) != 0.0f")
+    names = ["x", "w"] + ["norm_w", "norm_b"] * norm + ["shift"] * shift
+    names += [p for p in parts if p != "gelu"] + ["add_norm_w", "add_norm_b"] * add_norm
+    names += ["mask"] * mask
+    label = ["tiled_product", "norm" * norm, "mish" * norm_mish, "shift" * shift]
+    label += parts + ["norm" * add_norm, "mask" * mask]
+    return mx.fast.cuda_kernel("_".join(filter(None, label)), names, ["out"], source)
