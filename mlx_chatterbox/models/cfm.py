@@ -694,12 +694,12 @@ def meanflow_steps(
 # --- The estimator's products as one CUDA kernel of ours (issue 25) ---
 #
 # Products of many rows in half precision, ``x @ weight.T`` or a causal convolution as that product over the
-# frames it sees, with a LayerNorm before and the bias, GELU and a sum after inside the kernel. The estimator
-# is bound by its host, and MLX hands every product to cuBLAS and every convolution to cuDNN: 15-20 µs of host
-# time a call (a matmul descriptor and an algorithm query each time, and a stream capture under CUDA graphs;
-# RESULTS, `probe_step --part micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and
-# 31 convolutions, and their biases' sums, GELUs, residual sums and the norms before them are 311 kernels
-# more.
+# frames it sees, with a LayerNorm (and Mish, and the time embedding) before and the bias, GELU and a sum (or
+# the Mish of a LayerNorm of one) after inside the kernel. The estimator is bound by its host, and MLX hands
+# every product to cuBLAS and every convolution to cuDNN: 15-20 µs of host time a call (a matmul descriptor
+# and an algorithm query each time, and a stream capture under CUDA graphs; RESULTS, `probe_step --part
+# micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and 31 convolutions, and their
+# biases' sums, GELUs, residual sums, the norms and the resnets' Mish around them are 367 kernels more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
 # tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two 32-wide slices of x and
