@@ -38,6 +38,11 @@ _NUMPY = {
     mx.bool_: np.bool_,
 }
 
+# CUDA kernels read a 16-byte load's registers as their 8 half-precision values through a pointer (as CUDA's
+# own headers do, and NVRTC compiles as meant); g++'s strict aliasing at -O2 may drop the load behind such a
+# read (the tiled kernel's row statistics read zeros).
+_FLAGS = ["-std=c++20", "-O2", "-fno-strict-aliasing", "-pthread", "-w"]
+
 # The one inline PTX instruction the emulation knows, with its operands: four "+f" sums, then six "r" words.
 _MMA = re.compile(
     r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32 .*?\);', re.S
@@ -147,23 +152,14 @@ def cuda_kernel(
         program = _program(
             header, source, input_names, inputs, output_names, output_dtypes, template, shared_memory
         )
-        digest = hashlib.sha1((program + HEADER.read_text()).encode()).hexdigest()[:16]
+        digest = hashlib.sha1((program + HEADER.read_text() + " ".join(_FLAGS)).encode()).hexdigest()[:16]
         exe = _BUILD / f"{name}_{digest}"
         _BUILD.mkdir(exist_ok=True)
         if not exe.exists():
             exe.with_suffix(".cpp").write_text(program)
             compiler = os.environ.get("CXX", "g++")
             built = subprocess.run(
-                [
-                    compiler,
-                    "-std=c++20",
-                    "-O2",
-                    "-pthread",
-                    "-w",
-                    str(exe.with_suffix(".cpp")),
-                    "-o",
-                    str(exe),
-                ],
+                [compiler, *_FLAGS, str(exe.with_suffix(".cpp")), "-o", str(exe)],
                 capture_output=True,
                 text=True,
             )

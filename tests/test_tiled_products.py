@@ -56,12 +56,13 @@ def layer_norm(k: int, seed: int, dtype: mx.Dtype) -> nn.LayerNorm:
         ((64, 256), (512, 256), mx.float32, True, False),  # float32: TF32 on tensor cores
         ((63, 256), (512, 256), mx.bfloat16, True, False),  # a few rows: cuBLAS or a matrix-vector product
         ((64, 256), (80, 256), mx.bfloat16, True, False),  # N not a multiple of the tile's 64 (final_proj)
-        ((64, 80), (256, 80), mx.bfloat16, True, False),  # K not a multiple of 32
+        ((64, 80), (256, 80), mx.bfloat16, True, False),  # K not a multiple of 64
+        ((64, 96), (256, 96), mx.bfloat16, True, False),  # nor here (a multiple of 32)
         ((2, 32, 256), (512, 256), mx.bfloat16, True, False),  # a product's rows as 2-D only
         ((2, 530, 320), (256, 3, 320), mx.bfloat16, True, True),  # a causal convolution (the first resnet's)
         ((1, 63, 256), (256, 3, 256), mx.bfloat16, True, False),  # a few frames
-        ((2, 530, 84), (256, 3, 84), mx.bfloat16, True, False),  # K = 252, not a multiple of 32
-        ((2, 530, 4), (256, 8, 4), mx.bfloat16, True, False),  # channels not a multiple of 8 (K = 32)
+        ((2, 530, 84), (256, 3, 84), mx.bfloat16, True, False),  # K = 252, not a multiple of 64
+        ((2, 530, 4), (256, 16, 4), mx.bfloat16, True, False),  # channels not a multiple of 8 (K = 64)
         ((2, 530, 256), (80, 3, 256), mx.bfloat16, True, False),  # N not a multiple of 64
         ((1060, 256), (256, 3, 256), mx.bfloat16, True, False),  # a convolution's x as (B, T, C) only
     ],
@@ -81,7 +82,6 @@ def test_the_tiled_product_takes_only_what_its_kernel_computes(
     "x_shape, w_shape, options, message",
     [
         ((64, 256), (256, 256), dict(add=(64, 128)), "add has shape"),
-        ((2, 40, 80), (256, 3, 80), dict(norm=80), "multiple of 32"),
         ((64, 256), (256, 256), dict(norm_mish=True), "follow a norm"),
         ((2, 40, 256), (256, 3, 256), dict(shift=(256, 2)), "follow a norm"),
         ((2, 40, 256), (256, 3, 256), dict(norm=256, shift=(2, 256)), "shift"),
@@ -179,13 +179,10 @@ def mish(y: np.ndarray) -> np.ndarray:
     return y * np.tanh(np.logaddexp(y, 0.0))
 
 
-def rounded(y: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
-    return f64(mx.array(y.astype(np.float32)).astype(dtype))
-
-
 def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
     """A resnet's two products with its blocks' LayerNorms and Mish inside (256 channels; the last request
-    ``padded`` frames shorter, masked, when not 0), against float64 from the rounded operands:
+    ``padded`` frames shorter, masked, when not 0), against float64 from the rounded operands (the norms'
+    outputs not rounded: the kernel's float statistics and float64's may round a value either way):
 
     - the second k=3 convolution, reading Mish(LayerNorm(x)) plus the time embedding of each frame's sequence,
       masked frames as zeros: within the product's bound (one rounding of the output, the accumulators' order)
@@ -206,7 +203,7 @@ def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
     assert cfm.tiled_fits(x, w)
     out = cfm.tiled_product(x, w, bias, norm=norm1, norm_mish=True, shift=shift, mask=mask)
     got = f64(out)
-    ln = rounded(normed(x, norm1), dtype)
+    ln = normed(x, norm1)
     xin = (mish(ln) + f64(shift).T[:, None, :]) * keep[..., None]
     reach = ulp * (1.1 * np.abs(ln) + np.abs(xin)) * keep[..., None]
     pad = [(0, 0), (2, 0), (0, 0)]
@@ -219,7 +216,7 @@ def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
     rows, w1 = mx.array(rand(b * t, c)).astype(dtype), mx.array(rand(c, c) / np.sqrt(c)).astype(dtype)
     add = out.reshape(b * t, c)
     got = f64(cfm.tiled_product(rows, w1, bias, add=add, add_norm=norm2, mask=mask))
-    ln = rounded(normed(add, norm2), dtype)
+    ln = normed(add, norm2)
     kept = keep.reshape(-1, 1)
     want = (f64(rows) * kept) @ f64(w1).T + f64(bias) + mish(ln) * kept
     err = np.abs(got - want) - 1.1 * ulp * np.abs(ln) * kept

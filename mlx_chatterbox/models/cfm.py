@@ -247,8 +247,8 @@ class CausalResnetBlock1D(nn.Module):
         """t_proj: (dim_out, B) ``mlp`` of the time embedding, which the estimator computes for all its resnets
         in one product (``Estimator.time_projections``)."""
         (conv1, _, norm1), (conv2, _, norm2) = self.block1.block, self.block2.block
-        # The kernel takes conv1 only if its dim_out is a multiple of 64 and 3·dim of 32: then it takes conv2
-        # and the 1x1 convolution as well, and dim_out is a multiple of 32, as the norm inside needs.
+        # The kernel takes conv1 only if its dim_out and 3·dim are multiples of 64: then it takes conv2 and the
+        # 1x1 convolution as well (3·dim_out and dim are).
         if tiled_fits(x, conv1.weight):
             b, n, _ = x.shape
             frames = None if m is None else m.reshape(-1)  # the kernel reads masked frames as zeros
@@ -702,10 +702,10 @@ def meanflow_steps(
 # biases' sums, GELUs, residual sums, the norms and the resnets' Mish around them are 367 kernels more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
-# tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two 32-wide slices of x and
-# the weight loading into registers while one is multiplied from shared memory. Rows past x's end read zeros
-# and write nothing, so any row count runs; the weight's rows (N) must be a multiple of 64 and its columns (K)
-# of 32. A causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N,
+# tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two 64-wide slices of x and
+# the weight loading into registers while one is multiplied from shared memory (slices of 32 left the kernel
+# waiting on its loads: 2-4x cuBLAS's GPU time, runs AF). Rows past x's end read zeros and write nothing, so
+# any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N,
 # taps·C) with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b
 # side by side, zeros before its start (no padded copy of x). float32 stays with MLX: a tensor-core product in
 # float32 would be TF32, and the fp32 estimator is upstream's numbers. Sums differ from MLX's ops in rounding
@@ -720,19 +720,21 @@ TILED_PRODUCTS = False
 # Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows).
 TILED_MIN_ROWS = 64
 
-_TILE_N, _TILE_K, _THREADS = 64, 32, 128
+_TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
 # T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
 # come as template constants, x's rows and frames from its shape (2-D for a product, (B, T, C) for a
 # convolution); the epilogue is put in by ``tiled_product``.
 _TILED_SOURCE = """
-  constexpr int BN = 64, BK = 32;
+  constexpr int BN = 64, BK = 64;
   constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32, four 8-column fragments
-  // A shared row of the x and weight tiles, in elements: 80 bytes, so that the 8 rows a fragment load reads
-  // at once fall in distinct banks (word 20·g + tg for row g, pair tg).
+  // A shared row of the x and weight tiles, in elements: 144 bytes, so that the 8 rows a fragment load reads
+  // at once fall in distinct banks (word 36·g + tg for row g, pair tg: bank 4·g + tg).
   constexpr int LDS = BK + 8;
   constexpr int TILES = K / BK;
-  // Two buffers of the x and weight tiles: 20,480 bytes at BM 64.
+  // 16-byte pieces a tile's row holds, and a thread moves of x's tile and of the weight's.
+  constexpr int SEGS = BK / 8, XP = BM * SEGS / 128, WP = BN * SEGS / 128;
+  // Two buffers of the x and weight tiles: 36,864 bytes at BM 64.
   __shared__ __align__(128) T xs[2 * BM * LDS];
   __shared__ __align__(128) T ws[2 * BN * LDS];
 
@@ -744,38 +746,38 @@ _TILED_SOURCE = """
   const int warp_m = (tid >> 5) >> 1, warp_n = (tid >> 5) & 1;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
-  // Each thread moves FM 16-byte pieces of x's tile and two of the weight's: piece p is row p / 4, columns
-  // (p % 4) * 8 on. Column k of row m is x's element (m, k), or for a convolution channel k % C of tap k / C:
+  // Each thread moves XP 16-byte pieces of x's tile and WP of the weight's: piece p is row p / SEGS, columns
+  // (p % SEGS) * 8 on. Column k of row m is x's element (m, k), or for a convolution channel k % C of tap k / C:
   // frame m - TAPS + 1 + k / C, zero before its sequence's first (C is a multiple of 8: a piece is in one tap).
   // Two register sets take turns: the slice two ahead is loaded while this one is multiplied (2 in flight).
-  uint4 xr0[FM], wr0[2], xr1[FM], wr1[2];
+  uint4 xr0[XP], wr0[WP], xr1[XP], wr1[WP];
   // Whether row m reads the frame `back` frames before it (else zeros): one of its own sequence.
   auto reads = [&](int m, int back) { return m < M && (TAPS == 1 || m % FRAMES >= back)/* mask */; };
-  auto fetch = [&](int k0, uint4 (&xr)[FM], uint4 (&wr)[2]) {
+  auto fetch = [&](int k0, uint4 (&xr)[XP], uint4 (&wr)[WP]) {
     #pragma unroll
-    for (int i = 0; i < FM; ++i) {
-      const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
+    for (int i = 0; i < XP; ++i) {
+      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
       const int m = m0 + r, back = TAPS - 1 - (k0 + c) / C;
       xr[i] = reads(m, back) ? *reinterpret_cast<const uint4*>(x + (size_t)(m - back) * C + (k0 + c) % C)
                              : make_uint4(0, 0, 0, 0);
     }
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
+    for (int i = 0; i < WP; ++i) {
+      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
       wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k0 + c);
     }
   };
   // prologue
-  auto stash = [&](int buf, int k0, uint4 (&xr)[FM], uint4 (&wr)[2]) {
+  auto stash = [&](int buf, int k0, uint4 (&xr)[XP], uint4 (&wr)[WP]) {
     #pragma unroll
-    for (int i = 0; i < FM; ++i) {
-      const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
+    for (int i = 0; i < XP; ++i) {
+      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
       // normalize
       *reinterpret_cast<uint4*>(xs + (buf * BM + r) * LDS + c) = xr[i];
     }
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int p = tid + i * 128, r = p >> 2, c = (p & 3) * 8;
+    for (int i = 0; i < WP; ++i) {
+      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
       *reinterpret_cast<uint4*>(ws + (buf * BN + r) * LDS + c) = wr[i];
     }
   };
@@ -863,30 +865,54 @@ _TILED_SOURCE = """
       }
 """
 
-# LayerNorms inside the kernel, each row's mean and 1/std found first (a warp a row, two passes over it held in
-# registers, lane j holding columns j, j + 32, ...; rows outside x's are never read): ``norm``'s of x's frames
-# FIRST = m0 - TAPS + 1 on (a convolution reads TAPS - 1 frames before its tile's), and ``add_norm``'s of add's
-# rows. The epsilon is put in as a literal.
+# LayerNorms inside the kernel, each row's mean and 1/std found first (rows outside x's never read): ``norm``'s
+# of x's frames FIRST = m0 - TAPS + 1 on (a convolution reads TAPS - 1 frames before its tile's), and
+# ``add_norm``'s of add's rows. A warp takes four rows at once, each lane 8 columns of each at a time (one
+# 16-byte load), all their loads in flight together; two passes over the values held in registers. (A warp a
+# row, lane j loading columns j, j + 32, ..., waited on its loads row after row: 45 µs for the q/k/v product
+# with norm1 at 2,000 rows, 18 µs for a plain one, runs AF.) The epsilon is put in as a literal.
 _TILED_ROW_STATS = string.Template("""
   __shared__ float ${name}_mean[$rows], ${name}_rstd[$rows];
-  for (int r = tid >> 5; r < $rows; r += 4) {
-    const int lane = tid & 31, row = $first + r;
-    const bool inside = row >= 0 && row < M;
-    float v[$width / 32], sum = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < $width / 32; ++j) {
-      v[j] = inside ? static_cast<float>(${name}[(size_t)row * $width + j * 32 + lane]) : 0.0f;
-      sum += v[j];
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float mean = sum / $width;
-    float squares = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < $width / 32; ++j) squares += (v[j] - mean) * (v[j] - mean);
-    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
-    if (lane == 0) {
-      ${name}_mean[r] = mean;
-      ${name}_rstd[r] = rsqrtf(squares / $width + $eps);
+  {
+    constexpr int PIECES = ($width / 8 + 31) / 32;  // a lane's 8-column pieces of a row
+    const int lane = tid & 31;
+    for (int r0 = (tid >> 5) * 4; r0 < $rows; r0 += 16) {
+      float v[4][PIECES * 8];
+      #pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const int row = $first + r0 + h;
+        const bool inside = r0 + h < $rows && row >= 0 && row < M;
+        #pragma unroll
+        for (int j = 0; j < PIECES; ++j) {
+          const int piece = lane + 32 * j;
+          uint4 u = make_uint4(0, 0, 0, 0);
+          if (inside && piece < $width / 8) u = *reinterpret_cast<const uint4*>(${name} + (size_t)row * $width + piece * 8);
+          const T* e = reinterpret_cast<const T*>(&u);
+          #pragma unroll
+          for (int q = 0; q < 8; ++q) v[h][j * 8 + q] = static_cast<float>(e[q]);
+        }
+      }
+      #pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        float sum = 0.0f;
+        #pragma unroll
+        for (int q = 0; q < PIECES * 8; ++q) sum += v[h][q];
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float mean = sum / $width;
+        float squares = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < PIECES; ++j)
+          #pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const float d = lane + 32 * j < $width / 8 ? v[h][j * 8 + q] - mean : 0.0f;
+            squares += d * d;
+          }
+        for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+        if (lane == 0 && r0 + h < $rows) {
+          ${name}_mean[r0 + h] = mean;
+          ${name}_rstd[r0 + h] = rsqrtf(squares / $width + $eps);
+        }
+      }
     }
   }""")
 # Each piece of x that is read is normalized, scaled and shifted, and rounded to T as MLX's LayerNorm rounds
@@ -969,7 +995,7 @@ def tiled_product(
     by weight (N, taps, C) (a ``Conv1d``'s: stride 1, no dilation), then x's shape with N channels; bias (N,),
     add as the output.
 
-    ``norm``: an affine LayerNorm over x's channels (C a multiple of 32), applied to each frame as it is read;
+    ``norm``: an affine LayerNorm over x's channels, applied to each frame as it is read;
     then Mish (``norm_mish``) and plus ``shift`` (C, B), the column of the frame's sequence (a resnet's time
     embedding). ``add_norm``: an affine LayerNorm over add's N channels, then Mish, before the sum. ``mask``
     (B·T,) 0/1 over x's frames (the output's rows; a resnet's padded frames): a frame at 0 is read as zeros, and
@@ -1017,8 +1043,6 @@ def _tiled_launch(
     for name, layer in (("norm", norm), ("add_norm", add_norm)):
         if layer is not None and not layer[1]:
             raise ValueError(f"{name}: an affine LayerNorm")
-    if norm is not None and c % 32:
-        raise ValueError(f"norm: x's channels ({c}) must be a multiple of 32")
     if norm is None and (norm_mish or shift_shape is not None):
         raise ValueError("norm_mish and shift follow a norm of x")
     if shift_shape is not None and (taps == 1 or shift_shape != (c, x_shape[0])):
