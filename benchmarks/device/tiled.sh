@@ -12,8 +12,12 @@ for frames in 530 1000; do  # a stream's first decode (10 s prompt + 15 tokens);
   timeout 300 python3 benchmarks/probe_s3gen.py --part call,solve --dtypes bfloat16 --rows 1 --frames "$frames" \
       --estimator plain,tiled,plain,tiled --out ~/res/s3gen_probe.jsonl
 done
-MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000 timeout 300 python3 benchmarks/probe_s3gen.py \
-    --part device --dtypes bfloat16 --rows 1 --estimator plain,tiled --out ~/res/s3gen_probe.jsonl
+for rows in 1 8; do  # one request (GPU time a call at 1,000 frames), a batch of 8 (where the GPU bounds a call)
+  MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000 timeout 300 python3 benchmarks/probe_s3gen.py \
+      --part device --dtypes bfloat16 --rows "$rows" --estimator plain,tiled --out ~/res/s3gen_probe.jsonl
+done
+timeout 300 python3 benchmarks/probe_s3gen.py --part call --dtypes bfloat16 --rows 8 --frames 1000 \
+    --estimator plain,tiled,plain,tiled --out ~/res/s3gen_probe.jsonl
 timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-tiled-products \
     --out ~/res/kernels.jsonl 2>&1 | grep -v '^{'
 for graphs in 1 0; do  # with CUDA graphs (TTS in one process), without (the server's vocoding process)
