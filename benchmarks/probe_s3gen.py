@@ -217,12 +217,14 @@ def astype_context(*outputs: mx.array) -> collections.Counter:
 
 @contextlib.contextmanager
 def products(way: str) -> Iterator[None]:
-    """The estimator's products as our kernel (cfm.tiled_product) for the "tiled" way, MLX's otherwise."""
-    cfm.TILED_PRODUCTS = way == "tiled"
+    """The estimator's products as our kernel (cfm.tiled_product) for the "tiled" way, at any number of rows
+    (batches included, past the library's ``TILED_MAX_ROWS``), MLX's otherwise."""
+    most = cfm.TILED_MAX_ROWS
+    cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = way == "tiled", sys.maxsize
     try:
         yield
     finally:
-        cfm.TILED_PRODUCTS = False
+        cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = False, most
 
 
 def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, way: str = "plain") -> dict:

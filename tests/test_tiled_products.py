@@ -55,6 +55,8 @@ def layer_norm(k: int, seed: int, dtype: mx.Dtype) -> nn.LayerNorm:
         ((64, 256), (512, 256), mx.bfloat16, False, False),  # on the CPU: MLX's ops
         ((64, 256), (512, 256), mx.float32, True, False),  # float32: TF32 on tensor cores
         ((63, 256), (512, 256), mx.bfloat16, True, False),  # a few rows: cuBLAS or a matrix-vector product
+        ((2049, 256), (512, 256), mx.bfloat16, True, False),  # many: the GPU bounds them (a batch)
+        ((2, 1025, 256), (256, 3, 256), mx.bfloat16, True, False),  # the same as frames
         ((64, 256), (80, 256), mx.bfloat16, True, False),  # N not a multiple of the tile's 64 (final_proj)
         ((64, 80), (256, 80), mx.bfloat16, True, False),  # K not a multiple of 64
         ((64, 96), (256, 96), mx.bfloat16, True, False),  # nor here (a multiple of 32)

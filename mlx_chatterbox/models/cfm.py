@@ -717,8 +717,10 @@ def meanflow_steps(
 # ship (benchmarks' "ours-tiled-products" and ``--estimator tiled`` turn it on).
 TILED_PRODUCTS = False
 
-# Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows).
-TILED_MIN_ROWS = 64
+# Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows); above the
+# most, too: there the GPU, not the host, bounds a call, and cuBLAS's products took half our kernel's GPU time
+# (2 x 1,000 rows, runs AF: where the solve broke even, 87-100 ms against 91-145).
+TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
@@ -969,12 +971,11 @@ def tiled_fits(x: mx.array, weight: mx.array) -> bool:
             and weight.dtype == x.dtype
             and x.ndim == weight.ndim in (2, 3)
             and x.shape[-1] == c
-            and x.size // c >= TILED_MIN_ROWS
             and n % _TILE_N == 0
             and k % _TILE_K == 0
             and c % 8 == 0
         )
-    return fits
+    return fits and TILED_MIN_ROWS <= x.size // x.shape[-1] <= TILED_MAX_ROWS
 
 
 def tiled_product(
