@@ -377,9 +377,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--cfm-dtype", default="float32", help="ours: the estimator's dtype (float32, bfloat16)")
     p.add_argument(
-        "--tiled-products",
+        "--plain-products",
         action="store_true",
-        help="ours: the estimator's products as our tensor-core kernel (cfm.tiled_product; CUDA, bf16 estimator)",
+        help="ours: the estimator's products as MLX's ops, not our tensor-core kernel (cfm.TILED_PRODUCTS off; "
+        "the kernel runs on CUDA with a half-precision estimator)",
     )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
@@ -392,11 +393,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--built runs ours alone (--systems ours)")
     if args.cfm_dtype not in ("float32", "bfloat16", "float16"):
         p.error(f"--cfm-dtype {args.cfm_dtype}: float32, bfloat16 or float16")
-    if args.tiled_products and (set(systems) != {"ours"} or args.cfm_dtype == "float32"):
-        p.error("--tiled-products applies to ours (--systems ours) with a half-precision --cfm-dtype")
-    if args.tiled_products and (args.device == "cpu" or not mx.cuda.is_available()):
-        p.error("--tiled-products is a CUDA kernel: it needs MLX's CUDA backend and the GPU")
-    cfm.TILED_PRODUCTS = args.tiled_products
+    if args.plain_products and (set(systems) != {"ours"} or args.cfm_dtype == "float32"):
+        p.error("--plain-products applies to ours (--systems ours) with a half-precision --cfm-dtype")
+    if args.plain_products and (args.device == "cpu" or not mx.cuda.is_available()):
+        p.error("--plain-products turns off a CUDA kernel: it needs MLX's CUDA backend and the GPU")
+    cfm.TILED_PRODUCTS = not args.plain_products
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         row.update(watermark=watermark, text=TEXT, **res, rss_peak_mib=rss_peak_mib(), **info)
         if system == "ours":
-            row.update(tiled_products=args.tiled_products)
+            row.update(tiled_products=not args.plain_products)
         write_line(row, args.out)
         rows.append(row)
     if rows:

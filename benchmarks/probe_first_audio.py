@@ -192,10 +192,10 @@ def main() -> None:
         "for one that holds it, a cost of every hand-over between the Worker's threads",
     )
     p.add_argument(
-        "--tiled-products",
+        "--plain-products",
         action="store_true",
-        help="the estimator's products as our tensor-core kernel (cfm.tiled_product; bf16 estimator, in this process: "
-        "not with worker-process)",
+        help="the estimator's products as MLX's ops, not our tensor-core kernel (cfm.TILED_PRODUCTS off; in this "
+        "process: not with worker-process, whose process sets its own)",
     )
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
@@ -204,13 +204,13 @@ def main() -> None:
         p.error(f"--modes {args.modes}: stream, stream-thread, worker-inline, worker-thread, worker-process")
     if "worker-process" in modes and args.model is None:
         p.error("--modes worker-process needs --model: the vocoding process loads S3Gen from a model folder")
-    if args.tiled_products and (args.device == "cpu" or not mx.cuda.is_available()):
-        p.error("--tiled-products is a CUDA kernel: it needs MLX's CUDA backend and the GPU")
-    if args.tiled_products and "worker-process" in modes:
+    if args.plain_products and (args.device == "cpu" or not mx.cuda.is_available()):
+        p.error("--plain-products turns off a CUDA kernel: it needs MLX's CUDA backend and the GPU")
+    if args.plain_products and "worker-process" in modes:
         p.error(
-            "--tiled-products sets this process's switch: the vocoding process of worker-process would not see it"
+            "--plain-products sets this process's switch: the vocoding process of worker-process would not see it"
         )
-    cfm.TILED_PRODUCTS = args.tiled_products
+    cfm.TILED_PRODUCTS = not args.plain_products
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     mx.set_default_device(getattr(mx, args.device))
@@ -247,7 +247,7 @@ def main() -> None:
         write_line(
             dict(bench="first_audio", mode=mode, variant=tts.speech.variant, model=args.model or "built",
                  tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype,
-                 tiled_products=args.tiled_products,
+                 tiled_products=not args.plain_products,
                  switch_interval=sys.getswitchinterval(), **med, runs=rows, **info),
             args.out,
         )  # fmt: skip

@@ -219,12 +219,12 @@ def astype_context(*outputs: mx.array) -> collections.Counter:
 def products(way: str) -> Iterator[None]:
     """The estimator's products as our kernel (cfm.tiled_product) for the "tiled" way, at any number of rows
     (batches included, past the library's ``TILED_MAX_ROWS``), MLX's otherwise."""
-    most = cfm.TILED_MAX_ROWS
+    switch, most = cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS
     cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = way == "tiled", sys.maxsize
     try:
         yield
     finally:
-        cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = False, most
+        cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = switch, most
 
 
 def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, way: str = "plain") -> dict:

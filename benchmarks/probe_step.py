@@ -70,7 +70,7 @@ OURS = (
     "ours-host-scalars",
     "ours-loaded-weights",
     "ours-loaded-copied",
-    "ours-tiled-products",
+    "ours-plain-products",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -205,7 +205,7 @@ def use(system: str) -> None:
     fused_sampling.SAMPLING_KERNEL = system != "ours-composed-sampling"
     fused_sampling.ENGLISH_SAMPLING_KERNEL = system == "ours-english-sampling"
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
-    cfm.TILED_PRODUCTS = system == "ours-tiled-products"  # S3Gen's estimator (probe_kernels --part s3gen)
+    cfm.TILED_PRODUCTS = system != "ours-plain-products"  # S3Gen's estimator (probe_kernels --part s3gen)
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
 

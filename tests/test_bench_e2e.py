@@ -32,12 +32,12 @@ def test_built_model_row(tmp_path):
     assert row["peak_mem_bytes"] > 0
 
 
-def test_built_refuses_upstream_unknown_dtypes_and_tiled_products_in_float32():
+def test_built_refuses_upstream_unknown_dtypes_and_plain_products_in_float32():
     done = run("--built", "tiny", "--systems", "ours,upstream")
     assert done.returncode == 2 and "--built runs ours alone" in done.stderr
     done = run("--built", "tiny", "--cfm-dtype", "int8")
     assert done.returncode == 2 and "--cfm-dtype int8" in done.stderr
-    done = run("--built", "tiny", "--tiled-products")  # the default float32 estimator
-    assert done.returncode == 2 and "--tiled-products applies to ours" in done.stderr
-    done = run("--built", "tiny", "--cfm-dtype", "bfloat16", "--tiled-products")  # --device cpu
-    assert done.returncode == 2 and "--tiled-products is a CUDA kernel" in done.stderr
+    done = run("--built", "tiny", "--plain-products")  # the default float32 estimator
+    assert done.returncode == 2 and "--plain-products applies to ours" in done.stderr
+    done = run("--built", "tiny", "--cfm-dtype", "bfloat16", "--plain-products")  # --device cpu
+    assert done.returncode == 2 and "--plain-products turns off a CUDA kernel" in done.stderr

@@ -43,10 +43,10 @@ def test_the_process_mode_needs_a_model_folder():
     assert done.returncode == 2 and "worker-process needs --model" in done.stderr
 
 
-def test_the_tiled_products_switch_needs_cuda():
-    """--tiled-products turns a CUDA kernel on: refused where it could not run (here, the CPU) rather than
-    timing MLX's ops under its name."""
+def test_the_plain_products_switch_needs_cuda():
+    """--plain-products turns a CUDA kernel off: refused where it could not run (here, the CPU) rather than
+    timing the same ops under two names."""
     argv = [sys.executable, "benchmarks/probe_first_audio.py", "--tiny", "--device", "cpu", "--modes", "stream",
-            "--tiled-products"]  # fmt: skip
+            "--plain-products"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "--tiled-products is a CUDA kernel" in done.stderr
+    assert done.returncode == 2 and "--plain-products turns off a CUDA kernel" in done.stderr

@@ -224,7 +224,8 @@ def test_api_keys_and_cors(serve):
 
 def test_vocoding_process_serves_streams_without_cuda_graphs(serve):
     """``--vocoding process`` through the CLI: S3Gen's work runs in a child process that sets
-    MLX_USE_CUDA_GRAPHS=0 for itself (logged with -v; the server's empty value counts as none), a streamed
+    MLX_USE_CUDA_GRAPHS=0 for itself and so keeps the estimator's products MLX's (logged with -v; the server's
+    empty value counts as none), a streamed
     request comes back whole, the health check reports where vocoding runs, and SIGTERM stops both processes.
     """
     s = serve("-v", "--vocode-thread", "on", "--vocoding", "process", env={"MLX_USE_CUDA_GRAPHS": ""})
@@ -238,4 +239,4 @@ def test_vocoding_process_serves_streams_without_cuda_graphs(serve):
     s.signal(signal.SIGTERM)
     code, err = s.wait(20)
     assert code == 0, err
-    assert "runs MLX with MLX_USE_CUDA_GRAPHS=0" in err
+    assert "runs MLX with MLX_USE_CUDA_GRAPHS=0, the estimator on MLX's products" in err

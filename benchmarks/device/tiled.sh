@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The estimator's products, convolutions and norms as our kernel (cfm.tiled_product, off by default) against
+# The estimator's products, convolutions and norms as our kernel (cfm.tiled_product, on by default) against
 # MLX's cuBLAS and cuDNN calls, in one lease (about 6 minutes after the installs):
 #   bash benchmarks/device/start.sh tiled 560
 # Its GPU tests first (not their CPU runs, which CI has); the timings run whatever they say (a failing
@@ -18,15 +18,15 @@ for rows in 1 8; do  # one request (GPU time a call at 1,000 frames), a batch of
 done
 timeout 300 python3 benchmarks/probe_s3gen.py --part call --dtypes bfloat16 --rows 8 --frames 1000 \
     --estimator plain,tiled,plain,tiled --out ~/res/s3gen_probe.jsonl
-timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-tiled-products \
+timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-plain-products \
     --out ~/res/kernels.jsonl 2>&1 | grep -v '^{'
 for graphs in 1 0; do  # with CUDA graphs (TTS in one process), without (the server's vocoding process)
-  for tiled in "" --tiled-products; do
-    MLX_USE_CUDA_GRAPHS=$graphs timeout 300 python3 benchmarks/probe_first_audio.py --modes stream $tiled \
+  for plain in "" --plain-products; do
+    MLX_USE_CUDA_GRAPHS=$graphs timeout 300 python3 benchmarks/probe_first_audio.py --modes stream $plain \
         --out ~/res/first_audio.jsonl
   done
 done
-for tiled in "" --tiled-products "" --tiled-products; do
-  timeout 300 python3 benchmarks/bench_e2e.py --built full --cfm-dtype bfloat16 $tiled --out ~/res/e2e.jsonl
+for plain in "" --plain-products "" --plain-products; do
+  timeout 300 python3 benchmarks/bench_e2e.py --built full --cfm-dtype bfloat16 $plain --out ~/res/e2e.jsonl
 done
 echo "== done"

@@ -713,9 +713,11 @@ def meanflow_steps(
 # op. Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed ops. Its source also
 # runs on the CPU in the tests (tests/emulated_cuda.py).
 
-# Off until tests/test_tiled_products.py's GPU tests have run on a GPU: a kernel that has not run does not
-# ship (benchmarks' "ours-tiled-products" and ``--estimator tiled`` turn it on).
-TILED_PRODUCTS = False
+# On since its GPU tests passed on an H200 (51 of them, runs AG) and a lone request's solve ran faster: 2 x 530
+# rows 67-84 ms against 132-182, 2 x 1,000 rows 83-100 against 91-145 (runs AF, AG). The server's vocoding
+# process, which launches without CUDA graphs, turns it off (server/vocoding.py). Benchmarks' "plain" ways
+# turn it off for their A/B.
+TILED_PRODUCTS = True
 
 # Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows); above the
 # most, too: there the GPU, not the host, bounds a call, and cuBLAS's products took half our kernel's GPU time

@@ -440,7 +440,12 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
         os.environ[GRAPHS_VARIABLE] = "0"
     try:
         from ..api import CFM_DTYPES
+        from ..models import cfm
         from ..weights import load_s3gen
+
+        # Without graphs the estimator's products as our kernel made a stream's first audio slower, not faster
+        # (207 against 172 ms and 198 against 182, runs AF and AG; with graphs 130 and 180 against 206 and 223).
+        cfm.TILED_PRODUCTS = os.environ[GRAPHS_VARIABLE] != "0"
 
         mx.set_default_device(mx.gpu if spec.device == "gpu" else mx.cpu)
         mx.set_memory_limit(spec.memory_limit)
@@ -475,7 +480,8 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
                 return
 
     threading.Thread(target=receive, daemon=True).start()
-    conn.send(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]}")  # ready
+    products = "our tiled products" if cfm.TILED_PRODUCTS else "MLX's products"
+    conn.send(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]}, the estimator on {products}")  # ready
     while True:
         idle = not engine.busy()
         with timed("idle") if idle else contextlib.nullcontext():
