@@ -17,6 +17,7 @@ from typing import Callable, Literal, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from ..models import cfm
 from ..models.cfm import Estimator, Steps, drain, meanflow_steps, solve_steps
 from ..models.flow import Flow
 from ..models.hift import HiFT
@@ -127,6 +128,13 @@ def _lower_memory_limit() -> None:
         _limit_calls[0] -= 1
         if _limit_calls[0] == 0:
             mx.set_memory_limit(_limit_calls[1])
+
+
+def use_tiled_products(on: bool) -> None:
+    """Whether this process's estimator runs its products as our tensor-core kernel where that applies
+    (``cfm.TILED_PRODUCTS``: CUDA, a half-precision estimator, one request's rows): on by default; the server's
+    vocoding process, which launches without CUDA graphs, turns it off (server/vocoding.py)."""
+    cfm.TILED_PRODUCTS = on
 
 
 def resolve_memory_budget(budget: int | str | None, requests: int = 1) -> int | None:

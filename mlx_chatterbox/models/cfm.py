@@ -715,7 +715,7 @@ def meanflow_steps(
 
 # On since its GPU tests passed on an H200 (51 of them, runs AG) and a lone request's solve ran faster: 2 x 530
 # rows 67-84 ms against 132-182, 2 x 1,000 rows 83-100 against 91-145 (runs AF, AG). The server's vocoding
-# process, which launches without CUDA graphs, turns it off (server/vocoding.py). Benchmarks' "plain" ways
+# process, which launches without CUDA graphs, turns it off (vocode.use_tiled_products). Benchmarks' "plain" ways
 # turn it off for their A/B.
 TILED_PRODUCTS = True
 
@@ -1106,4 +1106,4 @@ def _tiled_kernel(dtype, bias, gelu, add, norm_mish, shift, mask, norm_eps, add_
     names += ["mask"] * mask
     label = ["tiled_product", "norm" * norm, "mish" * norm_mish, "shift" * shift]
     label += parts + ["norm" * add_norm, "mask" * mask]
-    return mx.fast.cuda_kernel("_".join(filter(None, label)), names, ["out"], source)
+    return layers.cuda_kernel("_".join(filter(None, label)), names, ["out"], source)

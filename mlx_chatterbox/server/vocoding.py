@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..generation.stream import StreamVocoder, decode_together_steps
-from ..generation.vocode import S3Gen, Steps, drain, vocode_tokens
+from ..generation.vocode import S3Gen, Steps, drain, use_tiled_products, vocode_tokens
 from ..generation.voice import Voice
 from ..sampling import seed_keys
 
@@ -440,12 +440,12 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
         os.environ[GRAPHS_VARIABLE] = "0"
     try:
         from ..api import CFM_DTYPES
-        from ..models import cfm
         from ..weights import load_s3gen
 
         # Without graphs the estimator's products as our kernel made a stream's first audio slower, not faster
         # (207 against 172 ms and 198 against 182, runs AF and AG; with graphs 130 and 180 against 206 and 223).
-        cfm.TILED_PRODUCTS = os.environ[GRAPHS_VARIABLE] != "0"
+        tiled = os.environ[GRAPHS_VARIABLE] != "0"
+        use_tiled_products(tiled)
 
         mx.set_default_device(mx.gpu if spec.device == "gpu" else mx.cpu)
         mx.set_memory_limit(spec.memory_limit)
@@ -480,7 +480,7 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
                 return
 
     threading.Thread(target=receive, daemon=True).start()
-    products = "our tiled products" if cfm.TILED_PRODUCTS else "MLX's products"
+    products = "our tiled products" if tiled else "MLX's products"
     conn.send(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]}, the estimator on {products}")  # ready
     while True:
         idle = not engine.busy()
