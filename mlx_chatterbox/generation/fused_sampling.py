@@ -447,7 +447,7 @@ def _launch(
     key = (name, *flags.values(), shared)
     if key not in _kernels:
         full = "_".join([name] + [k.lower() for k, on in flags.items() if on])
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = layers.cuda_kernel(
             full,
             ["logits", "seen", "token", "knobs", "draws"],
             ["out", "seen_out"],
