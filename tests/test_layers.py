@@ -194,3 +194,29 @@ def test_sin_and_cos_absolute_error(limit):
     xd = x.astype(np.float64)
     assert np.max(np.abs(_on_cpu(layers.sin, mx.array(x)) - np.sin(xd))) <= SIN_ABS
     assert np.max(np.abs(_on_cpu(layers.cos, mx.array(x)) - np.cos(xd))) <= SIN_ABS
+
+
+def test_kernel_sources_go_to_mlx_without_comments_and_indentation(monkeypatch):
+    """``layers.cuda_kernel`` hands MLX the source and header without ``//`` comments (a ``//`` inside a string
+    literal stays), leading blanks and empty lines; each line stays a line (``#pragma`` and ``#define`` need
+    theirs) and the header ends in a newline (MLX writes its code right after it)."""
+    got = {}
+    monkeypatch.setattr(
+        mx.fast, "cuda_kernel", lambda *args, **kw: got.update(args=args, kw=kw), raising=False
+    )
+    source = """
+      // why this loop
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = x[i];  // the copy
+
+      asm("mov.u32 %0, 1; // not a comment" : "=r"(n));  /* kept */
+    """
+    layers.cuda_kernel("copy", ["x"], ["out"], source, header="#define TWO 2  // a macro", shared_memory=8)
+    name, inputs, outputs, bare = got["args"]
+    assert (name, inputs, outputs) == ("copy", ["x"], ["out"])
+    assert bare == (
+        "#pragma unroll\n"
+        "for (int i = 0; i < 4; ++i) out[i] = x[i];\n"
+        'asm("mov.u32 %0, 1; // not a comment" : "=r"(n));  /* kept */\n'
+    )
+    assert got["kw"] == {"header": "#define TWO 2\n", "shared_memory": 8}
