@@ -63,7 +63,8 @@ def add_parser(sub) -> None:
         default="auto",
         help="with the vocoding thread: where its S3Gen work runs: on that thread; in a process of its own, which "
         "loads its own S3Gen at start, shares neither MLX's process-wide throttles nor Python's GIL with T3, and "
-        "launches MLX-CUDA's kernels without CUDA graphs unless MLX_USE_CUDA_GRAPHS is set (on an H200 a lone "
+        "launches MLX-CUDA's kernels without CUDA graphs unless MLX_USE_CUDA_GRAPHS is set, and then the "
+        "estimator's products as MLX's rather than our tiled kernel, which pays only with graphs (on an H200 a lone "
         "stream's first audio 0.37-0.41 s against the thread's 0.49-0.51, Turbo's 64 streams 76x real time "
         "against 55x); auto (the default): the process with MLX-CUDA, the thread elsewhere; or interleaved: on "
         "the model thread, a part of each S3Gen call (a flow-matching step) between two T3 steps, so that the GPU "
