@@ -71,6 +71,7 @@ OURS = (
     "ours-loaded-weights",
     "ours-loaded-copied",
     "ours-plain-products",
+    "ours-tiles-32",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -206,6 +207,7 @@ def use(system: str) -> None:
     fused_sampling.ENGLISH_SAMPLING_KERNEL = system == "ours-english-sampling"
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
     cfm.TILED_PRODUCTS = system != "ours-plain-products"  # S3Gen's estimator (probe_kernels --part s3gen)
+    cfm.TILED_TILE_ROWS = 32 if system == "ours-tiles-32" else None
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
 

@@ -329,3 +329,28 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     """``check_estimator`` at full size on the GPU: 2 rows of 530 frames, a stream's first decode after a 10 s
     prompt, plain and as a padded batch."""
     check_estimator(cfm.CFMConfig(), 530, padded, monkeypatch)
+
+
+@pytest.mark.parametrize("tile_rows, want", [(None, 64), (32, 32), (64, 64), (48, None)])
+def test_the_tile_rows_follow_the_sm_rule_unless_set(monkeypatch, tile_rows, want):
+    """``TILED_TILE_ROWS`` (the benchmarks' "ours-tiles-32") sets a tile's rows; None leaves them to the rule
+    (64 here: 2,000 rows x 1,536 columns make 768 blocks of 64, over two an SM of 132); others are refused."""
+    launched = {}
+
+    def kernel(name, inputs, outputs, source, header="", **options):
+        return lambda **call: launched.update(call) or [
+            mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])
+        ]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel, raising=False)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    monkeypatch.setattr(cfm, "_tiled_kernels", {})
+    monkeypatch.setattr(cfm, "_tiled_launches", {})
+    monkeypatch.setattr(cfm, "TILED_TILE_ROWS", tile_rows)
+    x, w = mx.zeros((2000, 256), mx.bfloat16), mx.zeros((1536, 256), mx.bfloat16)
+    if want is None:
+        with pytest.raises(ValueError, match="TILED_TILE_ROWS = 48"):
+            cfm.tiled_product(x, w)
+        return
+    cfm.tiled_product(x, w)
+    assert dict(launched["template"])["BM"] == want and launched["grid"][1] == -(-2000 // want)

@@ -18,7 +18,7 @@ for rows in 1 8; do  # one request (GPU time a call at 1,000 frames), a batch of
 done
 timeout 300 python3 benchmarks/probe_s3gen.py --part call --dtypes bfloat16 --rows 8 --frames 1000 \
     --estimator plain,tiled,plain,tiled --out ~/res/s3gen_probe.jsonl
-timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-plain-products \
+timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-plain-products,ours-tiles-32 \
     --out ~/res/kernels.jsonl 2>&1 | grep -v '^{'
 for graphs in 1 0; do  # with CUDA graphs (TTS in one process), without (the server's vocoding process)
   for plain in "" --plain-products; do

@@ -724,6 +724,11 @@ TILED_PRODUCTS = True
 # (2 x 1,000 rows, runs AF: where the solve broke even, 87-100 ms against 91-145).
 TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 
+# A tile's rows, 32 or 64; None: by the rule in ``_tiled_launch``. For A/Bs (benchmarks' "ours-tiles-32"): the
+# normed products take 64 by that rule, and at 172 registers a thread only two of their blocks fit an SM
+# (runs AG: q/k/v with norm1 47 µs at 2,000 rows against cuBLAS's 6.4 and a LayerNorm's 3.9).
+TILED_TILE_ROWS: int | None = None
+
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
 # T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
@@ -1017,6 +1022,7 @@ def tiled_product(
         None if shift is None else shift.shape,
         None if add_norm is None else (add_norm.eps, "weight" in add_norm and "bias" in add_norm),
         None if mask is None else mask.shape,
+        TILED_TILE_ROWS,
     )
     launch = _tiled_launches.get(signature)
     if launch is None:
@@ -1034,7 +1040,18 @@ def tiled_product(
 
 
 def _tiled_launch(
-    x_shape, dtype, w_shape, bias, gelu, add_shape, norm, norm_mish, shift_shape, add_norm, mask_shape
+    x_shape,
+    dtype,
+    w_shape,
+    bias,
+    gelu,
+    add_shape,
+    norm,
+    norm_mish,
+    shift_shape,
+    add_norm,
+    mask_shape,
+    tile_rows,
 ):
     """The kernel and call options of ``tiled_product`` for a signature (norms as (eps, affine)), once its
     arguments are checked."""
@@ -1062,7 +1079,9 @@ def _tiled_launch(
         _tiled_kernels[key] = _tiled_kernel(*key)
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads).
-    bm = 64 if -(-rows // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32
+    if tile_rows not in (None, 32, 64):
+        raise ValueError(f"TILED_TILE_ROWS = {tile_rows}: 32, 64 or None")
+    bm = tile_rows or (64 if -(-rows // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32)
     return _tiled_kernels[key], dict(
         template=[("T", dtype), ("N", n), ("K", math.prod(w_shape) // n), ("TAPS", taps), ("BM", bm)],
         grid=(n // _TILE_N * _THREADS, -(-rows // bm), 1),
