@@ -132,7 +132,9 @@ def convert(
     dtype = precision["dtype"]
     dst = Path(dst).expanduser()
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())) and not overwrite:
-        raise ConversionError(f"{dst} already exists; choose a new folder or pass overwrite=True")
+        raise ConversionError(
+            f"{dst} already exists; choose a new folder or pass overwrite=True"
+        )
     src_dir, source = _resolve_source(src, revision, variant or (None if config is None else config.variant))
     variant = detect_variant(
         src_dir, variant or source.get("variant"), None if config is None else config.variant

@@ -100,11 +100,13 @@ def test_tts_load_warns_when_mlx_came_first_and_kept_its_reference_blas(tiny, fi
 def test_bench_warns_when_mlx_came_first(tiny):
     model, voice = tiny
     args = ["bench", "--model", str(model), "--voice", str(voice), "--repeats", "1", "--max-new-tokens", "2"]
-    run = run_python(f"""
+    run = run_python(
+        f"""
         import sys
         import mlx.core
         from mlx_chatterbox.cli import main
         sys.exit(main({args!r}))
-        """)
+        """
+    )
     assert run.returncode == 0, run.stderr
     assert SLOW_BLAS in run.stderr and "too late to preload libopenblas.so.0" in run.stderr

@@ -365,9 +365,7 @@ def test_progress_line_on_a_terminal(folder, tmp_path, monkeypatch):
     text = terminal.getvalue()
     assert text.startswith(f"{jobs}:1 (000001.wav): unknown field 'colour'")  # a line of its own
     bars = [s.split("\x1b[K")[0] for s in text.split("\r") if s.startswith("[")]
-    assert (
-        bars[0] == f"[{'#' * 8}{'-' * 16}] 1/3 items, 1 failed [0:00<?]"
-    )  # no estimate before an item is made
+    assert bars[0] == f"[{'#' * 8}{'-' * 16}] 1/3 items, 1 failed [0:00<?]"  # no estimate before an item is made
     assert re.fullmatch(rf"\[{'#' * 16}{'-' * 8}\] 2/3 items, 1 failed \[0:\d\d<0:\d\d\]", bars[1])
     assert re.fullmatch(rf"\[{'#' * 24}\] 3/3 items, 1 failed \[0:\d\d<0:00\]", bars[2])
     assert text.endswith("\n") and "2 done, 1 failed, 0 skipped" in text.splitlines()[-1]
@@ -386,12 +384,7 @@ def test_progress_line_on_a_terminal(folder, tmp_path, monkeypatch):
 
 def test_a_piece_cut_at_its_budget_is_reported_with_its_item(folder, tmp_path, caplog):
     """The engine's warning names the jobs line and the output, and comes from bulk synthesis."""
-    job = {
-        "text": "Hello there.",
-        "max_new_tokens": 2,
-        "seed": 2,
-        "output": "a.wav",
-    }  # seeded: it must reach 2
+    job = {"text": "Hello there.", "max_new_tokens": 2, "seed": 2, "output": "a.wav"}  # seeded: it must reach 2
     jobs = write_jobs(tmp_path / "jobs.jsonl", [job])
     with caplog.at_level(logging.WARNING):
         assert batch(folder, jobs, tmp_path / "out", "--no-watermark") == 0

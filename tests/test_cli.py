@@ -335,25 +335,13 @@ def test_usage_errors_are_one_line(capsys, argv, message):
         (["tokens", "", "-o", "t.txt"], "the text is empty"),
         (["bench", "--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
         # Knob ranges the model sets, from its variant's sizes (the default model is English: 4096 tokens).
-        (
-            ["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"],
-            "--max-new-tokens 5000 is out of range: at most 4096",
-        ),
+        (["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"], "--max-new-tokens 5000 is out of range: at most 4096"),
         (["say", "Hi.", "-o", "o.wav", "--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
-        (
-            ["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"],
-            "--max-new-tokens 9000 is out of range: at most 8193",
-        ),
+        (["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"], "--max-new-tokens 9000 is out of range: at most 8193"),
         # Recordings and voice files are read and checked before the model loads.
-        (
-            ["say", "Hi.", "--voice", "ref.wav", "-o", "out.wav"],
-            "ref.wav: not an audio file libsndfile can read",
-        ),
+        (["say", "Hi.", "--voice", "ref.wav", "-o", "out.wav"], "ref.wav: not an audio file libsndfile can read"),
         (["say", "Hi.", "--voice", "silent.wav", "-o", "out.wav"], "the reference is silent"),
-        (
-            ["say", "Hi.", "--voice", "bad.safetensors", "-o", "o.wav"],
-            "is not a readable safetensors voice file",
-        ),
+        (["say", "Hi.", "--voice", "bad.safetensors", "-o", "o.wav"], "is not a readable safetensors voice file"),
         (["voice", "ref.wav", "-o", "v.safetensors"], "ref.wav: not an audio file libsndfile can read"),
         (["voice", "silent.wav", "-o", "v.safetensors"], "the reference is silent"),
         (["vc", "silent.wav", "-o", "out.wav"], "the source is silent"),
@@ -446,8 +434,7 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main([*args, "--max-new-tokens", "5000", "-o", str(tmp_path / "c.wav")]) == 1
     assert (
-        terminal.getvalue().count("\n") == 1
-        and "--max-new-tokens 5000 is out of range" in terminal.getvalue()
+        terminal.getvalue().count("\n") == 1 and "--max-new-tokens 5000 is out of range" in terminal.getvalue()
     )
 
 
@@ -660,21 +647,9 @@ def test_serve_warms_the_worker_up_before_it_listens(model, tmp_path, monkeypatc
     from mlx_chatterbox.server.worker import Worker
 
     calls = []
-    monkeypatch.setattr(
-        Worker, "warm_up", lambda self, voice, language=None: calls.append(("warm_up", language))
-    )
+    monkeypatch.setattr(Worker, "warm_up", lambda self, voice, language=None: calls.append(("warm_up", language)))
     monkeypatch.setattr(run, "serve", lambda app, **kwargs: calls.append(("serve", kwargs["port"])))
     voice = str(tmp_path / "voice.safetensors")
-    argv = [
-        "serve",
-        "--model",
-        str(model),
-        "--voice",
-        voice,
-        "--voices",
-        str(tmp_path / "v"),
-        "--port",
-        "8123",
-    ]
+    argv = ["serve", "--model", str(model), "--voice", voice, "--voices", str(tmp_path / "v"), "--port", "8123"]
     assert main(argv) == 0
     assert calls == [("warm_up", None), ("serve", 8123)]

@@ -167,8 +167,7 @@ def test_rows_with_their_own_knobs_match_each_request_alone():
 def test_row_thresholds_round_as_the_single_request_chain():
     """A batched row must drop exactly what ``top_p_filter`` drops alone: it compares the cumulative
     probabilities with 1 - top_p taken in double precision, then rounded (float32(1 - 0.95) = 0.0500000007,
-    while 1 - float32(0.95) = 0.0500000119: a cumulative mass between the two was kept alone, dropped batched).
-    """
+    while 1 - float32(0.95) = 0.0500000119: a cumulative mass between the two was kept alone, dropped batched)."""
     from mlx_chatterbox.sampling import SamplingParams, TurboParams, row_knobs, turbo_row_knobs
 
     tail = mx.array(1 - 0.95, dtype=mx.float32)

@@ -61,15 +61,10 @@ def test_conversion_errors_name_the_variant(tmp_path):
         convert(src, tmp_path / "a", config=TINY_MODEL)
     with pytest.raises(ConversionError, match="t3_cfg.safetensors not found"):
         convert(src, tmp_path / "b", variant="english")
-    with pytest.raises(
-        ConversionError,
-        match=r"quantization is implemented for the Llama T3s \(English, Multilingual\), not turbo",
-    ):
+    with pytest.raises(ConversionError, match=r"quantization is implemented for the Llama T3s \(English, Multilingual\), not turbo"):
         convert(src, tmp_path / "c", config=TINY_TURBO, quantize=4)
     write_upstream_checkpoint(src, TINY_MODEL)  # now both T3 files: which one is meant?
-    with pytest.raises(
-        ConversionError, match=r"t3_cfg.safetensors and t3_turbo_v1.safetensors.*\(pass variant= to choose\)$"
-    ):
+    with pytest.raises(ConversionError, match=r"t3_cfg.safetensors and t3_turbo_v1.safetensors.*\(pass variant= to choose\)$"):
         convert(src, tmp_path / "d")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]  # nothing half-written
 

@@ -304,8 +304,7 @@ def check_output(path: Path, suffixes: tuple[str, ...] | None = None) -> None:
 
 def read_voice(path: Path | None) -> Voice | tuple[np.ndarray, int] | None:
     """--voice read and checked before the model loads: a voice file as its Voice, a recording as its samples and
-    their rate (``read_reference``; cloned once the model is loaded, by ``voice``), None for the built-in voice.
-    """
+    their rate (``read_reference``; cloned once the model is loaded, by ``voice``), None for the built-in voice."""
     if path is None:
         return None
     if not path.is_file():

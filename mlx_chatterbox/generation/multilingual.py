@@ -65,7 +65,8 @@ class MultilingualSpeech(EnglishSpeech):
         language = language or self.language
         if language is None:
             raise ValueError(
-                f"the {self.variant} model needs a language (language=): one of " f"{', '.join(LANGUAGES)}"
+                f"the {self.variant} model needs a language (language=): one of "
+                f"{', '.join(LANGUAGES)}"
             )
         return self.tokenizer.encode(mtl_punc_norm(text), check_language(language))
 
