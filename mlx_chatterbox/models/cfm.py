@@ -705,9 +705,10 @@ def meanflow_steps(
 # tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two 64-wide slices of x and
 # the weight loading into registers while one is multiplied from shared memory (slices of 32 left the kernel
 # waiting on its loads: 2-4x cuBLAS's GPU time, runs AF). Rows past x's end read zeros and write nothing, so
-# any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N,
-# taps·C) with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b
-# side by side, zeros before its start (no padded copy of x). float32 stays with MLX: a tensor-core product in
+# any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A causal convolution of x
+# (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N, taps·C) with rows the kernel reads
+# from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by side, zeros before its start
+# (no padded copy of x). float32 stays with MLX: a tensor-core product in
 # float32 would be TF32, and the fp32 estimator is upstream's numbers. Sums differ from MLX's ops in rounding
 # only: the epilogue works on the float accumulator and rounds once, where the composed ops round after each
 # op. Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed ops. Its source also
@@ -733,7 +734,7 @@ _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
 # T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
 # come as template constants, x's rows and frames from its shape (2-D for a product, (B, T, C) for a
-# convolution); the epilogue is put in by ``tiled_product``.
+# convolution); the epilogue is put in by ``_tiled_kernel``.
 _TILED_SOURCE = """
   constexpr int BN = 64, BK = 64;
   constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32, four 8-column fragments
@@ -896,7 +897,8 @@ _TILED_ROW_STATS = string.Template("""
         for (int j = 0; j < PIECES; ++j) {
           const int piece = lane + 32 * j;
           uint4 u = make_uint4(0, 0, 0, 0);
-          if (inside && piece < $width / 8) u = *reinterpret_cast<const uint4*>(${name} + (size_t)row * $width + piece * 8);
+          if (inside && piece < $width / 8)
+            u = *reinterpret_cast<const uint4*>(${name} + (size_t)row * $width + piece * 8);
           const T* e = reinterpret_cast<const T*>(&u);
           #pragma unroll
           for (int q = 0; q < 8; ++q) v[h][j * 8 + q] = static_cast<float>(e[q]);
@@ -935,8 +937,10 @@ _TILED_NORM_PIECE = """{
           const float mean = x_mean[r + tap], rstd = x_rstd[r + tap];
           #pragma unroll
           for (int q = 0; q < 8; ++q) {
-            const float gain = static_cast<float>(norm_w[channel + q]), offset = static_cast<float>(norm_b[channel + q]);
-            float y = static_cast<float>(static_cast<T>((static_cast<float>(e[q]) - mean) * rstd * gain + offset));
+            const float gain = static_cast<float>(norm_w[channel + q]);
+            const float offset = static_cast<float>(norm_b[channel + q]);
+            float y = (static_cast<float>(e[q]) - mean) * rstd * gain + offset;
+            y = static_cast<float>(static_cast<T>(y));
             // then
             e[q] = static_cast<T>(y);
           }
@@ -955,7 +959,8 @@ _TILED_EPILOGUE = {
 # The sum through ``add_norm`` (rounded to T, as MLX's LayerNorm rounds) and Mish; rows that ``mask`` leaves
 # out take none of it (`/* kept */`).
 _TILED_ADD_NORM = """if (true/* kept */) {
-            const float gain = static_cast<float>(add_norm_w[n0 + c]), offset = static_cast<float>(add_norm_b[n0 + c]);
+            const float gain = static_cast<float>(add_norm_w[n0 + c]);
+            const float offset = static_cast<float>(add_norm_b[n0 + c]);
             const float a = (static_cast<float>(add[at]) - add_mean[m - m0]) * add_rstd[m - m0] * gain + offset;
             y += mish(static_cast<float>(static_cast<T>(a)));
           }"""
@@ -1072,6 +1077,8 @@ def _tiled_launch(
         raise ValueError("add_norm takes add")
     if mask_shape is not None and mask_shape != (rows,):
         raise ValueError(f"mask has shape {mask_shape}: one value a frame of x, ({rows},)")
+    if tile_rows not in (None, 32, 64):
+        raise ValueError(f"TILED_TILE_ROWS = {tile_rows}: 32, 64 or None")
     options = (norm_mish, shift_shape is not None, mask_shape is not None)
     key = (dtype, bias, gelu, add_shape is not None, *options) + tuple(
         None if layer is None else layer[0] for layer in (norm, add_norm)
@@ -1080,8 +1087,6 @@ def _tiled_launch(
         _tiled_kernels[key] = _tiled_kernel(*key)
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads).
-    if tile_rows not in (None, 32, 64):
-        raise ValueError(f"TILED_TILE_ROWS = {tile_rows}: 32, 64 or None")
     bm = tile_rows or (64 if -(-rows // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32)
     return _tiled_kernels[key], dict(
         template=[("T", dtype), ("N", n), ("K", math.prod(w_shape) // n), ("TAPS", taps), ("BM", bm)],
