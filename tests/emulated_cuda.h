@@ -50,6 +50,7 @@ struct bf16 {
 #define __device__
 #define __forceinline__ inline
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+inline float __fdividef(float a, float b) { return a / b; }
 inline unsigned __float_as_uint(float f) {
   unsigned u;
   std::memcpy(&u, &f, 4);

@@ -4,6 +4,11 @@
 #   bash benchmarks/device/start.sh tiled 560
 # Its GPU tests first (not their CPU runs, which CI has); the timings run whatever they say (a failing
 # kernel's cost is still worth knowing), each pair alternating in one process where the probe allows it.
+# With abtree/ (an earlier commit's mlx_chatterbox and benchmarks, made here before the call:
+#   mkdir abtree && git archive REV mlx_chatterbox benchmarks | tar -x -C abtree && rm -r abtree/benchmarks/results
+#   && rm -r abtree/mlx_chatterbox/assets && ln -s ../../mlx_chatterbox/assets abtree/mlx_chatterbox/assets)
+# its kernel's probes run too, alternating with this tree's: ~/res/kernels_ab.jsonl and s3gen_probe_ab.jsonl
+# against kernels_now.jsonl and s3gen_probe_now.jsonl.
 # Results in ~/res/*.jsonl.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 echo "== commit $BENCH_COMMIT"
@@ -20,6 +25,18 @@ timeout 300 python3 benchmarks/probe_s3gen.py --part call --dtypes bfloat16 --ro
     --estimator plain,tiled,plain,tiled --out ~/res/s3gen_probe.jsonl
 timeout 300 python3 benchmarks/probe_kernels.py --part s3gen --systems ours,ours-plain-products,ours-tiles-32 \
     --out ~/res/kernels.jsonl 2>&1 | grep -v '^{'
+if [ -d abtree ]; then  # the earlier kernel against this one, twice each, alternating
+  for tree in ab now ab now; do
+    echo "== $tree"
+    root=$([ $tree = ab ] && echo abtree || echo .)
+    timeout 300 python3 $root/benchmarks/probe_kernels.py --part s3gen --out ~/res/kernels_$tree.jsonl 2>&1 \
+        | grep -v '^{'
+    for frames in 530 1000; do
+      timeout 300 python3 $root/benchmarks/probe_s3gen.py --part solve --dtypes bfloat16 --rows 1 \
+          --frames "$frames" --estimator tiled --out ~/res/s3gen_probe_$tree.jsonl
+    done
+  done
+fi
 for graphs in 1 0; do  # with CUDA graphs (TTS in one process), without (the server's vocoding process)
   for plain in "" --plain-products; do
     MLX_USE_CUDA_GRAPHS=$graphs timeout 300 python3 benchmarks/probe_first_audio.py --modes stream $plain \

@@ -752,7 +752,14 @@ _TILED_SOURCE = """
   const int M = TAPS == 1 ? x_shape[0] : x_shape[0] * x_shape[1];
   const int FRAMES = TAPS == 1 ? 1 : x_shape[1];
   const int tid = threadIdx.x;
-  auto mish = [](float y) { return y * tanhf(fmaxf(y, 0.0f) + log1pf(expf(-fabsf(y)))); };
+  // Mish, y·tanh(log(1 + e^y)), as y·n / (n + 2) with n = e^y (e^y + 2): one exponential and a fast division
+  // instead of tanhf, log1pf and expf, which were most of a resnet kernel's instructions (a frame goes through
+  // its norm and Mish again for each of its taps and each 64 output channels). Past 15 the ratio is 1 in
+  // float, and n would overflow past 44.
+  auto mish = [](float y) {
+    const float e = expf(y), n = e * (e + 2.0f);
+    return y > 15.0f ? y : y * __fdividef(n, n + 2.0f);
+  };
   const int warp_m = (tid >> 5) >> 1, warp_n = (tid >> 5) & 1;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
@@ -777,8 +784,9 @@ _TILED_SOURCE = """
       wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k0 + c);
     }
   };
-  // prologue
+  // statistics' arrays
   auto stash = [&](int buf, int k0, uint4 (&xr)[XP], uint4 (&wr)[WP]) {
+    // slice
     #pragma unroll
     for (int i = 0; i < XP; ++i) {
       const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
@@ -841,9 +849,11 @@ _TILED_SOURCE = """
 
   // Slice s is multiplied from buffer s % 2 and loaded into register set s % 2 two slices before. A buffer
   // is written (stash) only after the barrier that ends the slice which last read it.
+  // The first two slices' loads are in flight while the row statistics (where asked) are found.
   fetch(0, xr0, wr0);
-  stash(0, 0, xr0, wr0);
   if (TILES > 1) fetch(BK, xr1, wr1);
+  // statistics
+  stash(0, 0, xr0, wr0);
   __syncthreads();
   for (int s = 0; s < TILES; s += 2) {
     if (s + 2 < TILES) fetch((s + 2) * BK, xr0, wr0);
@@ -881,9 +891,10 @@ _TILED_SOURCE = """
 # 16-byte load), all their loads in flight together; two passes over the values held in registers. (A warp a
 # row, lane j loading columns j, j + 32, ..., took about as long: the q/k/v product with norm1 at 2,000 rows
 # 45 µs that way, 47 this, runs AF and AG, against 12 for a plain product of K 1,024: the normed products'
-# time is not in these loads.) The epsilon is put in as a literal.
+# time is not in these loads.) The epsilon is put in as a literal. The arrays are declared before ``stash``,
+# which reads them; they are filled while the first two slices load.
+_TILED_ROW_ARRAYS = string.Template("__shared__ float ${name}_mean[$rows], ${name}_rstd[$rows];")
 _TILED_ROW_STATS = string.Template("""
-  __shared__ float ${name}_mean[$rows], ${name}_rstd[$rows];
   {
     constexpr int PIECES = ($width / 8 + 31) / 32;  // a lane's 8-column pieces of a row
     const int lane = tid & 31;
@@ -927,19 +938,25 @@ _TILED_ROW_STATS = string.Template("""
       }
     }
   }""")
+# A thread's pieces of a slice are all of the same 8 columns (128 threads, SEGS pieces a row): their tap,
+# channels, and the norm's gain and offset there (16 bytes each) once a slice, not once a value.
+_TILED_NORM_SLICE = """static_assert(128 % SEGS == 0, "a thread's pieces share their columns");
+    const int tap = (k0 + tid % SEGS * 8) / C, channel = (k0 + tid % SEGS * 8) % C;
+    const uint4 gains = *reinterpret_cast<const uint4*>(norm_w + channel);
+    const uint4 offsets = *reinterpret_cast<const uint4*>(norm_b + channel);
+    const T* gain = reinterpret_cast<const T*>(&gains);
+    const T* offset = reinterpret_cast<const T*>(&offsets);"""
 # Each piece of x that is read is normalized, scaled and shifted, and rounded to T as MLX's LayerNorm rounds
 # its output; then Mish, and the time embedding's row of the piece's sequence, where asked (`// then`); it goes
 # into shared memory rounded to T.
 _TILED_NORM_PIECE = """{
-        const int tap = (k0 + c) / C, channel = (k0 + c) % C;
         if (reads(m0 + r, TAPS - 1 - tap)) {
           T* e = reinterpret_cast<T*>(&xr[i]);
           const float mean = x_mean[r + tap], rstd = x_rstd[r + tap];
           #pragma unroll
           for (int q = 0; q < 8; ++q) {
-            const float gain = static_cast<float>(norm_w[channel + q]);
-            const float offset = static_cast<float>(norm_b[channel + q]);
-            float y = (static_cast<float>(e[q]) - mean) * rstd * gain + offset;
+            float y = (static_cast<float>(e[q]) - mean) * rstd * static_cast<float>(gain[q])
+                      + static_cast<float>(offset[q]);
             y = static_cast<float>(static_cast<T>(y));
             // then
             e[q] = static_cast<T>(y);
@@ -1111,18 +1128,17 @@ def _tiled_kernel(dtype, bias, gelu, add, norm_mish, shift, mask, norm_eps, add_
     if norm:
         then = [_TILED_NORM_THEN[part] for part, on in (("mish", norm_mish), ("shift", shift)) if on]
         piece = _TILED_NORM_PIECE.replace("// then", "\n            ".join(then))
-        source = source.replace("// normalize", piece)
+        source = source.replace("// normalize", piece).replace("// slice", _TILED_NORM_SLICE)
         eps = layers._float_literal(norm_eps)
-        stats.append(
-            _TILED_ROW_STATS.substitute(
-                name="x", rows="BM + TAPS - 1", first="m0 - TAPS + 1", width="C", eps=eps
-            )
-        )
+        stats.append(dict(name="x", rows="BM + TAPS - 1", first="m0 - TAPS + 1", width="C", eps=eps))
     if add_norm:
         eps = layers._float_literal(add_norm_eps)
-        stats.append(_TILED_ROW_STATS.substitute(name="add", rows="BM", first="m0", width="N", eps=eps))
+        stats.append(dict(name="add", rows="BM", first="m0", width="N", eps=eps))
     if stats:
-        source = source.replace("// prologue", "".join(stats) + "\n  __syncthreads();")
+        arrays = "\n  ".join(_TILED_ROW_ARRAYS.substitute(part) for part in stats)
+        source = source.replace("// statistics' arrays", arrays)
+        found = "".join(_TILED_ROW_STATS.substitute(part) for part in stats)
+        source = source.replace("// statistics", found + "\n  __syncthreads();")
     if mask:
         source = source.replace("/* mask */", " && static_cast<float>(mask[m - back]) != 0.0f")
         source = source.replace("true/* kept */", "static_cast<float>(mask[m]) != 0.0f")
