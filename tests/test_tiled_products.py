@@ -257,7 +257,7 @@ def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatc
     """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
     mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
     products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
-    of 32 rows here) and with one (tiles of 64). What a GPU alone can say (its compiler, timing, memory model)
+    of 32 rows here) and with one (tiles of 64, but for a norm of x). What a GPU alone can say (its compiler, timing, memory model)
     is for the tests above; this one found a lane index shadowed by the loop's in an earlier version."""
     monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
@@ -331,10 +331,12 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     check_estimator(cfm.CFMConfig(), 530, padded, monkeypatch)
 
 
+@pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("tile_rows, want", [(None, 64), (32, 32), (64, 64), (48, None)])
-def test_the_tile_rows_follow_the_sm_rule_unless_set(monkeypatch, tile_rows, want):
-    """``TILED_TILE_ROWS`` (the benchmarks' "ours-tiles-32") sets a tile's rows; None leaves them to the rule
-    (64 here: 2,000 rows x 1,536 columns make 768 blocks of 64, over two an SM of 132); others are refused."""
+def test_the_tile_rows_follow_the_rule_unless_set(monkeypatch, tile_rows, want, normed):
+    """``TILED_TILE_ROWS`` (the benchmarks' "ours-tiles-32") sets a tile's rows; None leaves them to the rule:
+    64 for a plain product here (2,000 rows x 1,536 columns make 768 blocks of 64, over two an SM of 132), 32
+    for one with a norm of x (its registers); others are refused."""
     launched = {}
 
     def kernel(name, inputs, outputs, source, header="", **options):
@@ -348,9 +350,11 @@ def test_the_tile_rows_follow_the_sm_rule_unless_set(monkeypatch, tile_rows, wan
     monkeypatch.setattr(cfm, "_tiled_launches", {})
     monkeypatch.setattr(cfm, "TILED_TILE_ROWS", tile_rows)
     x, w = mx.zeros((2000, 256), mx.bfloat16), mx.zeros((1536, 256), mx.bfloat16)
+    norm = layer_norm(256, 0, mx.bfloat16) if normed else None
     if want is None:
         with pytest.raises(ValueError, match="TILED_TILE_ROWS = 48"):
-            cfm.tiled_product(x, w)
+            cfm.tiled_product(x, w, norm=norm)
         return
-    cfm.tiled_product(x, w)
+    want = 32 if normed and tile_rows is None else want
+    cfm.tiled_product(x, w, norm=norm)
     assert dict(launched["template"])["BM"] == want and launched["grid"][1] == -(-2000 // want)

@@ -725,9 +725,8 @@ TILED_PRODUCTS = True
 # (2 x 1,000 rows, runs AF: where the solve broke even, 87-100 ms against 91-145).
 TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 
-# A tile's rows, 32 or 64; None: by the rule in ``_tiled_launch``. For A/Bs (benchmarks' "ours-tiles-32"): the
-# normed products take 64 by that rule, and at 172 registers a thread only two of their blocks fit an SM
-# (runs AG: q/k/v with norm1 47 µs at 2,000 rows against cuBLAS's 6.4 and a LayerNorm's 3.9).
+# A tile's rows, 32 or 64; None: by the rule in ``_tiled_launch``. For A/Bs (benchmarks' "ours-tiles-32": 32
+# rows everywhere, which made the normed products' rule, run AH).
 TILED_TILE_ROWS: int | None = None
 
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
@@ -1103,8 +1102,11 @@ def _tiled_launch(
     if key not in _tiled_kernels:
         _tiled_kernels[key] = _tiled_kernel(*key)
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
-    # channels: one block of 4 warps an SM waits on each k-tile's loads).
-    bm = tile_rows or (64 if -(-rows // 64) * (n // _TILE_N) >= 2 * layers._sm_count() else 32)
+    # channels: one block of 4 warps an SM waits on each k-tile's loads), and for a norm of x: there 64 rows
+    # took 168 registers a thread and so two blocks an SM, 32 rows 124-130 and four (q/k/v with norm1 at 2,000
+    # rows 45 -> 37 µs, the feed-forward's first product 32 -> 25, run AH).
+    few = -(-rows // 64) * (n // _TILE_N) < 2 * layers._sm_count()
+    bm = tile_rows or (32 if norm is not None or few else 64)
     return _tiled_kernels[key], dict(
         template=[("T", dtype), ("N", n), ("K", math.prod(w_shape) // n), ("TAPS", taps), ("BM", bm)],
         grid=(n // _TILE_N * _THREADS, -(-rows // bm), 1),
