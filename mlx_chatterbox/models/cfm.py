@@ -701,15 +701,15 @@ def meanflow_steps(
 # micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and 31 convolutions, and their
 # biases' sums, GELUs, residual sums, the norms and the resnets' Mish around them are 367 kernels more.
 #
-# The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle), 128 threads in 4 warps,
-# tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two 64-wide slices of x and
-# the weight loading into registers while one is multiplied from shared memory (slices of 32 left the kernel
-# waiting on its loads: 2-4x cuBLAS's GPU time, runs AF). Rows past x's end read zeros and write nothing, so
-# any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A causal convolution of x
-# (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N, taps·C) with rows the kernel reads
-# from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by side, zeros before its start
-# (no padded copy of x). float32 stays with MLX: a tensor-core product in
-# float32 would be TF32, and the fp32 estimator is upstream's numbers. Sums differ from MLX's ops in rounding
+# The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle, and for a norm of x), 128
+# threads in 4 warps, tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two
+# 64-wide slices of x and the weight loading into registers while one is multiplied from shared memory (slices
+# of 32 left the kernel waiting on its loads: 2-4x cuBLAS's GPU time, runs AF). Rows past x's end read zeros
+# and write nothing, so any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A
+# causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N, taps·C)
+# with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by
+# side, zeros before its start (no padded copy of x). float32 stays with MLX: a tensor-core product in float32
+# would be TF32, and the fp32 estimator is upstream's numbers. Sums differ from MLX's ops in rounding
 # only: the epilogue works on the float accumulator and rounds once, where the composed ops round after each
 # op. Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed ops. Its source also
 # runs on the CPU in the tests (tests/emulated_cuda.py).
