@@ -729,6 +729,13 @@ TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 # rows everywhere, which made the normed products' rule, run AH).
 TILED_TILE_ROWS: int | None = None
 
+# Past this many rows a LayerNorm of x alone (no Mish after it) runs as MLX's LayerNorm before the kernel
+# instead of inside it: inside, each of the kernel's column blocks normalizes its rows again (24 times for
+# q/k/v's 1,536 columns), which costs GPU time where the GPU bounds a call, and outside it costs a launch where
+# the host does. None: always inside. For A/Bs (probe_s3gen's "tiled-norms-apart", the probes' "ours-norms-
+# apart" set 0) until a lease measures where the two cross.
+TILED_NORM_MAX_ROWS: int | None = None
+
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
 # T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
@@ -941,22 +948,26 @@ _TILED_ROW_STATS = string.Template("""
 # channels, and the norm's gain and offset there (16 bytes each) once a slice, not once a value.
 _TILED_NORM_SLICE = """static_assert(128 % SEGS == 0, "a thread's pieces share their columns");
     const int tap = (k0 + tid % SEGS * 8) / C, channel = (k0 + tid % SEGS * 8) % C;
-    const uint4 gains = *reinterpret_cast<const uint4*>(norm_w + channel);
-    const uint4 offsets = *reinterpret_cast<const uint4*>(norm_b + channel);
-    const T* gain = reinterpret_cast<const T*>(&gains);
-    const T* offset = reinterpret_cast<const T*>(&offsets);"""
-# Each piece of x that is read is normalized, scaled and shifted, and rounded to T as MLX's LayerNorm rounds
-# its output; then Mish, and the time embedding's row of the piece's sequence, where asked (`// then`); it goes
-# into shared memory rounded to T.
+    float gain[8], offset[8];
+    {
+      const uint4 gains = *reinterpret_cast<const uint4*>(norm_w + channel);
+      const uint4 offsets = *reinterpret_cast<const uint4*>(norm_b + channel);
+      #pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        gain[q] = static_cast<float>(reinterpret_cast<const T*>(&gains)[q]);
+        offset[q] = static_cast<float>(reinterpret_cast<const T*>(&offsets)[q]);
+      }
+    }"""
+# Each piece of x that is read is normalized, scaled and shifted, and goes into shared memory rounded to T, as
+# MLX's LayerNorm rounds its output; where Mish and the time embedding's row of the piece's sequence follow
+# (`// then`), they start from that rounded value, and round again.
 _TILED_NORM_PIECE = """{
         if (reads(m0 + r, TAPS - 1 - tap)) {
           T* e = reinterpret_cast<T*>(&xr[i]);
           const float mean = x_mean[r + tap], rstd = x_rstd[r + tap];
           #pragma unroll
           for (int q = 0; q < 8; ++q) {
-            float y = (static_cast<float>(e[q]) - mean) * rstd * static_cast<float>(gain[q])
-                      + static_cast<float>(offset[q]);
-            y = static_cast<float>(static_cast<T>(y));
+            float y = (static_cast<float>(e[q]) - mean) * rstd * gain[q] + offset[q];
             // then
             e[q] = static_cast<T>(y);
           }
@@ -1029,7 +1040,11 @@ def tiled_product(
     then Mish (``norm_mish``) and plus ``shift`` (C, B), the column of the frame's sequence (a resnet's time
     embedding). ``add_norm``: an affine LayerNorm over add's N channels, then Mish, before the sum. ``mask``
     (B·T,) 0/1 over x's frames (the output's rows; a resnet's padded frames): a frame at 0 is read as zeros, and
-    ``add_norm``'s sum leaves its row out."""
+    ``add_norm``'s sum leaves its row out. Past ``TILED_NORM_MAX_ROWS`` rows a ``norm`` without Mish or shift
+    runs before the kernel, as MLX's LayerNorm."""
+    if norm is not None and not norm_mish and shift is None and TILED_NORM_MAX_ROWS is not None:
+        if x.size // x.shape[-1] > TILED_NORM_MAX_ROWS:
+            x, norm = norm(x), None
     # Everything the kernel, its template and grid depend on: worked out and checked once for each (a call
     # builds 269 of these, and the estimator is bound by its host).
     signature = (
@@ -1129,6 +1144,7 @@ def _tiled_kernel(dtype, bias, gelu, add, norm_mish, shift, mask, norm_eps, add_
     stats = []
     if norm:
         then = [_TILED_NORM_THEN[part] for part, on in (("mish", norm_mish), ("shift", shift)) if on]
+        then = ["y = static_cast<float>(static_cast<T>(y));"] * bool(then) + then
         piece = _TILED_NORM_PIECE.replace("// then", "\n            ".join(then))
         source = source.replace("// normalize", piece).replace("// slice", _TILED_NORM_SLICE)
         eps = layers._float_literal(norm_eps)
