@@ -738,7 +738,7 @@ TILED_NORM_MAX_ROWS: int | None = None
 
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
-# T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 where 64 would leave SMs idle)
+# T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 by ``_tiled_launch``'s rule)
 # come as template constants, x's rows and frames from its shape (2-D for a product, (B, T, C) for a
 # convolution); the epilogue is put in by ``_tiled_kernel``.
 _TILED_SOURCE = """
