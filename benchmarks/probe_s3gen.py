@@ -217,16 +217,14 @@ def astype_context(*outputs: mx.array) -> collections.Counter:
 
 @contextlib.contextmanager
 def products(way: str) -> Iterator[None]:
-    """The estimator's products as our kernel (cfm.tiled_product) for the "tiled" ways, at any number of rows
-    (batches included, past the library's ``TILED_MAX_ROWS``), MLX's otherwise; "tiled-norms-apart": the
-    transformer blocks' LayerNorms as MLX's before the kernel (``TILED_NORM_MAX_ROWS`` 0)."""
-    switch, most, norms = cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS, cfm.TILED_NORM_MAX_ROWS
-    cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = way.startswith("tiled"), sys.maxsize
-    cfm.TILED_NORM_MAX_ROWS = 0 if way == "tiled-norms-apart" else norms
+    """The estimator's products as our kernel (cfm.tiled_product) for the "tiled" way, at any number of rows
+    (batches included, past the library's ``TILED_MAX_ROWS``), MLX's otherwise."""
+    switch, most = cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS
+    cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = way == "tiled", sys.maxsize
     try:
         yield
     finally:
-        cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS, cfm.TILED_NORM_MAX_ROWS = switch, most, norms
+        cfm.TILED_PRODUCTS, cfm.TILED_MAX_ROWS = switch, most
 
 
 def call(s3gen: S3Gen, dtype: mx.Dtype, requests: int, repeats: int, frames: int, way: str = "plain") -> dict:
@@ -464,8 +462,7 @@ def main() -> None:
         default="plain",
         help="call, solve, device: the estimator as it runs (plain), through mx.compile (compiled: element-wise "
         "chains fused; solve compiles once per solve; not with device), or with its products as our tensor-core kernel "
-        "(tiled: cfm.tiled_product, bf16 and fp16; tiled-norms-apart: with the transformer blocks' LayerNorms as "
-        "MLX's before it); a comma-separated list runs each, back to back",
+        "(tiled: cfm.tiled_product, bf16 and fp16); a comma-separated list runs each, back to back",
     )
     p.add_argument("--frames", type=int, default=FRAMES, help="ops, call, solve, device: mel frames a row")
     p.add_argument("--n", type=int, default=40, help="ops: operations per timed graph")
@@ -477,9 +474,9 @@ def main() -> None:
     parts, dtypes = args.part.split(","), [getattr(mx, d) for d in args.dtypes.split(",")]
     requests = [int(r) for r in args.rows.split(",")]
     ways = args.estimator.split(",")
-    if set(ways) - {"plain", "compiled", "tiled", "tiled-norms-apart"}:
-        p.error(f"--estimator {args.estimator}: of plain, compiled, tiled, tiled-norms-apart")
-    if any(w.startswith("tiled") for w in ways) and (args.device == "cpu" or not mx.cuda.is_available()):
+    if set(ways) - {"plain", "compiled", "tiled"}:
+        p.error(f"--estimator {args.estimator}: of plain, compiled, tiled")
+    if "tiled" in ways and (args.device == "cpu" or not mx.cuda.is_available()):
         p.error("--estimator tiled is a CUDA kernel: it needs MLX's CUDA backend and the GPU")
     if "device" in parts and "compiled" in ways:
         p.error("--part device times the estimator plain or tiled, not compiled: run it apart")

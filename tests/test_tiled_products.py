@@ -359,28 +359,3 @@ def test_the_tile_rows_follow_the_rule_unless_set(monkeypatch, tile_rows, want, 
     want = 32 if normed and tile_rows is None else want
     cfm.tiled_product(x, w, norm=norm)
     assert dict(launched["template"])["BM"] == want and launched["grid"][1] == -(-2000 // want)
-
-
-@pytest.mark.parametrize("most, inside", [(None, True), (130, True), (129, False), (0, False)])
-def test_a_norm_of_x_runs_apart_past_its_row_limit(emulated, monkeypatch, most, inside):
-    """Past ``TILED_NORM_MAX_ROWS`` rows a LayerNorm of x runs as MLX's before a plain kernel (the same as
-    the kernel of ``norm(x)``); up to it, inside the kernel. A norm with Mish after it stays inside."""
-    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
-    monkeypatch.setattr(cfm, "TILED_NORM_MAX_ROWS", most)
-    built = []
-    kernel = mx.fast.cuda_kernel
-    monkeypatch.setattr(
-        mx.fast, "cuda_kernel", lambda name, *a, **k: built.append(name) or kernel(name, *a, **k)
-    )
-    rng = np.random.default_rng(0)
-    x = mx.array(rng.standard_normal((130, 64)).astype(np.float32)).astype(mx.bfloat16)
-    w = mx.array(rng.standard_normal((64, 64)).astype(np.float32) / 8).astype(mx.bfloat16)
-    norm = layer_norm(64, 3, mx.bfloat16)
-    got = cfm.tiled_product(x, w, norm=norm)
-    assert built == (["tiled_product_norm"] if inside else ["tiled_product"])
-    if not inside:
-        monkeypatch.setattr(cfm, "TILED_NORM_MAX_ROWS", None)
-        assert mx.array_equal(got, cfm.tiled_product(norm(x), w))
-    conv, frames = mx.zeros((64, 3, 64), mx.bfloat16), x.reshape(1, 130, 64)
-    cfm.tiled_product(frames, conv, norm=norm, norm_mish=True)
-    assert built[-1] == "tiled_product_norm_mish"

@@ -729,13 +729,6 @@ TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 # rows everywhere, which made the normed products' rule, run AH).
 TILED_TILE_ROWS: int | None = None
 
-# Past this many rows a LayerNorm of x alone (no Mish after it) runs as MLX's LayerNorm before the kernel
-# instead of inside it: inside, each of the kernel's column blocks normalizes its rows again (24 times for
-# q/k/v's 1,536 columns), which costs GPU time where the GPU bounds a call, and outside it costs a launch where
-# the host does. None: always inside. For A/Bs (probe_s3gen's "tiled-norms-apart", the probes' "ours-norms-
-# apart" set 0) until a lease measures where the two cross.
-TILED_NORM_MAX_ROWS: int | None = None
-
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
 # T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 by ``_tiled_launch``'s rule)
@@ -1040,11 +1033,7 @@ def tiled_product(
     then Mish (``norm_mish``) and plus ``shift`` (C, B), the column of the frame's sequence (a resnet's time
     embedding). ``add_norm``: an affine LayerNorm over add's N channels, then Mish, before the sum. ``mask``
     (B·T,) 0/1 over x's frames (the output's rows; a resnet's padded frames): a frame at 0 is read as zeros, and
-    ``add_norm``'s sum leaves its row out. Past ``TILED_NORM_MAX_ROWS`` rows a ``norm`` without Mish or shift
-    runs before the kernel, as MLX's LayerNorm."""
-    if norm is not None and not norm_mish and shift is None and TILED_NORM_MAX_ROWS is not None:
-        if x.size // x.shape[-1] > TILED_NORM_MAX_ROWS:
-            x, norm = norm(x), None
+    ``add_norm``'s sum leaves its row out."""
     # Everything the kernel, its template and grid depend on: worked out and checked once for each (a call
     # builds 269 of these, and the estimator is bound by its host).
     signature = (
