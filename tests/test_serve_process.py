@@ -225,9 +225,8 @@ def test_api_keys_and_cors(serve):
 def test_vocoding_process_serves_streams_without_cuda_graphs(serve):
     """``--vocoding process`` through the CLI: S3Gen's work runs in a child process that sets
     MLX_USE_CUDA_GRAPHS=0 for itself and so keeps the estimator's products MLX's (logged with -v; the server's
-    empty value counts as none), a streamed
-    request comes back whole, the health check reports where vocoding runs, and SIGTERM stops both processes.
-    """
+    empty value counts as none), a streamed request comes back whole, the health check reports where vocoding
+    runs, and SIGTERM stops both processes."""
     s = serve("-v", "--vocode-thread", "on", "--vocoding", "process", env={"MLX_USE_CUDA_GRAPHS": ""})
     assert httpx.get(f"{s.url}/health").json()["vocoding"] == "process"
     client = OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
