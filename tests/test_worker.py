@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -660,8 +661,9 @@ def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, mon
 
 
 def test_first_audio_holds_t3_only_while_no_job_needs_its_steps(monkeypatch):
-    """T3 waits for a stream's first decode (``first_audio_holds``) only when every running job is a stream
-    whose first decode is due or that is ``FIRST_AUDIO_LEAD_S`` ahead of its listener, and none waits."""
+    """T3 waits for a stream's first decode (``first_audio_hold``) only when every running job is a stream
+    whose first decode is due or that is ``FIRST_AUDIO_LEAD_S`` ahead of its listener, and none waits; until the
+    nearest listener comes within that lead."""
 
     def job(piped=True, tokens=10, first_sent=None, sent_s=0.0):
         return types.SimpleNamespace(
@@ -669,19 +671,20 @@ def test_first_audio_holds_t3_only_while_no_job_needs_its_steps(monkeypatch):
             sent_s=sent_s,
         )  # fmt: skip
 
-    holds, now, due = worker_module.first_audio_holds, 100.0, job()
+    hold, now, due = worker_module.first_audio_hold, 100.0, job()
     assert worker_module.FIRST_AUDIO_LEAD_S == 1.0
-    assert holds([due], False, now)
-    assert holds([due, job(tokens=12)], False, now)  # two first decodes due
-    assert holds([due, job(first_sent=now - 2.0, sent_s=3.5)], False, now)  # a listener 1.5 s ahead
-    assert not holds([due], True, now)  # a job waits to be admitted
-    assert not holds([job(tokens=9)], False, now)  # its first chunk is not drawn yet: nothing is due
-    assert not holds([due, job(tokens=3)], False, now)  # another stream needs T3 for its first chunk
-    assert not holds([due, job(piped=False)], False, now)  # a whole piece, or a stream decoded inline
-    assert not holds([due, job(first_sent=now - 2.0, sent_s=2.5)], False, now)  # a listener 0.5 s ahead
-    assert not holds([job(first_sent=now - 2.0, sent_s=3.5)], False, now)  # no first decode due
+    assert hold([due], False, now) == math.inf  # until the decode's answer
+    assert hold([due, job(tokens=12)], False, now) == math.inf  # two first decodes due
+    ahead = [job(first_sent=now - 2.0, sent_s=3.5), job(first_sent=now - 1.0, sent_s=2.25)]  # 1.5, 1.25 s
+    assert hold([due, *ahead], False, now) == pytest.approx(0.25)  # until the second is 1 s ahead
+    assert hold([due], True, now) == 0  # a job waits to be admitted
+    assert hold([job(tokens=9)], False, now) == 0  # its first chunk is not drawn yet: nothing is due
+    assert hold([due, job(tokens=3)], False, now) == 0  # another stream needs T3 for its first chunk
+    assert hold([due, job(piped=False)], False, now) == 0  # a whole piece, or a stream decoded inline
+    assert hold([due, job(first_sent=now - 2.0, sent_s=2.5)], False, now) == 0  # a listener 0.5 s ahead
+    assert hold(ahead, False, now) == 0  # no first decode due
     monkeypatch.setattr(worker_module, "FIRST_AUDIO_LEAD_S", None)
-    assert not holds([due], False, now)
+    assert hold([due], False, now) == 0
 
 
 @pytest.mark.parametrize("lead", [1.0, None])

@@ -35,6 +35,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 import os
 import queue
 import secrets
@@ -111,7 +112,6 @@ T3_STEPS_PER_PART = 1
 # took 0.27 s served with T3 stepping beside its decode (the two share the GIL and the GPU) against 0.14 s through
 # TTS.stream, where nothing does; a lone stream's next tokens are not needed before its first chunk has played.
 FIRST_AUDIO_LEAD_S: float | None = 1.0
-HOLD_CHECK_S = 0.02  # how often a waiting T3 looks again (a listener's lead shrinks as it plays)
 
 
 def default_vocode_thread() -> bool:
@@ -588,7 +588,7 @@ class Worker:
         batch = self._new_batch()
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
-        held = False  # T3 waits for a stream's first decode (first_audio_holds)
+        held = 0.0  # seconds T3 may wait for a stream's first decode (first_audio_hold), 0: it steps
         while True:
             self._waiting, self._running = len(waiting), len(running)
             if self.vocoding == "interleaved":  # the next part of S3Gen's call, queued before T3's next step
@@ -606,10 +606,12 @@ class Worker:
             idle = (
                 not running and not waiting and not (self.vocoding == "interleaved" and self._engine.busy())
             )
-            block = idle or (held and self.vocoding != "interleaved")
+            block = idle or (held > 0 and self.vocoding != "interleaved")
             try:
                 with self._timed("hold" if held else "idle") if block else contextlib.nullcontext():
-                    item = self._inbox.get(block=block, timeout=HOLD_CHECK_S if held else IDLE_COLLECT_S)
+                    item = self._inbox.get(
+                        block=block, timeout=min(held, IDLE_COLLECT_S) if held else IDLE_COLLECT_S
+                    )
             except queue.Empty:
                 item = False
             while item is not False:
@@ -640,7 +642,7 @@ class Worker:
                     admitted = self._guard(j, self._admit, j, batch)
                 if admitted:
                     running[j.uid] = j
-            held = bool(running) and first_audio_holds(running.values(), bool(waiting), time.perf_counter())
+            held = first_audio_hold(running.values(), bool(waiting), time.perf_counter()) if running else 0.0
             if not running or held:
                 continue
             try:
@@ -838,7 +840,7 @@ class Worker:
         return more
 
     def _emit_streamed(self, j: _Job, samples: np.ndarray, end: bool, pushed: int) -> None:
-        if j.first_sent is None:  # its first decode is back, even if it gave no samples (first_audio_holds)
+        if j.first_sent is None:  # its first decode is back, even if it gave no samples (first_audio_hold)
             j.first_sent = time.perf_counter()
         self._emit(j, cut_end(samples, pushed, self.tts.speech) if end else samples, end)
 
@@ -1180,23 +1182,27 @@ def _check_voice(voice: Voice) -> None:
         ) from None
 
 
-def first_audio_holds(running: Iterable[_Job], waiting: bool, now: float) -> bool:
-    """Whether T3 waits this turn (``FIRST_AUDIO_LEAD_S``): a running stream's first decode is due on the
-    vocoding side, no job waits to be admitted, and every running job is a stream whose first decode is due or
-    that is ``FIRST_AUDIO_LEAD_S`` ahead of its listener at ``now`` (perf_counter)."""
+def first_audio_hold(running: Iterable[_Job], waiting: bool, now: float) -> float:
+    """How long T3 may wait from ``now`` (perf_counter) for a stream's first decode (``FIRST_AUDIO_LEAD_S``),
+    0.0 if it steps: it waits while a running stream's first decode is due on the vocoding side, no job waits
+    to be admitted, and every running job is a stream whose first decode is due or that is ``FIRST_AUDIO_LEAD_S``
+    ahead of its listener; until the first of those listeners comes within it (inf: none plays yet). The
+    decode's answer, or a new job, ends the wait sooner."""
     if FIRST_AUDIO_LEAD_S is None or waiting:
-        return False
-    due = False
+        return 0.0
+    due, hold = False, math.inf
     for j in running:
         if not j.piped:  # a whole piece, or a stream decoded on the worker thread: T3 steps for it
-            return False
+            return 0.0
         if j.first_sent is None:
             if j.posted < j.job.first_chunk:  # T3 still owes it its first chunk
-                return False
+                return 0.0
             due = True
-        elif j.sent_s - (now - j.first_sent) < FIRST_AUDIO_LEAD_S:
-            return False
-    return due
+        else:
+            hold = min(hold, j.sent_s - (now - j.first_sent) - FIRST_AUDIO_LEAD_S)
+            if hold <= 0:
+                return 0.0
+    return hold if due else 0.0
 
 
 # Python's automatic garbage collection, paused while workers run (``Worker.start``) and done on their
