@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
 
+from mlx_chatterbox.generation import watermark as watermark_module
 from mlx_chatterbox.models import cfm
 
 SAMPLE_RATE = 24000
@@ -382,6 +383,12 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: the estimator's products as MLX's ops, not our tensor-core kernel (cfm.TILED_PRODUCTS off; "
         "the kernel runs on CUDA with a half-precision estimator)",
     )
+    p.add_argument(
+        "--mark-on-device",
+        action="store_true",
+        help="ours: the watermark's STFTs and iSTFT in MLX on the device, not numpy on the host "
+        "(watermark.SPECTRA_ON_DEVICE)",
+    )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -398,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.plain_products and (args.device == "cpu" or not mx.cuda.is_available()):
         p.error("--plain-products turns off a CUDA kernel: it needs MLX's CUDA backend and the GPU")
     cfm.TILED_PRODUCTS = not args.plain_products
+    if args.mark_on_device and (args.no_watermark or set(systems) != {"ours"}):
+        p.error("--mark-on-device applies to ours (--systems ours) with the watermark on")
+    watermark_module.SPECTRA_ON_DEVICE = args.mark_on_device
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
@@ -447,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         row.update(watermark=watermark, text=TEXT, **res, rss_peak_mib=rss_peak_mib(), **info)
         if system == "ours":
-            row.update(tiled_products=not args.plain_products)
+            row.update(tiled_products=not args.plain_products, mark_on_device=args.mark_on_device)
         write_line(row, args.out)
         rows.append(row)
     if rows:

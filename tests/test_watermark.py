@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_chatterbox.audio.resample import resample_polyphase
 from mlx_chatterbox.audio.spectral import istft, stft
 from mlx_chatterbox.convert import LAYOUTS
+from mlx_chatterbox.generation import watermark
 from mlx_chatterbox.generation.watermark import ASSET, Watermarker
 from mlx_chatterbox.models.perth import PerthConfig, PerthNet, frame_mask, lerp_time, nearest_time
 
@@ -226,6 +228,41 @@ def test_silence_and_short_clips():
     np.testing.assert_array_equal(wm.apply(short, 8000), short)
     assert wm.detect(short, 8000) == 0.0
     assert wm.apply(np.zeros(0, np.float32), 24000).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TINY,
+        PerthConfig(
+            sample_rate=8000, n_fft=64, hop_size=24, window_size=48, hidden_size=16, max_wmark_freq=500
+        ),
+    ],
+    ids=["tiny", "short-window"],
+)
+def test_spectra_on_the_device_match_the_host_path(monkeypatch, cfg):
+    """``SPECTRA_ON_DEVICE``: the same steps in MLX (float32 FFTs) give the host path's audio to float32
+    rounding, silence and subnormal samples included; a hop the window cannot cover is refused by both."""
+    wm = Watermarker(tiny_net(cfg=cfg))
+    subnormal = np.zeros(3000, np.float32)
+    subnormal[::7] = 1e-41
+    clips = [(voiced(sr, seconds), sr) for sr, seconds in ((8000, 1.0), (24000, 0.37), (44100, 0.2))]
+    clips += [(np.zeros(3000, np.float32), 8000), (subnormal, 8000)]
+    host = [wm.apply(x, sr) for x, sr in clips]
+    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", True)
+    for (x, sr), want in zip(clips, host):
+        got = wm.apply(x, sr)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        if np.abs(want).max() < 1e-6:  # near silence: the floor's 1e-9 magnitudes and the phases of tiny bins
+            assert np.abs(got - want).max() < 1e-10
+        else:  # the random net's marks reach 1e8: float32 rounding, amplified by 10 ** (dB / 20)
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert err < 1e-5, f"rel err {err:.2e}"
+    gaps = Watermarker(tiny_net(cfg=PerthConfig(**{**asdict(cfg), "hop_size": 64, "window_size": 64})))
+    for on_device in (True, False):
+        monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", on_device)
+        with pytest.raises(ValueError, match="overlap-add falls below 1e-11"):
+            gaps.apply(voiced(8000, 0.5), 8000)
 
 
 def test_bad_inputs_are_refused():

@@ -25,12 +25,21 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..audio.resample import resample_polyphase, resample_soxr_hq
-from ..audio.spectral import as_waveform, istft, stft
+from ..audio.spectral import as_waveform, hann_window, istft, stft
+from ..models.hift import overlap_add
 from ..models.perth import PerthConfig, PerthNet
 
 # The converted perth weights (scripts/convert_perth.py writes them here).
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "perth_implicit.safetensors"
 FORMAT = "mlx-chatterbox-perth"
+
+# Where ``apply`` finds its spectra. False: numpy on the host (float64 FFTs, 23 ms of host work for 10 s of
+# audio on our 2-core CPU), the network's input and output copied to and from the device (4 MB each for 10 s).
+# True: MLX on the default device, float32 as perth's torch code (only the 32 kHz samples cross, 1.3 MB each
+# way): on a GPU the host keeps only the resampling; on our CPU ``apply`` takes 167 ms against 58 for 10 s (MLX's
+# CPU backend is slow at complex arithmetic and transcendentals). The watermark took 56-62 ms of a 10 s text -> wav on an H100 (run AJ), and
+# was the longest stage of a burst of whole requests (run O). Off until a GPU measures it (benchmarks/README).
+SPECTRA_ON_DEVICE = False
 
 
 class Watermarker:
@@ -89,9 +98,12 @@ class Watermarker:
         x = resample_soxr_hq(wav, sample_rate, cfg.sample_rate) if rate_changes else wav
         if x.shape[0] <= cfg.n_fft // 2:
             return wav.copy()
-        magspec, phasor = self.magphase(x)
-        marked, _mask = self.net.encoder(mx.array(magspec)[None])
-        y = self.signal(np.array(marked[0]), phasor)
+        if SPECTRA_ON_DEVICE:
+            y = self._mark_on_device(x)
+        else:
+            magspec, phasor = self.magphase(x)
+            marked, _mask = self.net.encoder(mx.array(magspec)[None])
+            y = self.signal(np.array(marked[0]), phasor)
         return resample_soxr_hq(y, cfg.sample_rate, sample_rate) if rate_changes else y
 
     def confidence(self, wav: np.ndarray, sample_rate: int) -> float:
@@ -175,6 +187,47 @@ class Watermarker:
         spec = phasor.astype(np.complex64, copy=False) * magnitude
         n_fft, hop, win = cfg.n_fft, cfg.hop_size, cfg.window_size
         return istft(spec, n_fft, hop, win, center=True, dtype=np.float32, precision=np.float32)
+
+    def _mark_on_device(self, x: np.ndarray) -> np.ndarray:
+        """``magphase``, the embedder and ``signal`` of (L,) float32 samples at 32 kHz, in MLX on the default
+        device and in float32 (perth's torch precision): the same steps in the same order, FFTs included."""
+        cfg = self.config
+        n, hop, pad = cfg.n_fft, cfg.hop_size, cfg.n_fft // 2
+        left = (n - cfg.window_size) // 2
+        window = np.zeros(n, np.float32)
+        window[left : left + cfg.window_size] = hann_window(cfg.window_size)
+        window = mx.array(window)
+        s = mx.array(x)
+        s = mx.concatenate([s[pad:0:-1], s, s[-2 : -pad - 2 : -1]])  # centered: stft's reflect padding
+        frames = 1 + x.shape[0] // hop
+        spec = mx.fft.rfft(mx.as_strided(s, (frames, n), (hop, 1)) * window)
+        magnitude = mx.abs(spec)
+        min_db = self._min_db()
+        db = (mx.log10(mx.maximum(magnitude, cfg.stft_magnitude_min)) * 20.0 - min_db) / (
+            cfg.headroom_db - min_db
+        )
+        marked, _mask = self.net.encoder(db[None])
+        # magphase's phasor, exp(i·angle(spec)) where |spec| is 0 or subnormal; then signal's magnitudes.
+        angle = mx.arctan2(mx.imag(spec), mx.real(spec))
+        tiny = magnitude < np.finfo(np.float32).tiny
+        phasor = mx.where(tiny, mx.cos(angle) + 1j * mx.sin(angle), spec * mx.reciprocal(magnitude))
+        ln10 = math.log(10.0)
+        exponent = marked[0] * ((-min_db + cfg.headroom_db) * ln10 / 20.0) + min_db * ln10 / 20.0
+        spec = phasor * mx.exp(mx.minimum(exponent, 10.0 * ln10))
+        # istft: frames overlap-added in blocks of hop (padded to a whole number of them), divided by the
+        # overlap-added squared window, n_fft // 2 trimmed at each end.
+        blocks = [(0, 0), (0, 0), (0, -n % hop)]
+        y = overlap_add(mx.pad((mx.fft.irfft(spec, n) * window)[None], blocks), hop)[0]
+        squares = mx.broadcast_to(mx.pad(mx.square(window), blocks[2]), (1, frames, n + blocks[2][1]))
+        envelope = overlap_add(squares, hop)[0, pad : pad + hop * (frames - 1)]
+        y = y[pad : pad + hop * (frames - 1)] / envelope
+        below = envelope.min() < 1e-11
+        mx.eval(y, below)
+        if below.item():
+            raise ValueError(
+                "the window overlap-add falls below 1e-11 inside the output (torch.istft's NOLA)"
+            )
+        return np.array(y)
 
     def _spectrum(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The STFT (T, n_freq), computed in float64 (numpy's float64 FFT is the faster one on x86) and

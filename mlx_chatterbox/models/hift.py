@@ -150,16 +150,16 @@ def istft(re: mx.array, im: mx.array, n_fft: int, hop: int, frames: mx.array | N
     if frames is not None:  # padded frames would overlap the last real ones: none may add to them
         valid = (mx.arange(re.shape[1])[None] < frames[:, None])[..., None]
         spectra, square = spectra * valid, square * valid
-    y = _overlap_add((spectra @ inverse) * window, hop)  # (B, F, n_fft) frames overlap-added
+    y = overlap_add((spectra @ inverse) * window, hop)  # (B, F, n_fft) frames overlap-added
     # Beyond a padded row's end the envelope is 0; the floor (torch's NOLA bound) keeps those samples finite.
-    envelope = _overlap_add(square, hop)
+    envelope = overlap_add(square, hop)
     if frames is not None:
         envelope = mx.maximum(envelope, 1e-11)
     pad = n_fft // 2
     return y[:, pad:-pad] / envelope[:, pad:-pad]
 
 
-def _overlap_add(frames: mx.array, hop: int) -> mx.array:
+def overlap_add(frames: mx.array, hop: int) -> mx.array:
     """(B, F, n_fft) frames placed hop apart and summed -> (B, hop * (F - 1) + n_fft)."""
     b, f, n = frames.shape
     r = n // hop

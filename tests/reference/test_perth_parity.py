@@ -31,6 +31,7 @@ from perth.perth_net.perth_net_implicit.model.perth_net import PerthNet as Upstr
 
 from mlx_chatterbox.audio.resample import resample_polyphase
 from mlx_chatterbox.audio.spectral import istft, stft
+from mlx_chatterbox.generation import watermark
 from mlx_chatterbox.generation.watermark import Watermarker
 from mlx_chatterbox.models.perth import PerthConfig, PerthNet
 
@@ -335,6 +336,16 @@ def test_apply_matches_perth(clips, marked, name):
     got, ref = marked(name)
     assert got.dtype == ref.dtype == np.float32
     assert got.shape == ref.shape, f"length {got.shape} vs perth {ref.shape} (input {x.shape})"
+    err = rel_l2(got, ref)
+    assert err < APPLY_TOL, f"{name}: apply rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["speech_24k", "short_24k", "noise_24k", "speech_44k"])
+def test_apply_with_spectra_on_the_device_matches_perth(ours, clips, marked, name, monkeypatch):
+    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", True)
+    x, sr = clips[name]
+    got, ref = ours.apply(x, sr), marked(name)[1]
+    assert got.dtype == ref.dtype == np.float32 and got.shape == ref.shape
     err = rel_l2(got, ref)
     assert err < APPLY_TOL, f"{name}: apply rel err {err:.2e}"
 
