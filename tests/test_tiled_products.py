@@ -226,48 +226,59 @@ def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
 
 
 @cuda
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
-def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m):
-    """``check_products`` on the GPU, at row counts past a tile's edge (tiles of 32 and 64 rows)."""
+def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m, narrow):
+    """``check_products`` on the GPU, at row counts past a tile's edge (tiles of 32 and 64 rows; with
+    ``TILED_NARROW_COLUMNS``, of 32 columns where blocks are few)."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
     check_products(dtype, m)
 
 
 @cuda
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("b, t", [(1, 64), (2, 530), (3, 37)])
-def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t):
+def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t, narrow):
     """``check_convolutions`` on the GPU (the sequences cross the kernel's tiles)."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
     check_convolutions(dtype, b, t)
 
 
 @cuda
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("b, t, padded", [(1, 64, 0), (2, 530, 0), (2, 530, 130), (3, 37, 5)])
-def test_the_resnet_products_take_its_norms_and_mish(monkeypatch, dtype, b, t, padded):
+def test_the_resnet_products_take_its_norms_and_mish(monkeypatch, dtype, b, t, padded, narrow):
     """``check_resnet`` on the GPU: sequences across tiles, masked frames."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
     check_resnet(dtype, b, t, padded)
 
 
-@pytest.mark.parametrize("sm_count", [132, 1])
-def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count):
+@pytest.mark.parametrize("sm_count, narrow", [(132, False), (1, False), (132, True)])
+def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count, narrow):
     """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
     mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
     products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
-    of 32 rows here) and with one (tiles of 64, but for a norm of x). What a GPU alone can say (its compiler,
-    timing, memory model) is for the tests above; this one found a lane index shadowed by the loop's in an
-    earlier version."""
+    of 32 rows here) and with one (tiles of 64, but for a norm of x); with ``TILED_NARROW_COLUMNS``, tiles of 32
+    columns as well. What a GPU alone can say (its compiler, timing, memory model) is for the tests above; this
+    one found a lane index shadowed by the loop's in an earlier version."""
     monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    monkeypatch.setattr(cfm, "_tiled_launches", {})
     for m in (64, 127):
         check_products(mx.bfloat16, m)
     for b, t in ((1, 64), (3, 37)):
         check_convolutions(mx.bfloat16, b, t)
     for b, t, padded in ((1, 64, 0), (3, 37, 5)):
         check_resnet(mx.bfloat16, b, t, padded)
+    columns = {dict(options["template"])["BN"] for _, options in cfm._tiled_launches.values()}
+    assert columns == ({32} if narrow else {64})
 
 
 # The smallest estimator whose every product and convolution the kernel takes (channels, widths and the
@@ -315,20 +326,27 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
     assert distance(tiled) <= 1.1 * distance(composed), (distance(tiled), distance(composed))
 
 
-@pytest.mark.parametrize("padded", [0, 13])
-def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded):
+@pytest.mark.parametrize("padded, narrow", [(0, False), (13, False), (13, True)])
+def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded, narrow):
     """``check_estimator`` of a small estimator (every call site of the kernel: q/k/v with norm1, the output
     projection and the feed-forward's with their sums, norm3 and GELU, the resnets' convolutions with their
     norms, Mish, time embedding and mask), the kernel's source run on the CPU, plain and as a padded batch
-    (tiled 1.31e-2 and 1.27e-2 from fp32, MLX's bf16 ops 1.27e-2 and 1.41e-2, when written)."""
+    (tiled 1.31e-2 and 1.27e-2 from fp32, MLX's bf16 ops 1.27e-2 and 1.41e-2, when written); padded, with
+    tiles of 32 columns too (``TILED_NARROW_COLUMNS``: every call site's products are few blocks here)."""
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
     check_estimator(SMALL, 40, padded, monkeypatch)
+    assert {dict(options["template"])["BN"] for _, options in cfm._tiled_launches.values()} == {
+        32 if narrow else 64
+    }
 
 
 @cuda
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("padded", [0, 130])
-def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded):
+def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded, narrow):
     """``check_estimator`` at full size on the GPU: 2 rows of 530 frames, a stream's first decode after a 10 s
     prompt, plain and as a padded batch."""
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
     check_estimator(cfm.CFMConfig(), 530, padded, monkeypatch)
 
 
@@ -359,3 +377,26 @@ def test_the_tile_rows_follow_the_rule_unless_set(monkeypatch, tile_rows, want, 
     want = 32 if normed and tile_rows is None else want
     cfm.tiled_product(x, w, norm=norm)
     assert dict(launched["template"])["BM"] == want and launched["grid"][1] == -(-2000 // want)
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narrow):
+    """``TILED_NARROW_COLUMNS`` (the benchmarks' "ours-narrow-columns"): tiles of 32 columns for a product onto
+    256 channels at 2,000 rows (4 x 32 blocks of 64 columns, under two an SM of 132), not for q/k/v's 1,536.
+    """
+    launched = []
+
+    def kernel(name, inputs, outputs, source, header="", **options):
+        return lambda **call: launched.append(call) or [
+            mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])
+        ]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel, raising=False)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    monkeypatch.setattr(cfm, "_tiled_kernels", {})
+    monkeypatch.setattr(cfm, "_tiled_launches", {})
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    for n, k in ((256, 1024), (1536, 256)):
+        cfm.tiled_product(mx.zeros((2000, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
+    narrow_256, wide = [(dict(c["template"])["BN"], c["grid"][0]) for c in launched]
+    assert narrow_256 == ((32, 8 * 128) if narrow else (64, 4 * 128)) and wide == (64, 24 * 128)

@@ -729,14 +729,21 @@ TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 # rows everywhere, which made the normed products' rule, run AH).
 TILED_TILE_ROWS: int | None = None
 
+# Tiles of 32 columns (not 64) where 64 would give the GPU under two blocks an SM: the products onto 256
+# channels, at 2 x 1,000 rows 252 blocks of 32 x 64 for 132 SMs, 1.9 warps a scheduler and 12.3 µs at K 1,024
+# against cuBLAS's 4.9 (run AJ's Nsight Compute); 504 blocks of 32 x 32. For the next lease's A/B (benchmarks'
+# "ours-narrow-columns"); its source runs in the tests on the CPU.
+TILED_NARROW_COLUMNS = False
+
 _TILE_N, _TILE_K, _THREADS = 64, 64, 128
 
-# T, N, K, TAPS (1: a product of x's rows) and BM (the tile's rows: 64, or 32 by ``_tiled_launch``'s rule)
-# come as template constants, x's rows and frames from its shape (2-D for a product, (B, T, C) for a
-# convolution); the epilogue is put in by ``_tiled_kernel``.
+# T, N, K, TAPS (1: a product of x's rows), BM and BN (the tile's rows and columns: 64, or 32 by
+# ``_tiled_launch``'s rule) come as template constants, x's rows and frames from its shape (2-D for a product,
+# (B, T, C) for a convolution); the epilogue is put in by ``_tiled_kernel``.
 _TILED_SOURCE = """
-  constexpr int BN = 64, BK = 64;
-  constexpr int FM = BM / 32;  // a warp's 16-row fragments: its tile is BM / 2 x 32, four 8-column fragments
+  constexpr int BK = 64;
+  // A warp's 16-row and 8-column fragments: its tile is BM / 2 x BN / 2.
+  constexpr int FM = BM / 32, FN = BN / 16;
   // A shared row of the x and weight tiles, in elements: 144 bytes, so that the 8 rows a fragment load reads
   // at once fall in distinct banks (word 36·g + tg for row g, pair tg: bank 4·g + tg).
   constexpr int LDS = BK + 8;
@@ -804,11 +811,11 @@ _TILED_SOURCE = """
   // at (k = 2tg, n = g) and (2tg + 8, g), and of the 16 x 8 float sum (g, 2tg), (g, 2tg + 1), (g + 8, 2tg),
   // (g + 8, 2tg + 1). A pair of 16-bit values is one 32-bit word, its lower column in the low half.
   const int g = (tid & 31) >> 2, tg = tid & 3;
-  float acc[FM][4][4];
+  float acc[FM][FN][4];
   #pragma unroll
   for (int i = 0; i < FM; ++i)
     #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < FN; ++j)
       #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
   auto pair = [](const T* p) { return *reinterpret_cast<const unsigned*>(p); };
@@ -817,7 +824,7 @@ _TILED_SOURCE = """
   auto multiply = [&](int buf) {
     #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      unsigned a[FM][4], b[4][2];
+      unsigned a[FM][4], b[FN][2];
       #pragma unroll
       for (int i = 0; i < FM; ++i) {
         const T* row = xs + (buf * BM + warp_m * (BM / 2) + i * 16 + g) * LDS + kk + 2 * tg;
@@ -827,15 +834,15 @@ _TILED_SOURCE = """
         a[i][3] = pair(row + 8 * LDS + 8);
       }
       #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const T* col = ws + (buf * BN + warp_n * 32 + j * 8 + g) * LDS + kk + 2 * tg;
+      for (int j = 0; j < FN; ++j) {
+        const T* col = ws + (buf * BN + warp_n * (BN / 2) + j * 8 + g) * LDS + kk + 2 * tg;
         b[j][0] = pair(col);
         b[j][1] = pair(col + 8);
       }
       #pragma unroll
       for (int i = 0; i < FM; ++i)
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < FN; ++j) {
           float* d = acc[i][j];
           asm volatile(
               "mma.sync.aligned.m16n8k16.row.col.f32.MMA_TYPE.MMA_TYPE.f32 "
@@ -870,11 +877,11 @@ _TILED_SOURCE = """
   #pragma unroll
   for (int i = 0; i < FM; ++i)
     #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < FN; ++j)
       #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int m = m0 + warp_m * (BM / 2) + i * 16 + g + (q >> 1) * 8;
-        const int c = warp_n * 32 + j * 8 + 2 * tg + (q & 1);  // the column within the tile
+        const int c = warp_n * (BN / 2) + j * 8 + 2 * tg + (q & 1);  // the column within the tile
         if (m < M) {
           const size_t at = (size_t)m * N + n0 + c;
           float y = acc[i][j][q];
@@ -1049,6 +1056,7 @@ def tiled_product(
         None if add_norm is None else (add_norm.eps, "weight" in add_norm and "bias" in add_norm),
         None if mask is None else mask.shape,
         TILED_TILE_ROWS,
+        TILED_NARROW_COLUMNS,
     )
     launch = _tiled_launches.get(signature)
     if launch is None:
@@ -1078,6 +1086,7 @@ def _tiled_launch(
     add_norm,
     mask_shape,
     tile_rows,
+    narrow,
 ):
     """The kernel and call options of ``tiled_product`` for a signature (norms as (eps, affine)), once its
     arguments are checked."""
@@ -1108,12 +1117,21 @@ def _tiled_launch(
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads), and for a norm of x: there 64 rows
     # took 168 registers a thread and so two blocks an SM, 32 rows 124-130 and four (q/k/v with norm1 at 2,000
-    # rows 45 -> 37 µs, the feed-forward's first product 32 -> 25, run AH).
+    # rows 45 -> 37 µs, the feed-forward's first product 32 -> 25, run AH). Where blocks are few, with
+    # TILED_NARROW_COLUMNS, tiles of 32 columns too.
     few = -(-rows // 64) * (n // _TILE_N) < 2 * layers._sm_count()
     bm = tile_rows or (32 if norm is not None or few else 64)
+    bn = 32 if narrow and few else _TILE_N
     return _tiled_kernels[key], dict(
-        template=[("T", dtype), ("N", n), ("K", math.prod(w_shape) // n), ("TAPS", taps), ("BM", bm)],
-        grid=(n // _TILE_N * _THREADS, -(-rows // bm), 1),
+        template=[
+            ("T", dtype),
+            ("N", n),
+            ("K", math.prod(w_shape) // n),
+            ("TAPS", taps),
+            ("BM", bm),
+            ("BN", bn),
+        ],
+        grid=(n // bn * _THREADS, -(-rows // bm), 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[shape],
         output_dtypes=[dtype],
