@@ -29,6 +29,26 @@ PRODUCTS = [
 ]
 
 
+# The tile widths of the GPU tests: as shipped; ``TILED_NARROW_COLUMNS`` (32 columns where blocks are few);
+# ``TILED_WIDE_NORMED`` (128 columns and 8 warps for a norm of x, where blocks are enough).
+COLUMNS = ["64", "narrow", "wide"]
+
+
+def use_columns(monkeypatch, columns: str) -> None:
+    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", columns == "narrow")
+    monkeypatch.setattr(cfm, "TILED_WIDE_NORMED", columns == "wide")
+
+
+def check_launched_columns(columns: str) -> None:
+    """Every launch since ``_tiled_launches`` was emptied had the tile width ``columns`` asks for: 32 (narrow, all
+    of them few blocks in these tests), 128 for the products with a norm of x onto a multiple of 128 channels
+    (wide), 64 for the rest."""
+    for signature, (_, options) in cfm._tiled_launches.items():
+        wide = signature[6] is not None and signature[2][0] % 128 == 0
+        want = 32 if columns == "narrow" else 128 if columns == "wide" and wide else 64
+        assert dict(options["template"])["BN"] == want, (signature, columns)
+
+
 def operands(seed: int, m: int, n: int, k: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
     """x (m, k) off zero mean and unit scale, weight (n, k) scaled as a layer's, bias (n,), add (m, n)."""
     rng = np.random.default_rng(seed)
@@ -226,50 +246,51 @@ def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
 
 
 @cuda
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("columns", COLUMNS)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
-def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m, narrow):
+def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m, columns):
     """``check_products`` on the GPU, at row counts past a tile's edge (tiles of 32 and 64 rows; with
     ``TILED_NARROW_COLUMNS``, of 32 columns where blocks are few)."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    use_columns(monkeypatch, columns)
     check_products(dtype, m)
 
 
 @cuda
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("columns", COLUMNS)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("b, t", [(1, 64), (2, 530), (3, 37)])
-def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t, narrow):
+def test_the_tiled_causal_convolution_is_the_convolution_rounded_once(monkeypatch, dtype, b, t, columns):
     """``check_convolutions`` on the GPU (the sequences cross the kernel's tiles)."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    use_columns(monkeypatch, columns)
     check_convolutions(dtype, b, t)
 
 
 @cuda
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("columns", COLUMNS)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("b, t, padded", [(1, 64, 0), (2, 530, 0), (2, 530, 130), (3, 37, 5)])
-def test_the_resnet_products_take_its_norms_and_mish(monkeypatch, dtype, b, t, padded, narrow):
+def test_the_resnet_products_take_its_norms_and_mish(monkeypatch, dtype, b, t, padded, columns):
     """``check_resnet`` on the GPU: sequences across tiles, masked frames."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    use_columns(monkeypatch, columns)
     check_resnet(dtype, b, t, padded)
 
 
-@pytest.mark.parametrize("sm_count, narrow", [(132, False), (1, False), (132, True)])
-def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count, narrow):
+@pytest.mark.parametrize("sm_count, columns", [(132, "64"), (1, "64"), (132, "narrow"), (1, "wide")])
+def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count, columns):
     """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
     mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
     products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
     of 32 rows here) and with one (tiles of 64, but for a norm of x); with ``TILED_NARROW_COLUMNS``, tiles of 32
-    columns as well. What a GPU alone can say (its compiler, timing, memory model) is for the tests above; this
-    one found a lane index shadowed by the loop's in an earlier version."""
+    columns as well, and with ``TILED_WIDE_NORMED`` (one SM: blocks enough), 128 columns and 8 warps for a norm
+    of x. What a GPU alone can say (its compiler, timing, memory model) is for the tests above; this one found a
+    lane index shadowed by the loop's in an earlier version."""
     monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    use_columns(monkeypatch, columns)
     monkeypatch.setattr(cfm, "_tiled_launches", {})
     for m in (64, 127):
         check_products(mx.bfloat16, m)
@@ -277,8 +298,7 @@ def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatc
         check_convolutions(mx.bfloat16, b, t)
     for b, t, padded in ((1, 64, 0), (3, 37, 5)):
         check_resnet(mx.bfloat16, b, t, padded)
-    columns = {dict(options["template"])["BN"] for _, options in cfm._tiled_launches.values()}
-    assert columns == ({32} if narrow else {64})
+    check_launched_columns(columns)
 
 
 # The smallest estimator whose every product and convolution the kernel takes (channels, widths and the
@@ -326,27 +346,28 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
     assert distance(tiled) <= 1.1 * distance(composed), (distance(tiled), distance(composed))
 
 
-@pytest.mark.parametrize("padded, narrow", [(0, False), (13, False), (13, True)])
-def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded, narrow):
+@pytest.mark.parametrize("padded, columns", [(0, "64"), (13, "64"), (13, "narrow"), (13, "wide")])
+def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded, columns):
     """``check_estimator`` of a small estimator (every call site of the kernel: q/k/v with norm1, the output
     projection and the feed-forward's with their sums, norm3 and GELU, the resnets' convolutions with their
     norms, Mish, time embedding and mask), the kernel's source run on the CPU, plain and as a padded batch
     (tiled 1.31e-2 and 1.27e-2 from fp32, MLX's bf16 ops 1.27e-2 and 1.41e-2, when written); padded, with
-    tiles of 32 columns too (``TILED_NARROW_COLUMNS``: every call site's products are few blocks here)."""
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    tiles of 32 columns (``TILED_NARROW_COLUMNS``: every call site's blocks are few here) and with 128 columns
+    for the norms of x (``TILED_WIDE_NORMED``, one SM)."""
+    if columns == "wide":
+        monkeypatch.setattr(layers, "_sm_count", lambda: 1)
+    use_columns(monkeypatch, columns)
     check_estimator(SMALL, 40, padded, monkeypatch)
-    assert {dict(options["template"])["BN"] for _, options in cfm._tiled_launches.values()} == {
-        32 if narrow else 64
-    }
+    check_launched_columns(columns)
 
 
 @cuda
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("columns", COLUMNS)
 @pytest.mark.parametrize("padded", [0, 130])
-def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded, narrow):
+def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch, padded, columns):
     """``check_estimator`` at full size on the GPU: 2 rows of 530 frames, a stream's first decode after a 10 s
     prompt, plain and as a padded batch."""
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
+    use_columns(monkeypatch, columns)
     check_estimator(cfm.CFMConfig(), 530, padded, monkeypatch)
 
 
@@ -400,3 +421,30 @@ def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narr
         cfm.tiled_product(mx.zeros((2000, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
     narrow_256, wide = [(dict(c["template"])["BN"], c["grid"][0]) for c in launched]
     assert narrow_256 == ((32, 8 * 128) if narrow else (64, 4 * 128)) and wide == (64, 24 * 128)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_wide_tiles_only_for_a_norm_of_x_with_blocks_enough(monkeypatch, wide):
+    """``TILED_WIDE_NORMED`` (the benchmarks' "ours-wide-normed"): q/k/v with norm1 at 2,000 rows in tiles of
+    32 x 128 and 8 warps (12 x 63 blocks for 132 SMs); not at 100 rows (12 x 4 blocks), nor without a norm."""
+    launched = []
+
+    def kernel(name, inputs, outputs, source, header="", **options):
+        return lambda **call: launched.append(call) or [
+            mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])
+        ]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel, raising=False)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    monkeypatch.setattr(cfm, "_tiled_kernels", {})
+    monkeypatch.setattr(cfm, "_tiled_launches", {})
+    monkeypatch.setattr(cfm, "TILED_WIDE_NORMED", wide)
+    w, norm = mx.zeros((1536, 256), mx.bfloat16), layer_norm(256, 0, mx.bfloat16)
+    for rows, with_norm in ((2000, True), (100, True), (2000, False)):
+        cfm.tiled_product(mx.zeros((rows, 256), mx.bfloat16), w, norm=norm if with_norm else None)
+    got = [
+        (dict(c["template"])["BN"], dict(c["template"])["WN"], c["threadgroup"][0], c["grid"])
+        for c in launched
+    ]
+    normed = (128, 4, 256, (12 * 256, 63, 1)) if wide else (64, 2, 128, (24 * 128, 63, 1))
+    assert got == [normed, (64, 2, 128, (24 * 128, 4, 1)), (64, 2, 128, (24 * 128, 32, 1))]

@@ -702,9 +702,10 @@ def meanflow_steps(
 # biases' sums, GELUs, residual sums, the norms and the resnets' Mish around them are 367 kernels more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle, and for a norm of x), 128
-# threads in 4 warps, tensor cores through PTX's mma.sync (m16n8k16, float sums; no header), the next two
-# 64-wide slices of x and the weight loading into registers while one is multiplied from shared memory (slices
-# of 32 left the kernel waiting on its loads: 2-4x cuBLAS's GPU time, runs AF). Rows past x's end read zeros
+# threads in 4 warps (2 x 2; ``TILED_WIDE_NORMED``: 32 x 128 in 2 x 4), tensor cores through PTX's mma.sync
+# (m16n8k16, float sums; no header), the next two 64-wide slices of x and the weight loading into registers
+# while one is multiplied from shared memory (slices of 32 left the kernel waiting on its loads: 2-4x cuBLAS's
+# GPU time, runs AF). Rows past x's end read zeros
 # and write nothing, so any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A
 # causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N, taps·C)
 # with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by
@@ -735,21 +736,29 @@ TILED_TILE_ROWS: int | None = None
 # "ours-narrow-columns"); its source runs in the tests on the CPU.
 TILED_NARROW_COLUMNS = False
 
-_TILE_N, _TILE_K, _THREADS = 64, 64, 128
+# Tiles of 128 columns and 8 warps (not 64 and 4) for the products with a norm of x, where that still gives the
+# GPU two blocks an SM: each block finds its rows' statistics and normalizes its x tiles once for twice the
+# columns, which were two thirds of q/k/v's instructions (24 column blocks at 1,536 channels; 35 µs against
+# cuBLAS's 6.5 plus a LayerNorm's 3.9, run AJ's Nsight Compute). For the next lease's A/B (benchmarks'
+# "ours-wide-normed"); its source runs in the tests on the CPU.
+TILED_WIDE_NORMED = False
+
+_TILE_N, _TILE_K = 64, 64
 
 # T, N, K, TAPS (1: a product of x's rows), BM and BN (the tile's rows and columns: 64, or 32 by
 # ``_tiled_launch``'s rule) come as template constants, x's rows and frames from its shape (2-D for a product,
 # (B, T, C) for a convolution); the epilogue is put in by ``_tiled_kernel``.
 _TILED_SOURCE = """
   constexpr int BK = 64;
-  // A warp's 16-row and 8-column fragments: its tile is BM / 2 x BN / 2.
-  constexpr int FM = BM / 32, FN = BN / 16;
+  // Warps in 2 rows of WN; a warp's 16-row and 8-column fragments: its tile is BM / 2 x BN / WN.
+  constexpr int THREADS = 64 * WN, FM = BM / 32, FN = BN / WN / 8;
   // A shared row of the x and weight tiles, in elements: 144 bytes, so that the 8 rows a fragment load reads
   // at once fall in distinct banks (word 36·g + tg for row g, pair tg: bank 4·g + tg).
   constexpr int LDS = BK + 8;
   constexpr int TILES = K / BK;
   // 16-byte pieces a tile's row holds, and a thread moves of x's tile and of the weight's.
-  constexpr int SEGS = BK / 8, XP = BM * SEGS / 128, WP = BN * SEGS / 128;
+  constexpr int SEGS = BK / 8, XP = BM * SEGS / THREADS, WP = BN * SEGS / THREADS;
+  static_assert(XP * THREADS == BM * SEGS && WP * THREADS == BN * SEGS, "whole pieces a thread");
   // Two buffers of the x and weight tiles: 36,864 bytes at BM 64.
   __shared__ __align__(128) T xs[2 * BM * LDS];
   __shared__ __align__(128) T ws[2 * BN * LDS];
@@ -766,7 +775,7 @@ _TILED_SOURCE = """
     const float e = expf(y), n = e * (e + 2.0f);
     return y > 15.0f ? y : y * __fdividef(n, n + 2.0f);
   };
-  const int warp_m = (tid >> 5) >> 1, warp_n = (tid >> 5) & 1;
+  const int warp_m = (tid >> 5) / WN, warp_n = (tid >> 5) % WN;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
 
   // Each thread moves XP 16-byte pieces of x's tile and WP of the weight's: piece p is row p / SEGS, columns
@@ -779,14 +788,14 @@ _TILED_SOURCE = """
   auto fetch = [&](int k0, uint4 (&xr)[XP], uint4 (&wr)[WP]) {
     #pragma unroll
     for (int i = 0; i < XP; ++i) {
-      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
+      const int p = tid + i * THREADS, r = p / SEGS, c = p % SEGS * 8;
       const int m = m0 + r, back = TAPS - 1 - (k0 + c) / C;
       xr[i] = reads(m, back) ? *reinterpret_cast<const uint4*>(x + (size_t)(m - back) * C + (k0 + c) % C)
                              : make_uint4(0, 0, 0, 0);
     }
     #pragma unroll
     for (int i = 0; i < WP; ++i) {
-      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
+      const int p = tid + i * THREADS, r = p / SEGS, c = p % SEGS * 8;
       wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k0 + c);
     }
   };
@@ -795,13 +804,13 @@ _TILED_SOURCE = """
     // slice
     #pragma unroll
     for (int i = 0; i < XP; ++i) {
-      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
+      const int p = tid + i * THREADS, r = p / SEGS, c = p % SEGS * 8;
       // normalize
       *reinterpret_cast<uint4*>(xs + (buf * BM + r) * LDS + c) = xr[i];
     }
     #pragma unroll
     for (int i = 0; i < WP; ++i) {
-      const int p = tid + i * 128, r = p / SEGS, c = p % SEGS * 8;
+      const int p = tid + i * THREADS, r = p / SEGS, c = p % SEGS * 8;
       *reinterpret_cast<uint4*>(ws + (buf * BN + r) * LDS + c) = wr[i];
     }
   };
@@ -835,7 +844,7 @@ _TILED_SOURCE = """
       }
       #pragma unroll
       for (int j = 0; j < FN; ++j) {
-        const T* col = ws + (buf * BN + warp_n * (BN / 2) + j * 8 + g) * LDS + kk + 2 * tg;
+        const T* col = ws + (buf * BN + warp_n * (BN / WN) + j * 8 + g) * LDS + kk + 2 * tg;
         b[j][0] = pair(col);
         b[j][1] = pair(col + 8);
       }
@@ -881,7 +890,7 @@ _TILED_SOURCE = """
       #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int m = m0 + warp_m * (BM / 2) + i * 16 + g + (q >> 1) * 8;
-        const int c = warp_n * (BN / 2) + j * 8 + 2 * tg + (q & 1);  // the column within the tile
+        const int c = warp_n * (BN / WN) + j * 8 + 2 * tg + (q & 1);  // the column within the tile
         if (m < M) {
           const size_t at = (size_t)m * N + n0 + c;
           float y = acc[i][j][q];
@@ -904,7 +913,7 @@ _TILED_ROW_STATS = string.Template("""
   {
     constexpr int PIECES = ($width / 8 + 31) / 32;  // a lane's 8-column pieces of a row
     const int lane = tid & 31;
-    for (int r0 = (tid >> 5) * 4; r0 < $rows; r0 += 16) {
+    for (int r0 = (tid >> 5) * 4; r0 < $rows; r0 += THREADS / 8) {
       float v[4][PIECES * 8];
       #pragma unroll
       for (int h = 0; h < 4; ++h) {
@@ -944,9 +953,9 @@ _TILED_ROW_STATS = string.Template("""
       }
     }
   }""")
-# A thread's pieces of a slice are all of the same 8 columns (128 threads, SEGS pieces a row): their tap,
+# A thread's pieces of a slice are all of the same 8 columns (THREADS a multiple of SEGS pieces a row): their tap,
 # channels, and the norm's gain and offset there (16 bytes each) once a slice, not once a value.
-_TILED_NORM_SLICE = """static_assert(128 % SEGS == 0, "a thread's pieces share their columns");
+_TILED_NORM_SLICE = """static_assert(THREADS % SEGS == 0, "a thread's pieces share their columns");
     const int tap = (k0 + tid % SEGS * 8) / C, channel = (k0 + tid % SEGS * 8) % C;
     float gain[8], offset[8];
     {
@@ -1057,6 +1066,7 @@ def tiled_product(
         None if mask is None else mask.shape,
         TILED_TILE_ROWS,
         TILED_NARROW_COLUMNS,
+        TILED_WIDE_NORMED,
     )
     launch = _tiled_launches.get(signature)
     if launch is None:
@@ -1087,6 +1097,7 @@ def _tiled_launch(
     mask_shape,
     tile_rows,
     narrow,
+    wide,
 ):
     """The kernel and call options of ``tiled_product`` for a signature (norms as (eps, affine)), once its
     arguments are checked."""
@@ -1119,9 +1130,13 @@ def _tiled_launch(
     # took 168 registers a thread and so two blocks an SM, 32 rows 124-130 and four (q/k/v with norm1 at 2,000
     # rows 45 -> 37 µs, the feed-forward's first product 32 -> 25, run AH). Where blocks are few, with
     # TILED_NARROW_COLUMNS, tiles of 32 columns too.
-    few = -(-rows // 64) * (n // _TILE_N) < 2 * layers._sm_count()
+    sms = layers._sm_count()
+    few = -(-rows // 64) * (n // _TILE_N) < 2 * sms
     bm = tile_rows or (32 if norm is not None or few else 64)
-    bn = 32 if narrow and few else _TILE_N
+    bn, wn = (32 if narrow and few else _TILE_N), 2
+    # Wide tiles hold 46 KB of shared memory at 32 rows (the static limit is 48).
+    if wide and norm is not None and bm == 32 and n % 128 == 0 and -(-rows // 32) * (n // 128) >= 2 * sms:
+        bn, wn = 128, 4
     return _tiled_kernels[key], dict(
         template=[
             ("T", dtype),
@@ -1130,9 +1145,10 @@ def _tiled_launch(
             ("TAPS", taps),
             ("BM", bm),
             ("BN", bn),
+            ("WN", wn),
         ],
-        grid=(n // bn * _THREADS, -(-rows // bm), 1),
-        threadgroup=(_THREADS, 1, 1),
+        grid=(n // bn * 64 * wn, -(-rows // bm), 1),
+        threadgroup=(64 * wn, 1, 1),
         output_shapes=[shape],
         output_dtypes=[dtype],
     )
