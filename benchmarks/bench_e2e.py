@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
-from common import bare_upstream, machine_info, refuse_torch_cpu_beside_preload, write_line
+from common import bare_upstream, machine_info, memory_budget, refuse_torch_cpu_beside_preload, write_line
 
 from mlx_chatterbox.generation import watermark as watermark_module
 from mlx_chatterbox.models import cfm
@@ -148,10 +148,12 @@ def bench_ours(
     device: str,
     built: str | None = None,
     cfm_dtype: str = "float32",
+    s3gen_budget: int | str | None = "auto",
 ) -> dict:
     """``built`` ("tiny" or "full"): a model built here with random weights (bench_stream.build: no checkpoint,
     no torch, its random voice and a toy tokenizer) instead of the checkpoint and a cloned voice; no voice is
-    prepared then. ``cfm_dtype``: the estimator's dtype (``TTS.load(cfm_dtype=)``)."""
+    prepared then. ``cfm_dtype``: the estimator's dtype (``TTS.load(cfm_dtype=)``); ``s3gen_budget``:
+    ``S3Gen.memory_budget``."""
     from mlx_chatterbox import TTS, SamplingParams
     from mlx_chatterbox.convert import prepare
     from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
@@ -169,6 +171,7 @@ def bench_ours(
         tts = build(built == "tiny")
         tts.s3gen.estimator.set_dtype(getattr(mx, cfm_dtype))
     s3gen = tts.s3gen
+    s3gen.memory_budget = s3gen_budget
     mx.eval(tts.t3.parameters(), [n.parameters() for n in (s3gen.flow, s3gen.estimator, s3gen.hift)])
     load_s = time.perf_counter() - t1
 
@@ -389,6 +392,12 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: the watermark's STFTs and iSTFT in MLX on the device, not numpy on the host "
         "(watermark.SPECTRA_ON_DEVICE)",
     )
+    p.add_argument(
+        "--memory-budget",
+        default="auto",
+        type=memory_budget,
+        help="ours: S3Gen.memory_budget (auto, none, or MiB): the bytes a vocoding call may hold above the weights",
+    )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -440,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                     mlx_device,
                     args.built,
                     args.cfm_dtype,
+                    args.memory_budget,
                 ),
                 mlx_device,
             )
@@ -457,7 +467,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         row.update(watermark=watermark, text=TEXT, **res, rss_peak_mib=rss_peak_mib(), **info)
         if system == "ours":
-            row.update(tiled_products=not args.plain_products, mark_on_device=args.mark_on_device)
+            row.update(
+                tiled_products=not args.plain_products,
+                mark_on_device=args.mark_on_device,
+                memory_budget=args.memory_budget,
+            )
         write_line(row, args.out)
         rows.append(row)
     if rows:
