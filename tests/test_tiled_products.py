@@ -371,41 +371,10 @@ def test_the_estimator_with_the_kernel_is_as_near_float32_as_without(monkeypatch
     check_estimator(cfm.CFMConfig(), 530, padded, monkeypatch)
 
 
-@pytest.mark.parametrize("normed", [False, True])
-@pytest.mark.parametrize("tile_rows, want", [(None, 64), (32, 32), (64, 64), (48, None)])
-def test_the_tile_rows_follow_the_rule_unless_set(monkeypatch, tile_rows, want, normed):
-    """``TILED_TILE_ROWS`` (the benchmarks' "ours-tiles-32") sets a tile's rows; None leaves them to the rule:
-    64 for a plain product here (2,000 rows x 1,536 columns make 768 blocks of 64, over two an SM of 132), 32
-    for one with a norm of x (its registers); others are refused."""
-    launched = {}
-
-    def kernel(name, inputs, outputs, source, header="", **options):
-        return lambda **call: launched.update(call) or [
-            mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])
-        ]
-
-    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel, raising=False)
-    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
-    monkeypatch.setattr(cfm, "_tiled_kernels", {})
-    monkeypatch.setattr(cfm, "_tiled_launches", {})
-    monkeypatch.setattr(cfm, "TILED_TILE_ROWS", tile_rows)
-    x, w = mx.zeros((2000, 256), mx.bfloat16), mx.zeros((1536, 256), mx.bfloat16)
-    norm = layer_norm(256, 0, mx.bfloat16) if normed else None
-    if want is None:
-        with pytest.raises(ValueError, match="TILED_TILE_ROWS = 48"):
-            cfm.tiled_product(x, w, norm=norm)
-        return
-    want = 32 if normed and tile_rows is None else want
-    cfm.tiled_product(x, w, norm=norm)
-    assert dict(launched["template"])["BM"] == want and launched["grid"][1] == -(-2000 // want)
-
-
-@pytest.mark.parametrize("narrow", [False, True])
-def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narrow):
-    """``TILED_NARROW_COLUMNS`` (the benchmarks' "ours-narrow-columns"): tiles of 32 columns for a product onto
-    256 channels at 2,000 rows (4 x 32 blocks of 64 columns, under two an SM of 132), not for q/k/v's 1,536.
-    """
-    launched = []
+def record_launches(monkeypatch) -> list[dict]:
+    """``tiled_product``'s launches on an H200's 132 SMs without a GPU: each call's options go into the list
+    returned, and its output is zeros."""
+    launched: list[dict] = []
 
     def kernel(name, inputs, outputs, source, header="", **options):
         return lambda **call: launched.append(call) or [
@@ -416,6 +385,35 @@ def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narr
     monkeypatch.setattr(layers, "_sm_count", lambda: 132)
     monkeypatch.setattr(cfm, "_tiled_kernels", {})
     monkeypatch.setattr(cfm, "_tiled_launches", {})
+    return launched
+
+
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("tile_rows, want", [(None, 64), (32, 32), (64, 64), (48, None)])
+def test_the_tile_rows_follow_the_rule_unless_set(monkeypatch, tile_rows, want, normed):
+    """``TILED_TILE_ROWS`` (the benchmarks' "ours-tiles-32") sets a tile's rows; None leaves them to the rule:
+    64 for a plain product here (2,000 rows x 1,536 columns make 768 blocks of 64, over two an SM of 132), 32
+    for one with a norm of x (its registers); others are refused."""
+    launched = record_launches(monkeypatch)
+    monkeypatch.setattr(cfm, "TILED_TILE_ROWS", tile_rows)
+    x, w = mx.zeros((2000, 256), mx.bfloat16), mx.zeros((1536, 256), mx.bfloat16)
+    norm = layer_norm(256, 0, mx.bfloat16) if normed else None
+    if want is None:
+        with pytest.raises(ValueError, match="TILED_TILE_ROWS = 48"):
+            cfm.tiled_product(x, w, norm=norm)
+        return
+    want = 32 if normed and tile_rows is None else want
+    cfm.tiled_product(x, w, norm=norm)
+    (launch,) = launched
+    assert dict(launch["template"])["BM"] == want and launch["grid"][1] == -(-2000 // want)
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narrow):
+    """``TILED_NARROW_COLUMNS`` (the benchmarks' "ours-narrow-columns"): tiles of 32 columns for a product onto
+    256 channels at 2,000 rows (4 x 32 blocks of 64 columns, under two an SM of 132), not for q/k/v's 1,536.
+    """
+    launched = record_launches(monkeypatch)
     monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
     for n, k in ((256, 1024), (1536, 256)):
         cfm.tiled_product(mx.zeros((2000, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
@@ -427,17 +425,7 @@ def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narr
 def test_wide_tiles_only_for_a_norm_of_x_with_blocks_enough(monkeypatch, wide):
     """``TILED_WIDE_NORMED`` (the benchmarks' "ours-wide-normed"): q/k/v with norm1 at 2,000 rows in tiles of
     32 x 128 and 8 warps (12 x 63 blocks for 132 SMs); not at 100 rows (12 x 4 blocks), nor without a norm."""
-    launched = []
-
-    def kernel(name, inputs, outputs, source, header="", **options):
-        return lambda **call: launched.append(call) or [
-            mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])
-        ]
-
-    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel, raising=False)
-    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
-    monkeypatch.setattr(cfm, "_tiled_kernels", {})
-    monkeypatch.setattr(cfm, "_tiled_launches", {})
+    launched = record_launches(monkeypatch)
     monkeypatch.setattr(cfm, "TILED_WIDE_NORMED", wide)
     w, norm = mx.zeros((1536, 256), mx.bfloat16), layer_norm(256, 0, mx.bfloat16)
     for rows, with_norm in ((2000, True), (100, True), (2000, False)):
