@@ -2,8 +2,9 @@
 # The worker's first-audio hold (worker.FIRST_AUDIO_LEAD_S) against no hold, in one lease (~9 minutes after the
 # installs): bash benchmarks/device/start.sh hold 560
 # In-process first (probe_first_audio: TTS.stream, the Worker with its vocoding thread and with its process),
-# with and without --no-hold; then served, one stream at a time, English (bf16 estimator) and Turbo, each with
-# the hold and without it (a sitecustomize.py on SERVE_PATH sets FIRST_AUDIO_LEAD_S = None in the server); then
+# English and Turbo (issue 25's 0.12 s for Turbo: how far its in-process floor is), with and without
+# --no-hold; then served, one stream at a time, English (bf16 estimator) and Turbo, each with the hold and
+# without it (a sitecustomize.py on SERVE_PATH sets FIRST_AUDIO_LEAD_S = None in the server); then
 # 16 English streams at a time each way, where the hold should not come into play. Each served run's lines go to
 # ~/res/serve_<variant>_<hold|nohold>[_16].jsonl, its output to a log of the same name.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
@@ -12,12 +13,15 @@ echo "== commit $BENCH_COMMIT"
 nohold=/tmp/nohold
 mkdir -p $nohold
 echo "from mlx_chatterbox.server import worker; worker.FIRST_AUDIO_LEAD_S = None" > $nohold/sitecustomize.py
-bash "$here/model.sh" english
-model=/tmp/serve-english
-for hold in "" --no-hold; do
-  echo "== probe_first_audio $hold"
-  timeout 300 python3 benchmarks/probe_first_audio.py --model $model/mlx --voice $model/voice.safetensors \
-      --modes stream,worker-thread,worker-process $hold --out ~/res/first_audio.jsonl 2>&1 | grep -v '^{'
+for variant in english turbo; do  # each in the estimator dtype it is served in below
+  bash "$here/model.sh" $variant
+  model=/tmp/serve-$variant dtype=$([ $variant = english ] && echo bfloat16 || echo float32)
+  for hold in "" --no-hold; do
+    echo "== probe_first_audio $variant $hold"
+    timeout 300 python3 benchmarks/probe_first_audio.py --model $model/mlx --voice $model/voice.safetensors \
+        --cfm-dtype $dtype --modes stream,worker-thread,worker-process $hold --out ~/res/first_audio.jsonl 2>&1 \
+        | grep -v '^{'
+  done
 done
 served() {  # name, SERVE_PATH, variant, server flags, scenario; serve.sh's own "== done" stays in its log
   echo "== $1 at $(date +%T)"
