@@ -197,7 +197,7 @@ class Watermarker:
         window = np.zeros(n, np.float32)
         window[left : left + cfg.window_size] = hann_window(cfg.window_size)
         window = mx.array(window)
-        s = mx.array(x)
+        s = mx.array(x, mx.float32)  # float64 has no GPU kernels
         s = mx.concatenate([s[pad:0:-1], s, s[-2 : -pad - 2 : -1]])  # centered: stft's reflect padding
         frames = 1 + x.shape[0] // hop
         spec = mx.fft.rfft(mx.as_strided(s, (frames, n), (hop, 1)) * window)
