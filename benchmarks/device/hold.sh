@@ -13,11 +13,13 @@ echo "== commit $BENCH_COMMIT"
 nohold=/tmp/nohold
 mkdir -p $nohold
 echo "from mlx_chatterbox.server import worker; worker.FIRST_AUDIO_LEAD_S = None" > $nohold/sitecustomize.py
-for variant in english turbo; do  # each in the estimator dtype it is served in below
+# Each variant in the estimator dtype it is served in below, and Turbo in bf16 too (our tiled products).
+for pair in english:bfloat16 turbo:float32 turbo:bfloat16; do
+  variant=${pair%:*} dtype=${pair#*:}
   bash "$here/model.sh" $variant
-  model=/tmp/serve-$variant dtype=$([ $variant = english ] && echo bfloat16 || echo float32)
+  model=/tmp/serve-$variant
   for hold in "" --no-hold; do
-    echo "== probe_first_audio $variant $hold"
+    echo "== probe_first_audio $variant $dtype $hold"
     timeout 300 python3 benchmarks/probe_first_audio.py --model $model/mlx --voice $model/voice.safetensors \
         --cfm-dtype $dtype --modes stream,worker-thread,worker-process $hold --out ~/res/first_audio.jsonl 2>&1 \
         | grep -v '^{'
