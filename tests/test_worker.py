@@ -20,6 +20,7 @@ import pytest
 
 from mlx_chatterbox import TTS
 from mlx_chatterbox.convert import convert
+from mlx_chatterbox.generation import watermark
 from mlx_chatterbox.generation.batch import ContinuousBatch
 from mlx_chatterbox.generation.speech_tokens import traces
 from mlx_chatterbox.generation.stream import StreamVocoder
@@ -521,10 +522,14 @@ def test_a_gone_readers_audio_is_not_watermarked(tts, monkeypatch):
     assert len(marked) == 1
 
 
-def test_marking_threads_mark_jobs_at_once_each_in_order(tts, monkeypatch):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_marking_threads_mark_jobs_at_once_each_in_order(tts, monkeypatch, on_device):
     """``mark_threads=2``: two jobs' audio is watermarked on two threads at the same time (each thread's first
     mark waits at a barrier for the other's), and every job's chunks still arrive in order, equal to
-    ``TTS.stream`` / ``TTS.generate`` alone within SHARED_TOL (whole and streamed, watermarked)."""
+    ``TTS.stream`` / ``TTS.generate`` alone within SHARED_TOL (whole and streamed, watermarked); also with the
+    watermark's spectra in MLX on each marking thread's own stream (``SPECTRA_ON_DEVICE``), against the host
+    path alone."""
+    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", on_device)
     specs = [
         dataclasses.replace(job, stream=stream, watermark=True, seed=60 + k)
         for k, (job, stream) in enumerate(zip(jobs(True) + jobs(False)[1:2], (True, True, True, False)))
