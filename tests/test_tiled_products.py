@@ -12,6 +12,7 @@ import pytest
 from scipy.special import erf
 
 from mlx_chatterbox.models import cfm, layers
+from tests import compiled_cuda
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -436,3 +437,36 @@ def test_wide_tiles_only_for_a_norm_of_x_with_blocks_enough(monkeypatch, wide):
     ]
     normed = (128, 4, 256, (12 * 256, 63, 1)) if wide else (64, 2, 128, (24 * 128, 63, 1))
     assert got == [normed, (64, 2, 128, (24 * 128, 4, 1)), (64, 2, 128, (24 * 128, 32, 1))]
+
+
+@pytest.mark.skipif(compiled_cuda.NVCC is None, reason="needs nvcc (CUDA's toolkit; no GPU)")
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_every_kernel_of_the_estimator_builds_for_hopper_without_spills(monkeypatch, columns):
+    """Each kernel a full-size bf16 estimator launches (2 rows of 1,000 frames, plain and padded; 2 of 530, a
+    stream's first decode), on an H200's 132 SMs, at each tile width, built by nvcc for sm_90a
+    (tests/compiled_cuda.py): no spills and static shared memory within 48 KB. (Registers when written, a
+    thread: shipped 120-140, the resnets' normed convolution the 140; narrow 70-108; wide 118-120.)"""
+    programs = compiled_cuda.record(monkeypatch)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
+    monkeypatch.setattr(cfm, "_tiled_kernels", {})
+    monkeypatch.setattr(cfm, "_tiled_launches", {})
+    use_columns(monkeypatch, columns)
+    est = cfm.Estimator(cfm.CFMConfig())
+    est.set_dtype(mx.bfloat16)
+    mel = est.config.out_channels
+    for frames, padded in ((1000, 0), (1000, 130), (530, 0)):
+        x, mu, cond = (mx.zeros((2, frames, mel), mx.bfloat16) for _ in range(3))
+        mask = mx.array(np.arange(frames)[None] < np.array([[frames], [frames - padded]])) if padded else None
+        mx.eval(est(x, mask, mu, mx.array([0.3, 0.3]), mx.zeros((2, mel), mx.bfloat16), cond))
+    tiled = [p for p in programs if p.name.startswith("tiled_product")]
+    assert {dict(p.template)["BN"] for p in tiled} == {"64": {64}, "narrow": {32, 64}, "wide": {64, 128}}[
+        columns
+    ]
+    for program in tiled:
+        used = compiled_cuda.resources(program)
+        assert used.spill_bytes == 0 and used.shared_bytes <= compiled_cuda.STATIC_SHARED_LIMIT, (
+            program,
+            used,
+        )
