@@ -36,9 +36,10 @@ FORMAT = "mlx-chatterbox-perth"
 # Where ``apply`` finds its spectra. False: numpy on the host (float64 FFTs, 23 ms of host work for 10 s of
 # audio on our 2-core CPU), the network's input and output copied to and from the device (4 MB each for 10 s).
 # True: MLX on the default device, float32 as perth's torch code (only the 32 kHz samples cross, 1.3 MB each
-# way): on a GPU the host keeps only the resampling; on our CPU ``apply`` takes 167 ms against 58 for 10 s (MLX's
-# CPU backend is slow at complex arithmetic and transcendentals). The watermark took 56-62 ms of a 10 s text -> wav on an H100 (run AJ), and
-# was the longest stage of a burst of whole requests (run O). Off until a GPU measures it (benchmarks/README).
+# way): on a GPU the host keeps only the resampling; on our CPU ``apply`` takes 167 ms against 58 for 10 s
+# (MLX's CPU backend is slow at complex arithmetic and transcendentals). The watermark took 56-62 ms of a 10 s
+# text -> wav on an H100 (run AJ), and was the longest stage of a burst of whole requests (run O). Off until a
+# GPU measures it (benchmarks/README).
 SPECTRA_ON_DEVICE = False
 
 

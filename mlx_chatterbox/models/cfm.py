@@ -705,15 +705,15 @@ def meanflow_steps(
 # threads in 4 warps (2 x 2; ``TILED_WIDE_NORMED``: 32 x 128 in 2 x 4), tensor cores through PTX's mma.sync
 # (m16n8k16, float sums; no header), the next two 64-wide slices of x and the weight loading into registers
 # while one is multiplied from shared memory (slices of 32 left the kernel waiting on its loads: 2-4x cuBLAS's
-# GPU time, runs AF). Rows past x's end read zeros
-# and write nothing, so any row count runs; the weight's rows (N) and columns (K) must be multiples of 64. A
-# causal convolution of x (B, T, C) by a weight (N, taps, C) is the product of the weight's rows (N, taps·C)
-# with rows the kernel reads from x as it goes: row (b, t) is frames t - taps + 1 .. t of sequence b side by
-# side, zeros before its start (no padded copy of x). float32 stays with MLX: a tensor-core product in float32
-# would be TF32, and the fp32 estimator is upstream's numbers. Sums differ from MLX's ops in rounding
-# only: the epilogue works on the float accumulator and rounds once, where the composed ops round after each
-# op. Only on CUDA (``layers._use_cuda_paths``); every other backend runs the composed ops. Its source also
-# runs on the CPU in the tests (tests/emulated_cuda.py).
+# GPU time, runs AF). Rows past x's end read zeros and write nothing, so any row count runs; the weight's rows
+# (N) and columns (K) must be multiples of 64. A causal convolution of x (B, T, C) by a weight (N, taps, C) is
+# the product of the weight's rows (N, taps·C) with rows the kernel reads from x as it goes: row (b, t) is
+# frames t - taps + 1 .. t of sequence b side by side, zeros before its start (no padded copy of x). float32
+# stays with MLX: a tensor-core product in float32 would be TF32, and the fp32 estimator is upstream's
+# numbers. Sums differ from MLX's ops in rounding only: the epilogue works on the float accumulator and rounds
+# once, where the composed ops round after each op. Only on CUDA (``layers._use_cuda_paths``); every other
+# backend runs the composed ops. Its source also runs on the CPU in the tests (tests/emulated_cuda.py), and
+# nvcc builds it there for sm_90a (tests/compiled_cuda.py).
 
 # On since its GPU tests passed on an H200 (51 of them, runs AG) and a lone request's solve ran faster: 2 x 530
 # rows 67-84 ms against 132-182, 2 x 1,000 rows 83-100 against 91-145 (runs AF, AG). The server's vocoding
@@ -953,8 +953,8 @@ _TILED_ROW_STATS = string.Template("""
       }
     }
   }""")
-# A thread's pieces of a slice are all of the same 8 columns (THREADS a multiple of SEGS pieces a row): their tap,
-# channels, and the norm's gain and offset there (16 bytes each) once a slice, not once a value.
+# A thread's pieces of a slice are all of the same 8 columns (THREADS, a multiple of the SEGS pieces of a row):
+# their tap, channels, and the norm's gain and offset there (16 bytes each) once a slice, not once a value.
 _TILED_NORM_SLICE = """static_assert(THREADS % SEGS == 0, "a thread's pieces share their columns");
     const int tap = (k0 + tid % SEGS * 8) / C, channel = (k0 + tid % SEGS * 8) % C;
     float gain[8], offset[8];
