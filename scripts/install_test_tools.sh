@@ -3,6 +3,8 @@
 # voice-cloning tests, a C++20 compiler (g++) that runs our CUDA kernels' sources on the CPU
 # (tests/emulated_cuda.py), and on Linux Chromium with its WebDriver for the playground's browser test
 # (tests/test_playground.py skips without them). Debian/Ubuntu as root installs them; elsewhere install them yourself.
+# Not installed here: CUDA's nvcc ($CUDA_HOME, else /usr/local/cuda), with which tests/compiled_cuda.py builds our
+# kernels for sm_90a where a machine has it (the development image does); without it that test is skipped.
 set -euo pipefail
 need=()
 command -v espeak-ng >/dev/null || need+=(espeak-ng)
