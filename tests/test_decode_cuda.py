@@ -18,6 +18,7 @@ from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.gpt2 import T3Turbo, T3TurboConfig
 from mlx_chatterbox.models.t3 import T3, T3Config
 from mlx_chatterbox.sampling import SamplingParams, TurboParams
+from tests import compiled_cuda
 from tests.conftest import random_voice
 from tests.test_batch import run_batch as run_english_batch
 from tests.test_turbo_batch import run_batch as run_turbo_batch
@@ -893,3 +894,47 @@ def test_generation_draws_the_same_tokens_with_device_scalars(which, monkeypatch
             generate(model, voice, text, params, key=mx.random.key(1), stop_on_eos=False)
         )
     assert tokens[True, False] == tokens[False, False] and tokens[True, True] == tokens[False, True]
+
+
+@pytest.mark.skipif(compiled_cuda.NVCC is None, reason="needs nvcc (CUDA's toolkit; no GPU)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_every_decode_kernel_builds_for_hopper_without_spills(dtype, monkeypatch):
+    """Each kernel a full-size English T3 and Turbo decode step launches (the layer kernel and the five-kernel
+    layers), and the sampling kernels at upstream's knobs and stronger ones, built by nvcc for sm_90a
+    (tests/compiled_cuda.py): no spills and static shared memory within 48 KB. (When written: 25 programs a
+    dtype, at most 104 registers a thread.)"""
+    from mlx_chatterbox.generation import fused_sampling
+
+    programs = compiled_cuda.record(monkeypatch)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(layers, "_sm_count", lambda: 132)
+    for module, cache in ((layers, "_gemv_kernels"), (layers, "_decode_attention_kernels"),
+                          (layers, "_layer_kernels"), (fused_sampling, "_kernels")):  # fmt: skip
+        monkeypatch.setattr(module, cache, {})
+    for model in (T3(T3Config()), T3Turbo(T3TurboConfig())):
+        model.set_dtype(dtype)
+        rows = 2 if isinstance(model, T3) else 1
+        for fused in (True, False):
+            monkeypatch.setattr(layers, "FUSED_LAYERS", fused_layers(fused))
+            embeds = mx.zeros((rows, 4, model.config.hidden_size), dtype)
+            mx.eval(decode_logits(model, embeds, [1, 2], step_by_step=True))
+    strong = SamplingParams(temperature=1.5, min_p=0.2, repetition_penalty=2.0, cfg_weight=1.0)
+    for by_uniform in (False, True):
+        draw = mx.array(0.5) if by_uniform else mx.random.key(0)
+        for turbo in (TurboParams(), TurboParams(top_k=0, top_p=0.8)):
+            seen = mx.zeros((1, 6563), mx.bool_)
+            fused_sampling.turbo_pick(
+                mx.zeros((1, 6563), dtype), seen, mx.array([1]), draw, by_uniform, turbo, 0
+            )
+        for english in (SamplingParams(), strong):
+            seen = mx.zeros((1, 8194), mx.bool_)
+            fused_sampling.english_pick(
+                mx.zeros((2, 8194), dtype), seen, mx.array([1]), draw, by_uniform, english
+            )
+    assert {p.name.split("_")[0] for p in programs} == {"decode", "gemv", "turbo", "english"}
+    for program in programs:
+        used = compiled_cuda.resources(program)
+        assert used.spill_bytes == 0 and used.shared_bytes <= compiled_cuda.STATIC_SHARED_LIMIT, (
+            program,
+            used,
+        )
