@@ -14,6 +14,7 @@ a confidence above 0.5 (0.5 itself rounds to even, 0). ``detect`` returns the cl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -189,15 +190,22 @@ class Watermarker:
         n_fft, hop, win = cfg.n_fft, cfg.hop_size, cfg.window_size
         return istft(spec, n_fft, hop, win, center=True, dtype=np.float32, precision=np.float32)
 
+    @functools.cached_property
+    def _device_window(self) -> mx.array:
+        """The periodic Hann window of ``window_size`` zero-padded to ``n_fft`` (centered), float32, made once:
+        ``apply`` runs for every streamed chunk."""
+        cfg = self.config
+        left = (cfg.n_fft - cfg.window_size) // 2
+        window = np.zeros(cfg.n_fft, np.float32)
+        window[left : left + cfg.window_size] = hann_window(cfg.window_size)
+        return mx.array(window)
+
     def _mark_on_device(self, x: np.ndarray) -> np.ndarray:
         """``magphase``, the embedder and ``signal`` of (L,) float32 samples at 32 kHz, in MLX on the default
         device and in float32 (perth's torch precision): the same steps in the same order, FFTs included."""
         cfg = self.config
         n, hop, pad = cfg.n_fft, cfg.hop_size, cfg.n_fft // 2
-        left = (n - cfg.window_size) // 2
-        window = np.zeros(n, np.float32)
-        window[left : left + cfg.window_size] = hann_window(cfg.window_size)
-        window = mx.array(window)
+        window = self._device_window
         s = mx.array(x, mx.float32)  # float64 has no GPU kernels
         s = mx.concatenate([s[pad:0:-1], s, s[-2 : -pad - 2 : -1]])  # centered: stft's reflect padding
         frames = 1 + x.shape[0] // hop
