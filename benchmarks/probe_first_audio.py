@@ -197,12 +197,6 @@ def main() -> None:
         help="the estimator's products as MLX's ops, not our tensor-core kernel (cfm.TILED_PRODUCTS off; in this "
         "process: not with worker-process, whose process sets its own)",
     )
-    p.add_argument(
-        "--no-hold",
-        action="store_true",
-        help="the Worker's T3 steps beside a stream's first decode (worker.FIRST_AUDIO_LEAD_S = None), as before "
-        "2026-12-05",
-    )
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -217,8 +211,6 @@ def main() -> None:
             "--plain-products sets this process's switch: the vocoding process of worker-process would not see it"
         )
     cfm.TILED_PRODUCTS = not args.plain_products
-    if args.no_hold:
-        worker_module.FIRST_AUDIO_LEAD_S = None
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     mx.set_default_device(getattr(mx, args.device))
@@ -255,7 +247,7 @@ def main() -> None:
         write_line(
             dict(bench="first_audio", mode=mode, variant=tts.speech.variant, model=args.model or "built",
                  tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype,
-                 tiled_products=not args.plain_products, first_audio_lead_s=worker_module.FIRST_AUDIO_LEAD_S,
+                 tiled_products=not args.plain_products,
                  switch_interval=sys.getswitchinterval(), **med, runs=rows, **info),
             args.out,
         )  # fmt: skip

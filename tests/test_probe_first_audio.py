@@ -36,19 +36,6 @@ def test_first_audio_parts_per_mode(tmp_path, model):  # noqa: F811
     assert "| worker-inline |" in done.stdout and "| worker-process |" in done.stdout
 
 
-def test_no_hold_lets_t3_step_beside_the_first_decode(tmp_path):
-    """--no-hold sets worker.FIRST_AUDIO_LEAD_S to None (T3 steps beside a stream's first decode), and each row
-    names the setting it ran with."""
-    for flags, lead in (([], 1.0), (["--no-hold"], None)):
-        out = tmp_path / f"first_audio{len(flags)}.jsonl"
-        argv = [sys.executable, "benchmarks/probe_first_audio.py", "--tiny", "--device", "cpu", "--tokens", "20",
-                "--repeats", "1", "--first-chunk", "8", "--modes", "worker-thread", "--out", str(out), *flags]  # fmt: skip
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        (row,) = map(json.loads, out.read_text().splitlines())
-        assert row["mode"] == "worker-thread" and row["first_audio_lead_s"] == lead and row["t3_steps"] >= 8
-
-
 def test_the_process_mode_needs_a_model_folder():
     argv = [sys.executable, "benchmarks/probe_first_audio.py", "--tiny", "--device", "cpu", "--modes",
             "worker-process"]  # fmt: skip
