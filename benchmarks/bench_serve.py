@@ -66,6 +66,7 @@ class Result:
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since sent, bytes)
     end: float | None = None  # seconds since sent
     incomplete: bool = False  # the body broke off, was empty, or held half a sample
+    timing: dict[str, float] = field(default_factory=dict)  # the server's Server-Timing: ms since it got it
 
     @property
     def ok(self) -> bool:
@@ -82,6 +83,9 @@ def request(url: str, body: dict, timeout: float) -> Result:
         conn.request("POST", "/v1/audio/speech", data, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         r.status = resp.status
+        for entry in filter(None, (resp.getheader("Server-Timing") or "").split(",")):
+            name, ms = entry.strip().split(";dur=")
+            r.timing[name] = float(ms)
         if resp.status != 200:
             resp.read()
             r.end = time.perf_counter() - r.sent
@@ -145,6 +149,11 @@ def summarize(results: list[Result], wall: float, sample_rate: int, streamed: bo
         ttfa_s=spread([r.arrivals[0][0] for r in ok], (50, 95, 99)),
         e2e_s=spread([r.end for r in ok], (50, 95, 99)),
         rtf=spread([r.end / a for r, a in zip(ok, audio)], (50, 95)),
+        # The server's own account of the first audio (app.server_timing), ms after it got the request.
+        server_timing_ms={
+            name: spread([r.timing[name] for r in ok if name in r.timing], (50, 95))
+            for name in dict.fromkeys(name for r in ok for name in r.timing)
+        },
     )
     if streamed:
         stalls = [underruns(r.arrivals, sample_rate) for r in ok]
@@ -451,6 +460,19 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def timing_markdown(rows: list[dict]) -> str:
+    """The server's Server-Timing per scenario: p50 ms after it got the request, of each step towards the
+    first audio, beside the client's TTFA."""
+    names = list(dict.fromkeys(name for r in rows for name in r["server_timing_ms"]))
+    lines = ["| scenario | TTFA p50 ms | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
+    for r in rows:
+        ttfa = r["ttfa_s"]["p50"]
+        cells = [r["scenario"], fmt(None if ttfa is None else 1000 * ttfa, ".1f")]
+        cells += [fmt(r["server_timing_ms"].get(name, {}).get("p50"), ".1f") for name in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def worker_markdown(rows: list[dict]) -> str:
     """Where the worker's time went per scenario: seconds and share of the span per phase (the vocoding
     thread's apart), then mean rows per T3 step and per S3Gen call, and T3's step traces."""
@@ -580,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
                     proc.kill()
     print()
     print(markdown(rows))
+    print()
+    print(timing_markdown(rows))
     print()
     print(worker_markdown(rows))
 

@@ -36,6 +36,13 @@ def check_sane(row: dict, requests: int, streamed: bool) -> None:
         assert 0 <= under["wait_s_per_stream"]["p50"] <= under["wait_s_per_stream"]["max"] <= under["wait_s"]
     else:
         assert "underruns" not in row
+    # The server's Server-Timing of every response, p50 in ms, in the order its steps happened; the headers come
+    # before the client's first read (a stream's, its first audio; a whole one's, all of it).
+    timing = row["server_timing_ms"]
+    steps = ["admitted", "first-token", *(["first-chunk"] if streamed else []), "first-audio", "first-ready"]
+    assert list(timing) == [*steps, "response"], timing
+    p50 = [timing[name]["p50"] for name in timing]
+    assert 0 <= p50[0] and p50 == sorted(p50) and p50[-1] <= 1000 * row["ttfa_s"]["p50"], timing
     assert row["machine_info"]["commit"] and row["server"]["variant"] == "english"
     assert 0 < row["mlx_memory"]["active"] <= row["mlx_memory"]["peak"]
     check_worker(row, streamed)
@@ -82,6 +89,9 @@ def test_closed_and_open_loops_streamed_and_whole(tmp_path):
         assert row["warm_up"] == {"tokens": 5, "requests": clients, "ok": clients}
     assert "| closed 2 whole | 2 / 2 | 0 |" in stdout  # the markdown table
     assert "| scenario | idle | gc | admit | t3_step |" in stdout  # the worker's
+    assert (
+        "| scenario | TTFA p50 ms | admitted | first-token | first-chunk | first-audio |" in stdout
+    )  # timing
 
 
 def test_soak_samples_rss_and_mlx_memory(model, tmp_path):  # noqa: F811

@@ -232,6 +232,43 @@ def test_sse_events(server, reference):
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
+@pytest.mark.parametrize("vocode_thread", [False, True])
+def test_server_timing_header(tts, tmp_path, vocode_thread):
+    """Each speech response says in Server-Timing when the steps towards its first audio happened, in ms since
+    the request came: a stream's first chunk of tokens (FIRST_CHUNK = 10 of the 20 drawn) among them, a whole
+    response's none; the times in order, the response's headers last. With S3Gen on the worker thread and on
+    the vocoding thread."""
+    voices = VoiceStore(tmp_path, builtin=random_voice(seed=5))
+    with (
+        Worker(tts, vocode_thread=vocode_thread) as worker,
+        serving(create_app(worker, voices, model_name="tiny")) as url,
+    ):
+        body = {"model": "tiny", "input": TEXT, "response_format": "pcm", "seed": 3, "max_new_tokens": TOKENS}
+        steps = ["admitted", "first-token", "first-chunk", "first-audio", "first-ready", "response"]
+        for extra, names in (
+            ({"stream": True}, steps),
+            ({"stream": True, "stream_format": "sse"}, steps),
+            ({"stream": False}, [n for n in steps if n != "first-chunk"]),
+        ):
+            timing = timing_of(url, body | extra)
+            assert list(timing) == names, (extra, timing)
+        # A leading pause's silence is the stream's first audio, before T3's first token (which may come before
+        # the headers or after).
+        timing = timing_of(url, body | {"input": "[pause:200ms] Hi."})
+        assert list(timing)[:2] == ["admitted", "first-audio"] and list(timing)[-1] == "response", timing
+
+
+def timing_of(url: str, body: dict) -> dict[str, float]:
+    """A speech response's Server-Timing (its body read to the end); the times checked to be in order."""
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        entries = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
+        r.read()
+    ms = [float(ms) for _, ms in entries]
+    assert 0 <= ms[0] and ms == sorted(ms), entries
+    return {name: float(ms) for name, ms in entries}
+
+
 def test_concurrent_requests(client, reference):
     seeds = [3, 4, 5, 6]
     out = {}

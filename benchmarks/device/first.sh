@@ -19,7 +19,7 @@ served() {  # name, way, variant, server flags, scenario; serve.sh's own "== don
   [ "$2" = graphs ] && env=(MLX_USE_CUDA_GRAPHS=1)  # unset otherwise: MLX's default in the server's process
   env "${env[@]}" bash "$here/serve.sh" "$3" "$flags" "$5" > ~/res/"$1".log 2>&1
   mv ~/res/serve.jsonl ~/res/"$1".jsonl
-  grep '^| closed' ~/res/"$1".log | head -1
+  grep '^| closed' ~/res/"$1".log | head -2  # the scenario's row, then its Server-Timing medians
   grep -e 'runs MLX with' -e 'serving mlx' ~/res/serve_server.log | head -2
 }
 one="--concurrency 1 --requests 6 --formats streamed"

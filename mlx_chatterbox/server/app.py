@@ -15,7 +15,8 @@ import dataclasses
 import io
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources
 from typing import Literal
 
@@ -158,6 +159,7 @@ def create_app(
     @app.post("/v1/audio/speech")
     @app.post("/audio/speech", include_in_schema=False)
     async def speech(body: SpeechRequest, request: Request) -> Response:
+        received = time.perf_counter()
         job, stream = await _job(body, worker, voices, models, cfm_steps, stream_context, first_chunk)
         try:
             ticket = gate.track(worker.submit(job))
@@ -176,7 +178,11 @@ def create_app(
                 else:
                     data = await run_in_threadpool(encode, wav, ticket.sample_rate, body.response_format)
                     watch.cancel()
-                    return Response(data, media_type=content_type(body.response_format, ticket.sample_rate))
+                    return Response(
+                        data,
+                        media_type=content_type(body.response_format, ticket.sample_rate),
+                        headers={"Server-Timing": server_timing(ticket.times, received)},
+                    )
             else:
                 chunks = ticket.__aiter__()
                 first = await _first(chunks)  # errors before any audio get a proper status
@@ -185,13 +191,16 @@ def create_app(
             watch.cancel()
             ticket.cancel()
             raise
+        timing = {"Server-Timing": server_timing(ticket.times, received)}
         if body.stream_format == "sse":
             content = _sse(chunks, body.response_format, ticket, watch, gate)
             return StreamingResponse(
-                content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **timing}
             )
         content = _audio(chunks, body.response_format, ticket, watch)
-        return StreamingResponse(content, media_type=content_type(body.response_format, ticket.sample_rate))
+        return StreamingResponse(
+            content, media_type=content_type(body.response_format, ticket.sample_rate), headers=timing
+        )
 
     @app.get("/v1/audio/voices")
     async def list_voices() -> dict:
@@ -311,6 +320,20 @@ async def _job(
         language=body.language,
     )
     return job, stream
+
+
+# A speech response's steps towards its first audio (worker.Ticket.times), named in Server-Timing with hyphens.
+SERVER_TIMING = ("admitted", "first_token", "first_chunk", "first_audio", "first_ready")
+
+
+def server_timing(times: Mapping[str, float], received: float) -> str:
+    """A speech response's Server-Timing header: for each step of ``times`` that happened and for "response"
+    (the headers, now), the milliseconds since the request was ``received`` (perf_counter), in the order they
+    happened, e.g. ``admitted;dur=2.1, first-token;dur=24.0, ..., response;dur=181.3``. (A leading pause's
+    silence is a stream's first audio, before its first token.)"""
+    marks = sorted((times[name], name.replace("_", "-")) for name in SERVER_TIMING if name in times)
+    marks.append((time.perf_counter(), "response"))
+    return ", ".join(f"{name};dur={1000 * (t - received):.1f}" for t, name in marks)
 
 
 def _param_of(message: str, default: str | None = None) -> str | None:

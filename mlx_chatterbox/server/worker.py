@@ -176,6 +176,11 @@ class Ticket:
         self.text_tokens = text_tokens
         self.speech_tokens = 0  # grows as T3 draws (usage)
         self.cancelled = False
+        # When each step towards the first audio happened (perf_counter; the worker's threads write each once):
+        # "admitted" (into T3's batch), "first_token", "first_chunk" (a stream's first ``first_chunk`` tokens
+        # drawn), "first_audio" (samples out of S3Gen, or a leading pause's silence, before the watermark) and
+        # "first_ready" (handed to the reader). The server sends them as Server-Timing (app.server_timing).
+        self.times: dict[str, float] = {}
         self._lock = threading.Lock()
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -185,8 +190,14 @@ class Ticket:
         """The reader is gone: the worker drops the job at its next step."""
         self.cancelled = True
 
+    def _note(self, event: str) -> None:
+        """From the worker's threads: ``event`` happened now, if it had not before (``times``)."""
+        self.times.setdefault(event, time.perf_counter())
+
     def _put(self, item: Any) -> None:
         """From the worker thread: a chunk, an exception, or _END."""
+        if isinstance(item, np.ndarray) and item.size:
+            self._note("first_ready")
         with self._lock:
             if self._aitems is None:
                 self._items.put(item)
@@ -645,6 +656,10 @@ class Worker:
                 if token != NO_TOKEN:  # Turbo's batch ends a request whose logits are all -inf with no token
                     j.raw.append(token)
                     j.ticket.speech_tokens += 1
+                    if j.ticket.speech_tokens == 1:
+                        j.ticket._note("first_token")
+                    if j.ticket.speech_tokens == j.job.first_chunk and j.job.stream:
+                        j.ticket._note("first_chunk")
                 ok = self._guard(j, self._took, j, token, finished)
                 if finished or not ok:
                     del running[uid]
@@ -702,6 +717,7 @@ class Worker:
         key = None if seed is None else seed_keys(seed)[0]
         j.raw = []
         j.uid = batch.add(BatchRequest(j.piece_ids[j.piece], job.voice, params, key=key))
+        j.ticket._note("admitted")
         if job.stream:
             if j.piece == 0 and j.plan.pauses[0]:
                 self._emit_silence(j, j.plan.pauses[0])
@@ -855,6 +871,8 @@ class Worker:
         or through the job's marking thread when they run, in order with what the job handed it before. There
         the watermark (Perth: resampling, STFTs and a network, 55-75 ms for 10 s of audio on one core of our
         CPU) keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
+        if isinstance(item, np.ndarray) and item.size:
+            j.ticket._note("first_audio")
         if not self._markers:
             j.ticket._put(item if mark is None else mark(item))
         else:
