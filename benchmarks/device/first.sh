@@ -14,7 +14,7 @@ here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
 served() {  # name, way, variant, server flags, scenario; serve.sh's own "== done" stays in its log
   echo "== $1 at $(date +%T)"
-  local flags=$4 env=()
+  local flags="$4 -v" env=()  # -v: the log says how the vocoding process runs MLX
   [ "$2" = thread ] && flags="$flags --vocoding thread"
   [ "$2" = graphs ] && env=(MLX_USE_CUDA_GRAPHS=1)  # unset otherwise: MLX's default in the server's process
   env "${env[@]}" bash "$here/serve.sh" "$3" "$flags" "$5" > ~/res/"$1".log 2>&1
