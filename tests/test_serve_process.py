@@ -218,6 +218,16 @@ def test_api_keys_and_cors(serve):
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = httpx.get(f"{s.url}/v1/models", headers={"Origin": origin})  # a 401 the page can read
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin
+    # A speech response's Server-Timing is exposed to the page's fetch().
+    body = speech_body("Hi.", max_new_tokens=4, seed=3)
+    r = httpx.post(
+        f"{s.url}/v1/audio/speech", json=body, headers={"Origin": origin, "Authorization": "Bearer k1"}
+    )
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    assert (
+        r.headers["access-control-expose-headers"] == "Server-Timing"
+        and "first-audio" in r.headers["server-timing"]
+    )
     s.signal(signal.SIGTERM)
     assert s.wait(15)[0] == 0
 

@@ -107,6 +107,7 @@ def create_app(
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["Server-Timing"],  # a page's fetch() may read it
         )
 
     if ui:
