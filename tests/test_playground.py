@@ -112,6 +112,12 @@ def test_playground_in_chromium(url, browser, tmp_path):
     assert abs(duration - seconds) < 0.01
     wait_for(b, "window.playground.playedSeconds >= window.playground.audioSeconds")  # WebAudio played it all
     assert "s of audio received" in text_of(b, "progress") and "elapsed" in text_of(b, "progress")
+    # The time to the first audio, the client's and the server's (Server-Timing), which is within it.
+    first, server_first = b.execute_script(
+        "return [window.playground.firstAudio, window.playground.serverFirst]"
+    )
+    assert 0 < server_first <= first, (server_first, first)
+    assert f"first audio after {first:.2f} s (the server's {server_first:.2f} s)" in text_of(b, "progress")
     assert b.find_element(By.ID, "download").get_attribute("href").startswith("blob:")
     # speed != 1 needs the whole audio (a time-stretch): asked for as one WAV, then played.
     b.execute_script("const n = document.getElementById('n-speed'); n.value = 2; n.oninput();")
