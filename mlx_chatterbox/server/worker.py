@@ -192,7 +192,8 @@ class Ticket:
 
     def _note(self, event: str) -> None:
         """From the worker's threads: ``event`` happened now, if it had not before (``times``)."""
-        self.times.setdefault(event, time.perf_counter())
+        if event not in self.times:  # (every later chunk passes here too: no clock read for it)
+            self.times[event] = time.perf_counter()
 
     def _put(self, item: Any) -> None:
         """From the worker thread: a chunk, an exception, or _END."""
