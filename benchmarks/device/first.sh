@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Served first audio by where S3Gen runs, in one lease (~7 minutes after the installs):
-#   bash benchmarks/device/start.sh first 560
+#   bash benchmarks/device/start.sh first 560 [VARIANT...]   (turbo english unless named; english alone ~5 minutes)
 # Run AK (H100): a lone English stream's first audio 0.46 s p50 served with the vocoding process (as shipped on
 # CUDA: no CUDA graphs, so MLX's products, not our tiled kernel) against 0.27 s in run AJ with the vocoding
 # thread (graphs and the tiled kernel), and the process took 0.43 s a stream decode against the thread's 0.24.
@@ -26,8 +26,15 @@ served() {  # name, way, variant, server flags, scenarios...; serve.sh's own "==
 }
 one="--concurrency 1 --requests 6 --formats streamed"
 many="--concurrency 16 --requests 32 --formats streamed --warm-up-tokens 40"
+variants=("$@")
+[ $# -gt 0 ] || variants=(turbo english)
 for way in process graphs thread; do
-  served serve_turbo_$way $way turbo "--warm-batches off --first-chunk 15" "$one"
-  served serve_english_$way $way english "--warm-batches off --first-chunk 15 --cfm-dtype bfloat16" "$one" "$many"
+  for variant in "${variants[@]}"; do
+    if [ "$variant" = english ]; then
+      served serve_english_$way $way english "--warm-batches off --first-chunk 15 --cfm-dtype bfloat16" "$one" "$many"
+    else
+      served serve_${variant}_$way $way "$variant" "--warm-batches off --first-chunk 15" "$one"
+    fi
+  done
 done
 echo "== done"
