@@ -713,11 +713,11 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
     assert memory_limit() == limit
 
 
-@pytest.mark.parametrize("preset", [None, "1"])
-def test_the_vocoding_process_runs_without_cuda_graphs(tts, monkeypatch, caplog, preset):
-    """The vocoding process sets MLX_USE_CUDA_GRAPHS=0 for itself before its first kernel (its S3Gen calls
-    launch MLX-CUDA's kernels directly), unless the server was started with a value, which it keeps; it says
-    which in the log, and the server's own environment is left as it was."""
+@pytest.mark.parametrize("preset", [None, "0", "1"])
+def test_the_vocoding_process_keeps_the_servers_cuda_graphs(tts, monkeypatch, caplog, preset):
+    """The vocoding process runs MLX with the server's MLX_USE_CUDA_GRAPHS (none: MLX's default, graphs on);
+    "0" also keeps the estimator's products MLX's, since our tiled kernel pays only with graphs. It says which
+    in the log, and the server's own environment is left as it was."""
     name = vocoding.GRAPHS_VARIABLE
     if preset is None:
         monkeypatch.delenv(name, raising=False)
@@ -726,7 +726,8 @@ def test_the_vocoding_process_runs_without_cuda_graphs(tts, monkeypatch, caplog,
     caplog.set_level(logging.INFO, logger=vocoding.__name__)
     with Worker(tts, vocode_thread=True, vocoding="process"):
         pass
-    assert f"runs MLX with {name}={preset or '0'}" in caplog.text
+    products = "MLX's products" if preset == "0" else "our tiled products"
+    assert f"runs MLX with {name}={preset or ''}, the estimator on {products}" in caplog.text
     assert os.environ.get(name) == preset
 
 

@@ -62,11 +62,11 @@ def add_parser(sub) -> None:
         choices=("auto", *VOCODINGS),
         default="auto",
         help="with the vocoding thread: where its S3Gen work runs: on that thread; in a process of its own, which "
-        "loads its own S3Gen at start, shares neither MLX's process-wide throttles nor Python's GIL with T3, and "
-        "launches MLX-CUDA's kernels without CUDA graphs unless MLX_USE_CUDA_GRAPHS is set, and then the "
-        "estimator's products as MLX's rather than our tiled kernel, which pays only with graphs (on an H200 a lone "
-        "stream's first audio 0.37-0.41 s against the thread's 0.49-0.51, Turbo's 64 streams 76x real time "
-        "against 55x); auto (the default): the process with MLX-CUDA, the thread elsewhere; or interleaved: on "
+        "loads its own S3Gen at start and shares neither MLX's process-wide throttles nor Python's GIL with T3 (on an "
+        "H200: 16 English streams 30.5x real time against the thread's 32.7x, a lone stream's first audio 0.25 s "
+        "against 0.22, Turbo's 0.18 s each; launched without CUDA graphs, MLX_USE_CUDA_GRAPHS=0, it gave 64 Turbo "
+        "streams 76x against 55x in an older build, but 16 English streams 18.0x now); "
+        "auto (the default): the process with MLX-CUDA, the thread elsewhere; or interleaved: on "
         "the model thread, a part of each S3Gen call (a flow-matching step) between two T3 steps, so that the GPU "
         "runs them one after the other instead of side by side (on an H200, 32 streams: 20.8x real time against "
         "the thread's 33.7x, first audio 2.6 s against 2.1)",

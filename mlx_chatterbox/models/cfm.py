@@ -716,9 +716,9 @@ def meanflow_steps(
 # nvcc builds it there for sm_90a (tests/compiled_cuda.py).
 
 # On since its GPU tests passed on an H200 (51 of them, runs AG) and a lone request's solve ran faster: 2 x 530
-# rows 67-84 ms against 132-182, 2 x 1,000 rows 83-100 against 91-145 (runs AF, AG). The server's vocoding
-# process, which launches without CUDA graphs, turns it off (vocode.use_tiled_products). Benchmarks' "plain" ways
-# turn it off for their A/B.
+# rows 67-84 ms against 132-182, 2 x 1,000 rows 83-100 against 91-145 (runs AF, AG). Without CUDA graphs it
+# lost, so the server's vocoding process turns it off when started with MLX_USE_CUDA_GRAPHS=0
+# (vocode.use_tiled_products). Benchmarks' "plain" ways turn it off for their A/B.
 TILED_PRODUCTS = True
 
 # Below this many rows a product stays with MLX (a matrix-vector product, or cuBLAS for a few rows); above the

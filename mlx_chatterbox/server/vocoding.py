@@ -31,7 +31,7 @@ from ..generation.voice import Voice
 from ..sampling import seed_keys
 
 logger = logging.getLogger(__name__)
-GRAPHS_VARIABLE = "MLX_USE_CUDA_GRAPHS"  # the vocoding process sets it to 0 (_process_main)
+GRAPHS_VARIABLE = "MLX_USE_CUDA_GRAPHS"  # "0" keeps the estimator on MLX's products (_process_main)
 T = TypeVar("T")
 Timed = Callable[..., contextlib.AbstractContextManager]  # (phase, rows, calls)
 
@@ -431,21 +431,18 @@ class VocodingProcess:
 def _process_main(conn: Any, spec: ProcessSpec) -> None:
     """The vocoding process: load S3Gen, then take messages (a reader thread receives them meanwhile, so the
     sender never waits for a call) and answer each turn's calls."""
-    # MLX-CUDA records each run of about 100 kernels as a CUDA graph. S3Gen's calls here did better launching
-    # their kernels directly (H200, benchmarks/RESULTS.md run AA: a lone stream's first audio 0.40-0.46 s against
-    # 0.52-0.55 with graphs); T3's steps, in the server's process, keep the graphs (18% faster with them, run V).
-    # MLX reads the variable at the process's first kernel, so it is set before anything runs; a value the server
-    # was started with is kept (an empty one counts as none). Elsewhere (CPU, Metal) MLX does not read it.
-    if not os.environ.get(GRAPHS_VARIABLE):
-        os.environ[GRAPHS_VARIABLE] = "0"
+    # MLX-CUDA records each run of about 100 kernels as a CUDA graph, and the process keeps MLX's default, as
+    # T3 does. With graphs, and so with our tiled products, S3Gen here did better than without (H200, run AL:
+    # a lone English stream's first audio the same, 0.25 s, its whole stream 0.97 s against 1.13, and 16 streams
+    # 30.5x real time against 18.0x). Run AA had chosen to launch without them, before the tiled kernel existed.
+    # MLX_USE_CUDA_GRAPHS=0 from the server's environment still turns them off here, and then the estimator
+    # keeps MLX's products: without graphs ours made a first audio slower (207 against 172 ms, runs AF and AG).
+    graphs = os.environ.get(GRAPHS_VARIABLE) != "0"
     try:
         from ..api import CFM_DTYPES
         from ..weights import load_s3gen
 
-        # Without graphs the estimator's products as our kernel made a stream's first audio slower, not faster
-        # (207 against 172 ms and 198 against 182, runs AF and AG; with graphs 130 and 180 against 206 and 223).
-        tiled = os.environ[GRAPHS_VARIABLE] != "0"
-        use_tiled_products(tiled)
+        use_tiled_products(graphs)
 
         mx.set_default_device(mx.gpu if spec.device == "gpu" else mx.cpu)
         mx.set_memory_limit(spec.memory_limit)
@@ -480,8 +477,9 @@ def _process_main(conn: Any, spec: ProcessSpec) -> None:
                 return
 
     threading.Thread(target=receive, daemon=True).start()
-    products = "our tiled products" if tiled else "MLX's products"
-    conn.send(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]}, the estimator on {products}")  # ready
+    setting = f"{GRAPHS_VARIABLE}={os.environ.get(GRAPHS_VARIABLE, '')}"
+    products = "our tiled products" if graphs else "MLX's products"
+    conn.send(f"{setting}, the estimator on {products}")  # ready
     while True:
         idle = not engine.busy()
         with timed("idle") if idle else contextlib.nullcontext():

@@ -115,11 +115,12 @@ def default_vocode_thread() -> bool:
 
 
 def default_vocoding(tts: TTS, vocode_thread: bool) -> str:
-    """``serve --vocoding auto``: with the vocoding thread on MLX-CUDA, S3Gen's work in a process of its own
-    (which launches its kernels without CUDA graphs): on an H200 (benchmarks/RESULTS.md run AA, against the
-    thread in one lease) a lone English stream's first audio 0.37-0.41 s against 0.49-0.51, Turbo's 0.22
-    against 0.27, 64 Turbo streams 76x real time against 55x, English whole and 64-stream loads the same.
-    Elsewhere (and with upstream's S3Gen, which runs only here) the thread: not measured on Macs."""
+    """``serve --vocoding auto``: with the vocoding thread on MLX-CUDA, S3Gen's work in a process of its own.
+    On an H200, against the thread: without CUDA graphs there (run AA) a lone English stream's first audio
+    0.37-0.41 s against 0.49-0.51, Turbo's 0.22 against 0.27, 64 Turbo streams 76x real time against 55x; with
+    them and the tiled kernel, as now (run AL), English's first audio 0.25 s against 0.22, 16 streams 30.5x
+    against 32.7x, Turbo's first audio 0.18 s each. Elsewhere (and with upstream's S3Gen, which runs only here)
+    the thread: not measured on Macs."""
     return "process" if vocode_thread and _on_cuda() and tts.torch_s3gen is None else "thread"
 
 
