@@ -387,10 +387,11 @@ def main(argv: list[str] | None = None) -> None:
         "the kernel runs on CUDA with a half-precision estimator)",
     )
     p.add_argument(
-        "--mark-on-device",
-        action="store_true",
-        help="ours: the watermark's STFTs and iSTFT in MLX on the device, not numpy on the host "
-        "(watermark.SPECTRA_ON_DEVICE)",
+        "--mark-spectra",
+        choices=("auto", "device", "host"),
+        default="auto",
+        help="ours: where the watermark finds its STFTs and iSTFT: in MLX on the device, in numpy on the host, or "
+        "auto: the library's default, the device with MLX-CUDA and the host elsewhere (watermark.SPECTRA_ON_DEVICE)",
     )
     p.add_argument(
         "--memory-budget",
@@ -414,9 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.plain_products and (args.device == "cpu" or not mx.cuda.is_available()):
         p.error("--plain-products turns off a CUDA kernel: it needs MLX's CUDA backend and the GPU")
     cfm.TILED_PRODUCTS = not args.plain_products
-    if args.mark_on_device and (args.no_watermark or set(systems) != {"ours"}):
-        p.error("--mark-on-device applies to ours (--systems ours) with the watermark on")
-    watermark_module.SPECTRA_ON_DEVICE = args.mark_on_device
+    if args.mark_spectra != "auto" and (args.no_watermark or set(systems) != {"ours"}):
+        p.error("--mark-spectra applies to ours (--systems ours) with the watermark on")
+    watermark_module.SPECTRA_ON_DEVICE = {"auto": None, "device": True, "host": False}[args.mark_spectra]
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         if system == "ours":
             row.update(
                 tiled_products=not args.plain_products,
-                mark_on_device=args.mark_on_device,
+                mark_on_device=watermark_module.spectra_on_device(),
                 memory_budget=args.memory_budget,
             )
         write_line(row, args.out)

@@ -43,13 +43,15 @@ def test_built_refuses_upstream_unknown_dtypes_and_plain_products_in_float32():
     assert done.returncode == 2 and "--plain-products turns off a CUDA kernel" in done.stderr
 
 
-def test_mark_on_device_and_memory_budget_rows_and_refusal(tmp_path):
+def test_mark_spectra_and_memory_budget_rows_and_refusal(tmp_path):
     out = tmp_path / "e2e.jsonl"
-    done = run("--built", "tiny", "--tokens", "20", "--repeats", "1", "--mark-on-device", "--memory-budget", "64",
-               "--out", str(out))  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["mark_on_device"] is True and row["watermark"] is True and row["watermark_s"] > 0
-    assert row["memory_budget"] == 64 * 2**20
-    done = run("--built", "tiny", "--mark-on-device", "--no-watermark")
-    assert done.returncode == 2 and "--mark-on-device applies to ours" in done.stderr
+    for spectra in ("device", "auto"):  # auto: the host on the CPU
+        done = run("--built", "tiny", "--tokens", "20", "--repeats", "1", "--mark-spectra", spectra,
+                   "--memory-budget", "64", "--out", str(out))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["mark_on_device"] for row in rows] == [True, False]
+    assert all(row["watermark"] is True and row["watermark_s"] > 0 for row in rows)
+    assert rows[0]["memory_budget"] == 64 * 2**20
+    done = run("--built", "tiny", "--mark-spectra", "host", "--no-watermark")
+    assert done.returncode == 2 and "--mark-spectra applies to ours" in done.stderr

@@ -248,6 +248,7 @@ def test_spectra_on_the_device_match_the_host_path(monkeypatch, cfg):
     subnormal[::7] = 1e-41
     clips = [(voiced(sr, seconds), sr) for sr, seconds in ((8000, 1.0), (24000, 0.37), (44100, 0.2))]
     clips += [(np.zeros(3000, np.float32), 8000), (subnormal, 8000)]
+    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", False)
     host = [wm.apply(x, sr) for x, sr in clips]
     monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", True)
     for (x, sr), want in zip(clips, host):
@@ -263,6 +264,19 @@ def test_spectra_on_the_device_match_the_host_path(monkeypatch, cfg):
         monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", on_device)
         with pytest.raises(ValueError, match="overlap-add falls below 1e-11"):
             gaps.apply(voiced(8000, 0.5), 8000)
+
+
+def test_spectra_on_the_device_by_default_only_with_mlx_cuda(monkeypatch):
+    """``SPECTRA_ON_DEVICE`` None (the default): the device where MLX runs on CUDA, the host elsewhere (the CPU
+    here, and the CPU device of a CUDA build); True and False hold everywhere."""
+    assert watermark.SPECTRA_ON_DEVICE is None
+    cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
+    assert watermark.spectra_on_device() == (cuda and mx.default_device() == mx.gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    assert watermark.spectra_on_device() is False
+    for setting in (True, False):
+        monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", setting)
+        assert watermark.spectra_on_device() is setting
 
 
 def test_bad_inputs_are_refused():

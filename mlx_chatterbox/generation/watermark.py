@@ -34,14 +34,21 @@ from ..models.perth import PerthConfig, PerthNet
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "perth_implicit.safetensors"
 FORMAT = "mlx-chatterbox-perth"
 
-# Where ``apply`` finds its spectra. False: numpy on the host (float64 FFTs, 23 ms of host work for 10 s of
-# audio on our 2-core CPU), the network's input and output copied to and from the device (4 MB each for 10 s).
-# True: MLX on the default device, float32 as perth's torch code (only the 32 kHz samples cross, 1.3 MB each
-# way): on a GPU the host keeps only the resampling; on our CPU ``apply`` takes 167 ms against 58 for 10 s
-# (MLX's CPU backend is slow at complex arithmetic and transcendentals). The watermark took 56-62 ms of a 10 s
-# text -> wav on an H100 (run AJ), and was the longest stage of a burst of whole requests (run O). Off until a
-# GPU measures it (benchmarks/README).
-SPECTRA_ON_DEVICE = False
+# Where ``apply`` finds its spectra. On the host: numpy (float64 FFTs, 23 ms of host work for 10 s of audio on
+# our 2-core CPU), the network's input and output copied to and from the device (4 MB each for 10 s). On the
+# device: MLX, float32 as perth's torch code (only the 32 kHz samples cross, 1.3 MB each way). None (the
+# default): on the device where MLX runs on CUDA, on the host elsewhere. On an H200 the watermark of a 10 s
+# text -> wav took 11-15 ms on the device against 42-50 on the host (run AL); on our CPU 167 ms against 58 (MLX's
+# CPU backend is slow at complex arithmetic and transcendentals); not measured on Metal. True / False: the
+# device / the host everywhere.
+SPECTRA_ON_DEVICE: bool | None = None
+
+
+def spectra_on_device() -> bool:
+    """Whether ``Watermarker.apply`` finds its spectra on the device (``SPECTRA_ON_DEVICE``)."""
+    if SPECTRA_ON_DEVICE is not None:
+        return SPECTRA_ON_DEVICE
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 class Watermarker:
@@ -100,7 +107,7 @@ class Watermarker:
         x = resample_soxr_hq(wav, sample_rate, cfg.sample_rate) if rate_changes else wav
         if x.shape[0] <= cfg.n_fft // 2:
             return wav.copy()
-        if SPECTRA_ON_DEVICE:
+        if spectra_on_device():
             y = self._mark_on_device(x)
         else:
             magspec, phasor = self.magphase(x)
