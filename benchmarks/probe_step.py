@@ -72,9 +72,7 @@ OURS = (
     "ours-loaded-copied",
     "ours-plain-products",
     "ours-tiles-32",
-    "ours-narrow-columns",
     "ours-wide-normed",
-    "ours-narrow-wide",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -211,8 +209,7 @@ def use(system: str) -> None:
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
     cfm.TILED_PRODUCTS = system != "ours-plain-products"  # S3Gen's estimator (probe_kernels --part s3gen)
     cfm.TILED_TILE_ROWS = 32 if system == "ours-tiles-32" else None
-    cfm.TILED_NARROW_COLUMNS = system in ("ours-narrow-columns", "ours-narrow-wide")
-    cfm.TILED_WIDE_NORMED = system in ("ours-wide-normed", "ours-narrow-wide")
+    cfm.TILED_WIDE_NORMED = system == "ours-wide-normed"
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
 

@@ -30,23 +30,21 @@ PRODUCTS = [
 ]
 
 
-# The tile widths of the GPU tests: as shipped; ``TILED_NARROW_COLUMNS`` (32 columns where blocks are few);
-# ``TILED_WIDE_NORMED`` (128 columns and 8 warps for a norm of x, where blocks are enough).
-COLUMNS = ["64", "narrow", "wide"]
+# The tile widths of the GPU tests: as shipped; ``TILED_WIDE_NORMED`` (128 columns and 8 warps for a norm of x,
+# where blocks are enough).
+COLUMNS = ["64", "wide"]
 
 
 def use_columns(monkeypatch, columns: str) -> None:
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", columns == "narrow")
     monkeypatch.setattr(cfm, "TILED_WIDE_NORMED", columns == "wide")
 
 
 def check_launched_columns(columns: str) -> None:
-    """Every launch since ``_tiled_launches`` was emptied had the tile width ``columns`` asks for: 32 (narrow, all
-    of them few blocks in these tests), 128 for the products with a norm of x onto a multiple of 128 channels
-    (wide), 64 for the rest."""
+    """Every launch since ``_tiled_launches`` was emptied had the tile width ``columns`` asks for: 128 for the
+    products with a norm of x onto a multiple of 128 channels (wide), 64 for the rest."""
     for signature, (_, options) in cfm._tiled_launches.items():
         wide = signature[6] is not None and signature[2][0] % 128 == 0
-        want = 32 if columns == "narrow" else 128 if columns == "wide" and wide else 64
+        want = 128 if columns == "wide" and wide else 64
         assert dict(options["template"])["BN"] == want, (signature, columns)
 
 
@@ -251,8 +249,7 @@ def check_resnet(dtype: mx.Dtype, b: int, t: int, padded: int) -> None:
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("m", [64, 65, 127, 1060, 2000])
 def test_the_tiled_product_is_the_product_rounded_once(monkeypatch, dtype, m, columns):
-    """``check_products`` on the GPU, at row counts past a tile's edge (tiles of 32 and 64 rows; with
-    ``TILED_NARROW_COLUMNS``, of 32 columns where blocks are few)."""
+    """``check_products`` on the GPU, at row counts past a tile's edge (tiles of 32 and 64 rows)."""
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     use_columns(monkeypatch, columns)
     check_products(dtype, m)
@@ -280,14 +277,13 @@ def test_the_resnet_products_take_its_norms_and_mish(monkeypatch, dtype, b, t, p
     check_resnet(dtype, b, t, padded)
 
 
-@pytest.mark.parametrize("sm_count, columns", [(132, "64"), (1, "64"), (132, "narrow"), (1, "wide")])
+@pytest.mark.parametrize("sm_count, columns", [(132, "64"), (1, "64"), (1, "wide")])
 def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatch, sm_count, columns):
     """The kernel's source run on the CPU (tests/emulated_cuda.py: each thread a std::thread, the warp's
     mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
     products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
-    of 32 rows here) and with one (tiles of 64, but for a norm of x); with ``TILED_NARROW_COLUMNS``, tiles of 32
-    columns as well, and with ``TILED_WIDE_NORMED`` (one SM: blocks enough), 128 columns and 8 warps for a norm
-    of x. What a GPU alone can say (its compiler, timing, memory model) is for the tests above; this one found a
+    of 32 rows here) and with one (tiles of 64, but for a norm of x); with ``TILED_WIDE_NORMED`` (one SM: blocks
+    enough), 128 columns and 8 warps for a norm of x. What a GPU alone can say (its compiler, timing, memory model) is for the tests above; this one found a
     lane index shadowed by the loop's in an earlier version."""
     monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
@@ -347,14 +343,13 @@ def check_estimator(cfg: cfm.CFMConfig, frames: int, padded: int, monkeypatch) -
     assert distance(tiled) <= 1.1 * distance(composed), (distance(tiled), distance(composed))
 
 
-@pytest.mark.parametrize("padded, columns", [(0, "64"), (13, "64"), (13, "narrow"), (13, "wide")])
+@pytest.mark.parametrize("padded, columns", [(0, "64"), (13, "64"), (13, "wide")])
 def test_the_estimator_with_the_kernel_source_on_the_cpu(emulated, monkeypatch, padded, columns):
     """``check_estimator`` of a small estimator (every call site of the kernel: q/k/v with norm1, the output
     projection and the feed-forward's with their sums, norm3 and GELU, the resnets' convolutions with their
     norms, Mish, time embedding and mask), the kernel's source run on the CPU, plain and as a padded batch
-    (tiled 1.31e-2 and 1.27e-2 from fp32, MLX's bf16 ops 1.27e-2 and 1.41e-2, when written); padded, with
-    tiles of 32 columns (``TILED_NARROW_COLUMNS``: every call site's blocks are few here) and with 128 columns
-    for the norms of x (``TILED_WIDE_NORMED``, one SM)."""
+    (tiled 1.31e-2 and 1.27e-2 from fp32, MLX's bf16 ops 1.27e-2 and 1.41e-2, when written); padded, with 128
+    columns for the norms of x too (``TILED_WIDE_NORMED``, one SM)."""
     if columns == "wide":
         monkeypatch.setattr(layers, "_sm_count", lambda: 1)
     use_columns(monkeypatch, columns)
@@ -409,19 +404,6 @@ def test_the_tile_rows_follow_the_rule_unless_set(monkeypatch, tile_rows, want, 
     assert dict(launch["template"])["BM"] == want and launch["grid"][1] == -(-2000 // want)
 
 
-@pytest.mark.parametrize("narrow", [False, True])
-def test_narrow_columns_only_where_64_leave_the_gpu_few_blocks(monkeypatch, narrow):
-    """``TILED_NARROW_COLUMNS`` (the benchmarks' "ours-narrow-columns"): tiles of 32 columns for a product onto
-    256 channels at 2,000 rows (4 x 32 blocks of 64 columns, under two an SM of 132), not for q/k/v's 1,536.
-    """
-    launched = record_launches(monkeypatch)
-    monkeypatch.setattr(cfm, "TILED_NARROW_COLUMNS", narrow)
-    for n, k in ((256, 1024), (1536, 256)):
-        cfm.tiled_product(mx.zeros((2000, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
-    narrow_256, wide = [(dict(c["template"])["BN"], c["grid"][0]) for c in launched]
-    assert narrow_256 == ((32, 8 * 128) if narrow else (64, 4 * 128)) and wide == (64, 24 * 128)
-
-
 @pytest.mark.parametrize("wide", [False, True])
 def test_wide_tiles_only_for_a_norm_of_x_with_blocks_enough(monkeypatch, wide):
     """``TILED_WIDE_NORMED`` (the benchmarks' "ours-wide-normed"): q/k/v with norm1 at 2,000 rows in tiles of
@@ -445,7 +427,7 @@ def test_every_kernel_of_the_estimator_builds_for_hopper_without_spills(monkeypa
     """Each kernel a full-size bf16 estimator launches (2 rows of 1,000 frames, plain and padded; 2 of 530, a
     stream's first decode), on an H200's 132 SMs, at each tile width, built by nvcc for sm_90a
     (tests/compiled_cuda.py): no spills and static shared memory within 48 KB. (Registers when written, a
-    thread: shipped 120-140, the resnets' normed convolution the 140; narrow 70-108; wide 118-120.)"""
+    thread: shipped 120-140, the resnets' normed convolution the 140; wide 118-120.)"""
     programs = compiled_cuda.record(monkeypatch)
     monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
     monkeypatch.setattr(layers, "_sm_count", lambda: 132)
@@ -461,9 +443,7 @@ def test_every_kernel_of_the_estimator_builds_for_hopper_without_spills(monkeypa
         mask = mx.array(np.arange(frames)[None] < np.array([[frames], [frames - padded]])) if padded else None
         mx.eval(est(x, mask, mu, mx.array([0.3, 0.3]), mx.zeros((2, mel), mx.bfloat16), cond))
     tiled = [p for p in programs if p.name.startswith("tiled_product")]
-    assert {dict(p.template)["BN"] for p in tiled} == {"64": {64}, "narrow": {32, 64}, "wide": {64, 128}}[
-        columns
-    ]
+    assert {dict(p.template)["BN"] for p in tiled} == {"64": {64}, "wide": {64, 128}}[columns]
     for program in tiled:
         used = compiled_cuda.resources(program)
         assert used.spill_bytes == 0 and used.shared_bytes <= compiled_cuda.STATIC_SHARED_LIMIT, (

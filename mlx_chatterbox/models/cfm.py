@@ -730,12 +730,6 @@ TILED_MIN_ROWS, TILED_MAX_ROWS = 64, 2048
 # rows everywhere, which made the normed products' rule, run AH).
 TILED_TILE_ROWS: int | None = None
 
-# Tiles of 32 columns (not 64) where 64 would give the GPU under two blocks an SM: the products onto 256
-# channels, at 2 x 1,000 rows 252 blocks of 32 x 64 for 132 SMs, 1.9 warps a scheduler and 12.3 µs at K 1,024
-# against cuBLAS's 4.9 (run AJ's Nsight Compute); 504 blocks of 32 x 32. For the next lease's A/B (benchmarks'
-# "ours-narrow-columns"); its source runs in the tests on the CPU.
-TILED_NARROW_COLUMNS = False
-
 # Tiles of 128 columns and 8 warps (not 64 and 4) for the products with a norm of x, where that still gives the
 # GPU two blocks an SM: each block finds its rows' statistics and normalizes its x tiles once for twice the
 # columns, which were two thirds of q/k/v's instructions (24 column blocks at 1,536 channels; 35 µs against
@@ -1065,7 +1059,6 @@ def tiled_product(
         None if add_norm is None else (add_norm.eps, "weight" in add_norm and "bias" in add_norm),
         None if mask is None else mask.shape,
         TILED_TILE_ROWS,
-        TILED_NARROW_COLUMNS,
         TILED_WIDE_NORMED,
     )
     launch = _tiled_launches.get(signature)
@@ -1096,7 +1089,6 @@ def _tiled_launch(
     add_norm,
     mask_shape,
     tile_rows,
-    narrow,
     wide,
 ):
     """The kernel and call options of ``tiled_product`` for a signature (norms as (eps, affine)), once its
@@ -1128,12 +1120,12 @@ def _tiled_launch(
     # Tiles of 64 rows, or of 32 where those would give the GPU under two blocks an SM (the products onto 256
     # channels: one block of 4 warps an SM waits on each k-tile's loads), and for a norm of x: there 64 rows
     # took 168 registers a thread and so two blocks an SM, 32 rows 124-130 and four (q/k/v with norm1 at 2,000
-    # rows 45 -> 37 µs, the feed-forward's first product 32 -> 25, run AH). Where blocks are few, with
-    # TILED_NARROW_COLUMNS, tiles of 32 columns too.
+    # rows 45 -> 37 µs, the feed-forward's first product 32 -> 25, run AH). Tiles of 32 columns where blocks
+    # are few cost more than they won (run AL: the products onto 256 channels 3.1 ms slower a call in all).
     sms = layers._sm_count()
     few = -(-rows // 64) * (n // _TILE_N) < 2 * sms
     bm = tile_rows or (32 if norm is not None or few else 64)
-    bn, wn = (32 if narrow and few else _TILE_N), 2
+    bn, wn = _TILE_N, 2
     # Wide tiles hold 46 KB of shared memory at 32 rows (the static limit is 48).
     if wide and norm is not None and bm == 32 and n % 128 == 0 and -(-rows // 32) * (n // 128) >= 2 * sms:
         bn, wn = 128, 4
