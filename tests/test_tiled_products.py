@@ -283,8 +283,8 @@ def test_the_kernel_source_computes_the_products_on_the_cpu(emulated, monkeypatc
     mma.sync traded as the PTX ISA lays out its fragments), bf16, through the same checks as on the GPU: the
     products at 64 and 127 rows, the convolutions of 1 x 64 and 3 x 37 frames; with an H200's 132 SMs (tiles
     of 32 rows here) and with one (tiles of 64, but for a norm of x); with ``TILED_WIDE_NORMED`` (one SM: blocks
-    enough), 128 columns and 8 warps for a norm of x. What a GPU alone can say (its compiler, timing, memory model) is for the tests above; this one found a
-    lane index shadowed by the loop's in an earlier version."""
+    enough), 128 columns and 8 warps for a norm of x. What a GPU alone can say (its compiler, timing, memory
+    model) is for the tests above; this one found a lane index shadowed by the loop's in an earlier version."""
     monkeypatch.setattr(layers, "_sm_count", lambda: sm_count)
     monkeypatch.setattr(cfm, "TILED_PRODUCTS", True)
     use_columns(monkeypatch, columns)
