@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Served first audio by where S3Gen runs, in one lease (~7 minutes after the installs):
 #   bash benchmarks/device/start.sh first 560 [VARIANT...]   (turbo english unless named; english alone ~5 minutes)
-# Run AK (H100): a lone English stream's first audio 0.46 s p50 served with the vocoding process (as shipped on
-# CUDA: no CUDA graphs, so MLX's products, not our tiled kernel) against 0.27 s in run AJ with the vocoding
-# thread (graphs and the tiled kernel), and the process took 0.43 s a stream decode against the thread's 0.24.
-# Three ways, each a fresh server: "process" as shipped; "graphs", the process with MLX_USE_CUDA_GRAPHS=1 from
-# the server's environment (kept by vocoding._process_main, which then turns the tiled products on); "thread"
+# Run AL (H200) measured it with the vocoding process then shipped (no CUDA graphs), the process with graphs (now
+# shipped, f4a12f7) and the thread. Three ways, each a fresh server: "process" as shipped (graphs and the tiled
+# products); "nographs", the process with MLX_USE_CUDA_GRAPHS=0 from the server's environment (which also keeps
+# the estimator on MLX's products); "thread"
 # (--vocoding thread). Turbo one stream at a time; English (bf16 estimator) one stream at a time, then on the
 # same server 16 streams at a time after bench_serve's unrecorded round of 16 short ones (run AK's first
 # 16-stream server met new decode shapes and compiled their kernels inside the measured round). Six servers,
@@ -18,7 +17,7 @@ served() {  # name, way, variant, server flags, scenarios...; serve.sh's own "==
   local name=$1 way=$2 variant=$3 flags="$4 -v" env=()  # -v: the log says how the vocoding process runs MLX
   shift 4
   [ "$way" = thread ] && flags="$flags --vocoding thread"
-  [ "$way" = graphs ] && env=(MLX_USE_CUDA_GRAPHS=1)  # unset otherwise: MLX's default in the server's process
+  [ "$way" = nographs ] && env=(MLX_USE_CUDA_GRAPHS=0)  # T3's steps in the server's process without them too
   env "${env[@]}" bash "$here/serve.sh" "$variant" "$flags" "$@" > ~/res/"$name".log 2>&1
   mv ~/res/serve.jsonl ~/res/"$name".jsonl
   grep '^| closed' ~/res/"$name".log  # each scenario's row, then its Server-Timing medians
@@ -28,7 +27,7 @@ one="--concurrency 1 --requests 6 --formats streamed"
 many="--concurrency 16 --requests 32 --formats streamed --warm-up-tokens 40"
 variants=("$@")
 [ $# -gt 0 ] || variants=(turbo english)
-for way in process graphs thread; do
+for way in process nographs thread; do
   for variant in "${variants[@]}"; do
     if [ "$variant" = english ]; then
       served serve_english_$way $way english "--warm-batches off --first-chunk 15 --cfm-dtype bfloat16" "$one" "$many"
