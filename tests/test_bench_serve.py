@@ -88,7 +88,7 @@ def test_closed_and_open_loops_streamed_and_whole(tmp_path):
         clients = 2 if row["loop"] == "closed" else 4  # an open loop's warm-up: its rate's clients
         assert row["warm_up"] == {"tokens": 5, "requests": clients, "ok": clients}
     assert "| closed 2 whole | 2 / 2 | 0 |" in stdout  # the markdown table
-    assert "| scenario | idle | hold | gc | admit | t3_step |" in stdout  # the worker's
+    assert "| scenario | idle | gc | admit | t3_step |" in stdout  # the worker's
     timing = "| scenario | TTFA p50 ms | admitted | first-token | first-chunk | first-audio | first-ready |"
     assert timing in stdout  # Server-Timing's medians
 

@@ -8,11 +8,9 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import math
 import os
 import threading
 import time
-import types
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +21,6 @@ from mlx_chatterbox.convert import convert
 from mlx_chatterbox.generation import watermark
 from mlx_chatterbox.generation.batch import ContinuousBatch
 from mlx_chatterbox.generation.speech_tokens import traces
-from mlx_chatterbox.generation.stream import StreamVocoder
 from mlx_chatterbox.models.cfm import Estimator
 from mlx_chatterbox.sampling import SamplingParams
 from mlx_chatterbox.server import vocoding
@@ -662,71 +659,6 @@ def test_interleaved_vocoding_runs_t3_steps_between_the_parts_of_a_call(tts, mon
     first = events.index("cfm")
     between = ["t3"] * steps_per_part
     assert events[first : first + 3 + 2 * steps_per_part] == ["cfm", *between, "cfm", *between, "cfm"], events
-
-
-def test_first_audio_holds_t3_only_while_no_job_needs_its_steps(monkeypatch):
-    """T3 waits for a stream's first decode (``first_audio_hold``) only when every running job is a stream
-    whose first decode is due or that is ``FIRST_AUDIO_LEAD_S`` ahead of its listener, and none waits; until the
-    nearest listener comes within that lead."""
-
-    def job(piped=True, tokens=10, first_sent=None, sent_s=0.0):
-        return types.SimpleNamespace(
-            piped=piped, posted=tokens, job=types.SimpleNamespace(first_chunk=10), first_sent=first_sent,
-            sent_s=sent_s,
-        )  # fmt: skip
-
-    monkeypatch.setattr(worker_module, "FIRST_AUDIO_LEAD_S", 1.0)
-    hold, now, due = worker_module.first_audio_hold, 100.0, job()
-    assert hold([due], False, now) == math.inf  # until the decode's answer
-    assert hold([due, job(tokens=12)], False, now) == math.inf  # two first decodes due
-    ahead = [job(first_sent=now - 2.0, sent_s=3.5), job(first_sent=now - 1.0, sent_s=2.25)]  # 1.5, 1.25 s
-    assert hold([due, *ahead], False, now) == pytest.approx(0.25)  # until the second is 1 s ahead
-    assert hold([due], True, now) == 0  # a job waits to be admitted
-    assert hold([job(tokens=9)], False, now) == 0  # its first chunk is not drawn yet: nothing is due
-    assert hold([due, job(tokens=3)], False, now) == 0  # another stream needs T3 for its first chunk
-    assert hold([due, job(piped=False)], False, now) == 0  # a whole piece, or a stream decoded inline
-    assert hold([due, job(first_sent=now - 2.0, sent_s=2.5)], False, now) == 0  # a listener 0.5 s ahead
-    assert hold(ahead, False, now) == 0  # no first decode due
-    monkeypatch.setattr(worker_module, "FIRST_AUDIO_LEAD_S", None)
-    assert hold([due], False, now) == 0
-
-
-@pytest.mark.parametrize("lead", [1.0, None])
-def test_t3_waits_for_a_lone_streams_first_decode(tts, monkeypatch, lead):
-    """With a vocoding thread and ``FIRST_AUDIO_LEAD_S`` set, T3 does not step while a lone stream's first decode
-    runs there, and steps beside it with None (the default); the stream's audio is TTS.stream's either way."""
-    monkeypatch.setattr(worker_module, "FIRST_AUDIO_LEAD_S", lead)
-    events: list[str] = []
-    real_step, real_decode = ContinuousBatch.step, StreamVocoder._decode
-
-    def step(self, *args, **kwargs):
-        events.append("t3")
-        return real_step(self, *args, **kwargs)
-
-    def decode(self, *args, **kwargs):
-        first = "decode" not in events
-        events.append("decode")
-        if first:
-            time.sleep(0.3)  # time for T3 steps beside it, where T3 steps
-        out = real_decode(self, *args, **kwargs)
-        events.append("decoded")
-        return out
-
-    monkeypatch.setattr(ContinuousBatch, "step", step)
-    monkeypatch.setattr(StreamVocoder, "_decode", decode)
-    job = SpeechJob(
-        "Hello there.", random_voice(1), SamplingParams(max_new_tokens=30), cfm_steps=2, seed=40, stream=True
-    )
-    with Worker(tts, vocode_thread=True, stream_catch_up=False) as worker:
-        got = list(worker.submit(job))
-        held = worker.metrics()["phases"]
-    monkeypatch.undo()
-    first = events.index("decode")
-    beside = events[first : events.index("decoded")].count("t3")
-    assert (beside == 0) if lead else (beside > 0), events
-    hold = next(p for p in held if p["thread"] == "worker" and p["phase"] == "hold")
-    assert (hold["seconds"] > 0.25) if lead else (hold["seconds"] == 0), hold
-    assert np.array_equal(np.concatenate(got), np.concatenate(alone(tts, job)))
 
 
 def test_vocoding_settings_are_checked(tts):

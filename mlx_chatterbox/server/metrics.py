@@ -18,7 +18,6 @@ from collections.abc import Iterator, Mapping
 PHASES = {
     "worker": (
         "idle",  # blocked on the inbox: no job to step
-        "hold",  # blocked on the inbox: T3 waits for a stream's first decode (worker.py's FIRST_AUDIO_LEAD_S)
         "gc",  # Python's garbage collection, checked once a turn of the loop (worker.py's _collect_garbage)
         "admit",  # a job's next piece put into T3's batch (it is prefilled in the step after)
         "t3_step",  # T3's batch stepped: a token for each row (and the rows added since, prefilled)

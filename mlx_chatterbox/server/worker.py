@@ -35,14 +35,13 @@ import dataclasses
 import gc
 import itertools
 import logging
-import math
 import os
 import queue
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
 import mlx.core as mx
@@ -106,14 +105,6 @@ VOCODINGS = ("thread", "process", "interleaved")
 # 2026-12-04) 32 streams made 20.8x real time interleaved against 33.7x with the thread; not tuned further
 # (``probe_worker --t3-steps-per-part``).
 T3_STEPS_PER_PART = 1
-# First audio first: while a stream's first decode is due on the vocoding side, T3 does not step if no job needs
-# its next steps soon: every other running job is a stream that has been sent at least this many seconds of audio
-# more than its listener can have played (None: T3 never waits). A lone stream's next tokens are not needed before
-# its first chunk has played. Off: on an H100 (run AK, 7f23ae1) with the vocoding process then run without CUDA
-# graphs, it moved no first audio and cost each request its wait (E2E 1.58 -> 1.87 s). The process now keeps its
-# graphs and so its decode is bound by the GPU, which T3's steps share (run AL: first chunk to first audio 176-197
-# ms served against ~100 through TTS.stream): device/first.sh's "hold" ways measure it again.
-FIRST_AUDIO_LEAD_S: float | None = None
 
 
 def default_vocode_thread() -> bool:
@@ -260,9 +251,6 @@ class _Job:
     joiner: PieceJoiner = dataclasses.field(default_factory=lambda: PieceJoiner(CROSSFADE))  # streamed pieces
     ended: bool = False  # its reader has had the end or an error (_done)
     lane: int = 0  # the marking thread that watermarks all it hands over, in order
-    posted: int = 0  # piped: the piece's speech tokens sent to the vocoding side
-    sent_s: float = 0.0  # streamed: seconds of audio handed over so far
-    first_sent: float | None = None  # streamed: when its first audio (or first decode) was handed over
     serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
 
     def seed(self) -> int | None:
@@ -603,30 +591,25 @@ class Worker:
         batch = self._new_batch()
         waiting: deque[_Job] = deque()
         running: dict[int, _Job] = {}  # by uid
-        held = 0.0  # seconds T3 may wait for a stream's first decode (first_audio_hold), 0: it steps
         while True:
             self._waiting, self._running = len(waiting), len(running)
             if self.vocoding == "interleaved":  # the next part of S3Gen's call, queued before T3's next step
                 self._steps_since_part += 1
-                if self._steps_since_part >= T3_STEPS_PER_PART or not running or held:
+                if self._steps_since_part >= T3_STEPS_PER_PART or not running:
                     self._steps_since_part = 0
                     self._slice()
             else:
                 self._send()  # what the last turn said of streams, at once
             with self._timed("gc"):
                 _collect_garbage()
-            # Block for work only when there is nothing to step (waking now and then to collect garbage), or
-            # T3 waits for a first decode on the vocoding thread or process; their answers come through the inbox
-            # too. (Interleaved, that decode's parts run on this thread, one a turn.)
+            # Block for work only when there is nothing to step (waking now and then to collect garbage); the
+            # vocoding thread's answers come through the inbox too.
             idle = (
                 not running and not waiting and not (self.vocoding == "interleaved" and self._engine.busy())
             )
-            block = idle or (held > 0 and self.vocoding != "interleaved")
             try:
-                with self._timed("hold" if held else "idle") if block else contextlib.nullcontext():
-                    item = self._inbox.get(
-                        block=block, timeout=min(held, IDLE_COLLECT_S) if held else IDLE_COLLECT_S
-                    )
+                with self._timed("idle") if idle else contextlib.nullcontext():
+                    item = self._inbox.get(block=idle, timeout=IDLE_COLLECT_S if idle else None)
             except queue.Empty:
                 item = False
             while item is not False:
@@ -657,8 +640,7 @@ class Worker:
                     admitted = self._guard(j, self._admit, j, batch)
                 if admitted:
                     running[j.uid] = j
-            held = first_audio_hold(running.values(), bool(waiting), time.perf_counter()) if running else 0.0
-            if not running or held:
+            if not running:
                 continue
             try:
                 with self._timed("t3_step", len(running)):
@@ -735,7 +717,7 @@ class Worker:
         )
         seed = j.seed()
         key = None if seed is None else seed_keys(seed)[0]
-        j.raw, j.posted = [], 0
+        j.raw = []
         j.uid = batch.add(BatchRequest(j.piece_ids[j.piece], job.voice, params, key=key))
         j.ticket._note("admitted")
         if job.stream:
@@ -766,7 +748,6 @@ class Worker:
         speech = self.tts.speech
         if j.piped and 0 <= token < speech.start_token:
             self._post("take", j, [token])
-            j.posted += 1
         if j.vocoder is not None and 0 <= token < speech.start_token:  # only speech ids, as stream_piece
             if finished:  # the piece's end decodes on its own, right after
                 j.vocoder.take([token])
@@ -860,8 +841,6 @@ class Worker:
         return more
 
     def _emit_streamed(self, j: _Job, samples: np.ndarray, end: bool, pushed: int) -> None:
-        if j.first_sent is None:  # its first decode is back, even if it gave no samples (first_audio_hold)
-            j.first_sent = time.perf_counter()
         self._emit(j, cut_end(samples, pushed, self.tts.speech) if end else samples, end)
 
     def _next_pieces(self, jobs: list[_Job]) -> list[_Job]:
@@ -896,9 +875,6 @@ class Worker:
         CPU) keeps neither T3 nor S3Gen waiting, and its MLX work runs on a stream of its own."""
         if isinstance(item, np.ndarray) and item.size:
             j.ticket._note("first_audio")
-            if j.job.stream:
-                j.first_sent = time.perf_counter() if j.first_sent is None else j.first_sent
-                j.sent_s += item.size / self.sample_rate
         if not self._markers:
             j.ticket._put(item if mark is None else mark(item))
         else:
@@ -1202,29 +1178,6 @@ def _check_voice(voice: Voice) -> None:
         raise ValueError(
             "the voice's arrays are not evaluated: mx.eval them on the thread that made them before submitting"
         ) from None
-
-
-def first_audio_hold(running: Iterable[_Job], waiting: bool, now: float) -> float:
-    """How long T3 may wait from ``now`` (perf_counter) for a stream's first decode (``FIRST_AUDIO_LEAD_S``),
-    0.0 if it steps: it waits while a running stream's first decode is due on the vocoding side, no job waits
-    to be admitted, and every running job is a stream whose first decode is due or that is ``FIRST_AUDIO_LEAD_S``
-    ahead of its listener; until the first of those listeners comes within it (inf: none plays yet). The
-    decode's answer, or a new job, ends the wait sooner."""
-    if FIRST_AUDIO_LEAD_S is None or waiting:
-        return 0.0
-    due, hold = False, math.inf
-    for j in running:
-        if not j.piped:  # a whole piece, or a stream decoded on the worker thread: T3 steps for it
-            return 0.0
-        if j.first_sent is None:
-            if j.posted < j.job.first_chunk:  # T3 still owes it its first chunk
-                return 0.0
-            due = True
-        else:
-            hold = min(hold, j.sent_s - (now - j.first_sent) - FIRST_AUDIO_LEAD_S)
-            if hold <= 0:
-                return 0.0
-    return hold if due else 0.0
 
 
 # Python's automatic garbage collection, paused while workers run (``Worker.start``) and done on their
