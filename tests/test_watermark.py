@@ -4,6 +4,7 @@ voiced audio at several rates."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import subprocess
 import sys
@@ -240,9 +241,12 @@ def test_silence_and_short_clips():
     ],
     ids=["tiny", "short-window"],
 )
-def test_spectra_on_the_device_match_the_host_path(monkeypatch, cfg):
+@pytest.mark.parametrize("fft_rows", [watermark.FFT_ROWS, 16])
+def test_spectra_on_the_device_match_the_host_path(monkeypatch, cfg, fft_rows):
     """``SPECTRA_ON_DEVICE``: the same steps in MLX (float32 FFTs) give the host path's audio to float32
-    rounding, silence and subnormal samples included; a hop the window cannot cover is refused by both."""
+    rounding, silence and subnormal samples included; a hop the window cannot cover is refused by both. With
+    16 rows a block, the clips' frames span several blocks, the last one padded."""
+    monkeypatch.setattr(watermark, "FFT_ROWS", fft_rows)
     wm = Watermarker(tiny_net(cfg=cfg))
     subnormal = np.zeros(3000, np.float32)
     subnormal[::7] = 1e-41
@@ -264,6 +268,57 @@ def test_spectra_on_the_device_match_the_host_path(monkeypatch, cfg):
         monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", on_device)
         with pytest.raises(ValueError, match="overlap-add falls below 1e-11"):
             gaps.apply(voiced(8000, 0.5), 8000)
+
+
+def test_the_devices_ffts_have_one_shape_and_run_one_thread_at_a_time(monkeypatch):
+    """The device's FFTs see blocks of ``FFT_ROWS`` frames whatever the clip's length (MLX-CUDA makes a cuFFT
+    plan per shape, and raises once it has made 256 in a process), and run under the lock that keeps marking
+    threads from sharing MLX-CUDA's plans at once; several threads marking at once get what one thread gets.
+    """
+    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", True)
+    wm = Watermarker(tiny_net())
+    n = TINY.n_fft
+    shapes = set()
+
+    def recorded(fft):
+        def run(x, *args, **kwargs):
+            # The lock is taken where the graph is evaluated: the FFTs run then, not when they are built.
+            shapes.add((fft.__name__, x.shape, x.dtype))
+            return fft(x, *args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(mx.fft, "rfft", recorded(mx.fft.rfft))
+    monkeypatch.setattr(mx.fft, "irfft", recorded(mx.fft.irfft))
+    clips = [voiced(8000, seconds, seed=i) for i, seconds in enumerate((0.05, 0.3, 0.71, 1.9))]
+    alone = [wm.apply(x, 8000) for x in clips]
+    rows = watermark.FFT_ROWS
+    assert shapes == {("rfft", (rows, n), mx.float32), ("irfft", (rows, n // 2 + 1), mx.complex64)}
+
+    evaluated = []
+    real_eval = mx.eval
+
+    def watched(*args):
+        evaluated.append(watermark._DEVICE_MARKING.locked())
+        return real_eval(*args)
+
+    monkeypatch.setattr(mx, "eval", watched)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda x: wm.apply(x, 8000), clips * 2))
+    assert evaluated and all(evaluated)
+    for got, want in zip(together, alone * 2):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
+def test_marking_clips_of_300_lengths_on_the_gpu(monkeypatch):
+    """On the GPU: 300 clips of as many frame counts marked with the spectra on the device. With an FFT plan per
+    frame count, MLX-CUDA 0.32.4 raised "Cache thrashing is happening" after 128 of them (256 plans)."""
+    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", True)
+    wm = Watermarker(tiny_net())
+    for i in range(300):
+        out = wm.apply(voiced(8000, (TINY.n_fft + TINY.hop_size * i) / 8000), 8000)
+        assert np.isfinite(out).all()
 
 
 def test_spectra_on_the_device_by_default_only_with_mlx_cuda(monkeypatch):

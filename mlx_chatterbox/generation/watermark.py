@@ -18,6 +18,8 @@ import functools
 import json
 import math
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,12 +45,32 @@ FORMAT = "mlx-chatterbox-perth"
 # device / the host everywhere.
 SPECTRA_ON_DEVICE: bool | None = None
 
+# The device's FFTs take the frames FFT_ROWS at a time, the last block zero-padded, so that they always have one
+# shape. MLX-CUDA (0.32.4, fft.cu) keeps one cuFFT plan per transform size and row count, 128 of them, in a cache
+# that the whole process shares, and raises "Cache thrashing is happening" once it has made 256 plans in the
+# process's life: with a plan per chunk length, a server that marks streamed chunks of every length gets there
+# after ~128 lengths. (Run AM: a server answered one request 500 and cut two streams off after ~170 marked chunks,
+# its worker having failed nothing; its log was not kept, and this is the likeliest cause.) 256 frames are 2.56 s
+# at 32 kHz; a shorter chunk's padding costs the GPU microseconds.
+FFT_ROWS = 256
+# That cache and its plans (their stream and work area set before each run) are shared by all threads without a
+# lock, so one thread at a time runs the device's marking (the server marks on several threads).
+_DEVICE_MARKING = threading.Lock()
+
 
 def spectra_on_device() -> bool:
     """Whether ``Watermarker.apply`` finds its spectra on the device (``SPECTRA_ON_DEVICE``)."""
     if SPECTRA_ON_DEVICE is not None:
         return SPECTRA_ON_DEVICE
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def _in_blocks(fft: Callable[[mx.array], mx.array], frames: mx.array) -> mx.array:
+    """``fft`` of (T, k) frames row by row, run on blocks of ``FFT_ROWS`` rows (the last one zero-padded)."""
+    rows = frames.shape[0]
+    frames = mx.pad(frames, [(0, -rows % FFT_ROWS), (0, 0)])
+    blocks = [fft(frames[i : i + FFT_ROWS]) for i in range(0, frames.shape[0], FFT_ROWS)]
+    return mx.concatenate(blocks)[:rows]
 
 
 class Watermarker:
@@ -216,7 +238,7 @@ class Watermarker:
         s = mx.array(x, mx.float32)  # float64 has no GPU kernels
         s = mx.concatenate([s[pad:0:-1], s, s[-2 : -pad - 2 : -1]])  # centered: stft's reflect padding
         frames = 1 + x.shape[0] // hop
-        spec = mx.fft.rfft(mx.as_strided(s, (frames, n), (hop, 1)) * window)
+        spec = _in_blocks(mx.fft.rfft, mx.as_strided(s, (frames, n), (hop, 1)) * window)
         magnitude = mx.abs(spec)
         min_db = self._min_db()
         db = (mx.log10(mx.maximum(magnitude, cfg.stft_magnitude_min)) * 20.0 - min_db) / (
@@ -233,12 +255,14 @@ class Watermarker:
         # istft: frames overlap-added in blocks of hop (padded to a whole number of them), divided by the
         # overlap-added squared window, n_fft // 2 trimmed at each end.
         blocks = [(0, 0), (0, 0), (0, -n % hop)]
-        y = overlap_add(mx.pad((mx.fft.irfft(spec, n) * window)[None], blocks), hop)[0]
+        y = _in_blocks(functools.partial(mx.fft.irfft, n=n), spec) * window
+        y = overlap_add(mx.pad(y[None], blocks), hop)[0]
         squares = mx.broadcast_to(mx.pad(mx.square(window), blocks[2]), (1, frames, n + blocks[2][1]))
         envelope = overlap_add(squares, hop)[0, pad : pad + hop * (frames - 1)]
         y = y[pad : pad + hop * (frames - 1)] / envelope
         below = envelope.min() < 1e-11
-        mx.eval(y, below)
+        with _DEVICE_MARKING:
+            mx.eval(y, below)
         if below.item():
             raise ValueError(
                 "the window overlap-add falls below 1e-11 inside the output (torch.istft's NOLA)"
