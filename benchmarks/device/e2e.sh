@@ -27,6 +27,7 @@ for way in host device; do
   path=$([ $way = host ] && echo $host || echo "")
   SERVE_PATH=$path bash "$here/serve.sh" english "--cfm-dtype bfloat16" "$whole" > ~/res/serve_mark_$way.log 2>&1
   mv ~/res/serve.jsonl ~/res/serve_mark_$way.jsonl
+  cp ~/res/serve_server.log ~/res/serve_mark_${way}_server.log
   grep '^| closed' ~/res/serve_mark_$way.log | head -1
 done
 for budget in 512 256 none auto; do

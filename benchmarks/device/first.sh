@@ -2,15 +2,15 @@
 # Served first audio by where S3Gen runs, in one lease (~7 minutes after the installs):
 #   bash benchmarks/device/start.sh first 560 [VARIANT...]   (turbo english unless named; english alone ~5 minutes;
 #   turbo-bf16: Turbo with the bf16 estimator)
-# Ways (WAYS, default "process hold thread threadhold"), each a fresh server: "process" as shipped (the vocoding
-# process with CUDA graphs and the tiled products); "nographs", the process with MLX_USE_CUDA_GRAPHS=0 from the
-# server's environment (which also keeps the estimator on MLX's products; run AL: worse on every count);
-# "thread" (--vocoding thread); "hold" and "threadhold", the same with the worker's first-audio hold
-# (worker.FIRST_AUDIO_LEAD_S = 1.0 through a sitecustomize.py: T3 waits while a lone stream's first decode runs).
-# Turbo (fp32 estimator, as the default serves it) one stream at a time; English (bf16 estimator) one stream at a time, then on the
-# same server 16 streams at a time after bench_serve's unrecorded round of 16 short ones (run AK's first
-# 16-stream server met new decode shapes and compiled their kernels inside the measured round). Each start takes
-# most of a minute. Lines go to ~/res/serve_<variant>_<way>.jsonl.
+# Ways (WAYS, default "process thread"), each a fresh server: "process" as shipped (the vocoding process with CUDA
+# graphs and the tiled products); "nographs", the process with MLX_USE_CUDA_GRAPHS=0 from the server's
+# environment (which also keeps the estimator on MLX's products; run AL: worse on every count); "thread"
+# (--vocoding thread). (Run AM also served the first-audio hold of f3b03c4 each way: no first audio won.)
+# Turbo (fp32 estimator, as the default serves it) one stream at a time; English (bf16 estimator) one stream at a
+# time, then on the same server 16 streams at a time after bench_serve's unrecorded round of 16 short ones (run
+# AK's first 16-stream server met new decode shapes and compiled their kernels inside the measured round). Each
+# start takes most of a minute. Lines go to ~/res/serve_<variant>_<way>.jsonl, each server's log to
+# ~/res/serve_<variant>_<way>_server.log.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
@@ -18,22 +18,20 @@ served() {  # name, way, variant, server flags, scenarios...; serve.sh's own "==
   echo "== $1 at $(date +%T)"
   local name=$1 way=$2 variant=$3 flags="$4 -v" env=()  # -v: the log says how the vocoding process runs MLX
   shift 4
-  case $way in thread*) flags="$flags --vocoding thread" ;; esac
+  [ "$way" = thread ] && flags="$flags --vocoding thread"
   [ "$way" = nographs ] && env=(MLX_USE_CUDA_GRAPHS=0)  # T3's steps in the server's process without them too
-  case $way in *hold) env+=(SERVE_PATH=$hold) ;; esac
   env "${env[@]}" bash "$here/serve.sh" "$variant" "$flags" "$@" > ~/res/"$name".log 2>&1
   mv ~/res/serve.jsonl ~/res/"$name".jsonl
+  cp ~/res/serve_server.log ~/res/"$name"_server.log
+  grep -c -e Traceback -e 'failed' ~/res/"$name"_server.log | sed 's/^/server log lines with Traceback or failed: /'
   grep '^| closed' ~/res/"$name".log  # each scenario's row, then its Server-Timing medians
   grep -e 'runs MLX with' -e 'serving mlx' ~/res/serve_server.log | head -2
 }
-hold=/tmp/hold
-mkdir -p $hold
-echo "from mlx_chatterbox.server import worker; worker.FIRST_AUDIO_LEAD_S = 1.0" > $hold/sitecustomize.py
 one="--concurrency 1 --requests 6 --formats streamed"
 many="--concurrency 16 --requests 32 --formats streamed --warm-up-tokens 40"
 variants=("$@")
 [ $# -gt 0 ] || variants=(turbo english)
-for way in ${WAYS:-process hold thread threadhold}; do
+for way in ${WAYS:-process thread}; do
   for variant in "${variants[@]}"; do
     flags="--warm-batches off --first-chunk 15"
     case $variant in english | *-bf16) flags="$flags --cfm-dtype bfloat16" ;; esac
