@@ -5,7 +5,10 @@
 # Ways (WAYS, default "process thread"), each a fresh server: "process" as shipped (the vocoding process with CUDA
 # graphs and the tiled products); "nographs", the process with MLX_USE_CUDA_GRAPHS=0 from the server's
 # environment (which also keeps the estimator on MLX's products; run AL: worse on every count); "thread"
-# (--vocoding thread). (Run AM also served the first-audio hold of f3b03c4 each way: no first audio won.)
+# (--vocoding thread); "graphcache", the process with MLX_CUDA_GRAPH_CACHE_SIZE=4000 (MLX's default 400: each
+# stream's CUDA graphs in an LRU cache keyed by the ops' topology; a server's many kinds of call may evict a first
+# decode's graphs, which are then instantiated anew). (Run AM also served the first-audio hold of f3b03c4 each
+# way: no first audio won.)
 # Turbo (fp32 estimator, as the default serves it) one stream at a time; English (bf16 estimator) one stream at a
 # time, then on the same server 16 streams at a time after bench_serve's unrecorded round of 16 short ones (run
 # AK's first 16-stream server met new decode shapes and compiled their kernels inside the measured round). Each
@@ -20,6 +23,7 @@ served() {  # name, way, variant, server flags, scenarios...; serve.sh's own "==
   shift 4
   [ "$way" = thread ] && flags="$flags --vocoding thread"
   [ "$way" = nographs ] && env=(MLX_USE_CUDA_GRAPHS=0)  # T3's steps in the server's process without them too
+  [ "$way" = graphcache ] && env=(MLX_CUDA_GRAPH_CACHE_SIZE=4000)  # the vocoding process inherits it
   env "${env[@]}" bash "$here/serve.sh" "$variant" "$flags" "$@" > ~/res/"$name".log 2>&1
   mv ~/res/serve.jsonl ~/res/"$name".jsonl
   cp ~/res/serve_server.log ~/res/"$name"_server.log
