@@ -14,6 +14,12 @@
    to the system on free. At 10 s of audio many S3Gen arrays are that large (attention scores, im2col columns):
    serving them from the heap made HiFT 1.6x and a CFM step 1.2x faster on 2 EPYC cores. The cost: up to 1 GiB of
    freed memory stays in the process for reuse. ``MLX_CHATTERBOX_MALLOC``: ``auto`` (default) or ``off``.
+4. MLX-CUDA's caches never fail a call. MLX-CUDA (0.32.4) keeps cuFFT plans, cuDNN convolution and attention
+   graphs and each stream's CUDA graphs in LRU caches of 64-400 entries, keyed by shape or by the graph's
+   topology, and raises "Cache thrashing is happening" once a cache has missed twice its capacity in the
+   process's life. A long-lived process that meets text of every length (the server, bulk jobs) would then fail
+   requests where building the plan again costs a little time. So we set ``MLX_ENABLE_CACHE_THRASHING_CHECK=0``
+   unless the user has set it: MLX then evicts and rebuilds. MLX reads it when each cache is first used.
 
 What was done is logged and kept in ``STATUS``.
 """
@@ -28,6 +34,7 @@ import sys
 
 BLAS_VAR = "MLX_CHATTERBOX_BLAS"
 TF32_VAR = "MLX_ENABLE_TF32"
+CACHE_CHECK_VAR = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 MALLOC_VAR = "MLX_CHATTERBOX_MALLOC"
 # glibc mallopt parameters (malloc.h) and the freed heap memory kept before trimming.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
@@ -141,6 +148,16 @@ def _tf32() -> str:
     return f"{TF32_VAR}=0: fp32 matmuls in full fp32, as upstream (set {TF32_VAR}=1 to allow TF32)"
 
 
+def _cache_check() -> str:
+    if CACHE_CHECK_VAR in os.environ:
+        return f"{CACHE_CHECK_VAR}={os.environ[CACHE_CHECK_VAR]} (set by the user)"
+    os.environ[CACHE_CHECK_VAR] = "0"
+    return (
+        f"{CACHE_CHECK_VAR}=0: MLX-CUDA's caches evict and rebuild rather than raise once they have missed twice "
+        f"their size (set {CACHE_CHECK_VAR}=1 for MLX's error)"
+    )
+
+
 def _malloc() -> str:
     choice = os.environ.get(MALLOC_VAR, "auto").strip() or "auto"
     if choice not in ("auto", "off"):
@@ -165,7 +182,7 @@ def _malloc() -> str:
 def configure() -> dict[str, str]:
     """Apply the settings once; returns (and logs) what was done."""
     if not STATUS:
-        STATUS.update(blas=_blas(), fp32_matmul=_tf32(), malloc=_malloc())
+        STATUS.update(blas=_blas(), fp32_matmul=_tf32(), malloc=_malloc(), mlx_caches=_cache_check())
         for key, value in STATUS.items():
             logger.info("%s: %s", key, value)
     return STATUS

@@ -45,6 +45,25 @@ def test_malloc_setting_is_applied_and_reported_on_linux(monkeypatch):
     assert _backend.STATUS["malloc"].startswith("large arrays from the heap")  # what import did
 
 
+def test_mlx_cache_check_is_off_unless_the_user_set_it(monkeypatch):
+    """MLX-CUDA's caches raise once they have missed twice their size in a process's life; the package turns
+    that check off (``MLX_ENABLE_CACHE_THRASHING_CHECK=0``) unless the user chose, and reports which."""
+    monkeypatch.delenv(_backend.CACHE_CHECK_VAR, raising=False)
+    done = run_python(
+        "import os, mlx_chatterbox; from mlx_chatterbox import _backend; "
+        "print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'], _backend.STATUS['mlx_caches'])"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "0 MLX_ENABLE_CACHE_THRASHING_CHECK=0: MLX-CUDA's caches evict"
+    ), done.stdout
+    assert _backend._cache_check().startswith("MLX_ENABLE_CACHE_THRASHING_CHECK=0: MLX-CUDA's caches evict")
+    assert os.environ[_backend.CACHE_CHECK_VAR] == "0"
+    monkeypatch.setenv(_backend.CACHE_CHECK_VAR, "1")
+    assert _backend._cache_check() == "MLX_ENABLE_CACHE_THRASHING_CHECK=1 (set by the user)"
+    assert os.environ[_backend.CACHE_CHECK_VAR] == "1"
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blas")
@@ -100,13 +119,11 @@ def test_tts_load_warns_when_mlx_came_first_and_kept_its_reference_blas(tiny, fi
 def test_bench_warns_when_mlx_came_first(tiny):
     model, voice = tiny
     args = ["bench", "--model", str(model), "--voice", str(voice), "--repeats", "1", "--max-new-tokens", "2"]
-    run = run_python(
-        f"""
+    run = run_python(f"""
         import sys
         import mlx.core
         from mlx_chatterbox.cli import main
         sys.exit(main({args!r}))
-        """
-    )
+        """)
     assert run.returncode == 0, run.stderr
     assert SLOW_BLAS in run.stderr and "too late to preload libopenblas.so.0" in run.stderr
