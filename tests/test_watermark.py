@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -311,14 +312,24 @@ def test_the_devices_ffts_have_one_shape_and_run_one_thread_at_a_time(monkeypatc
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
-def test_marking_clips_of_300_lengths_on_the_gpu(monkeypatch):
-    """On the GPU: 300 clips of as many frame counts marked with the spectra on the device. With an FFT plan per
-    frame count, MLX-CUDA 0.32.4 raised "Cache thrashing is happening" after 128 of them (256 plans)."""
-    monkeypatch.setattr(watermark, "SPECTRA_ON_DEVICE", True)
-    wm = Watermarker(tiny_net())
-    for i in range(300):
-        out = wm.apply(voiced(8000, (TINY.n_fft + TINY.hop_size * i) / 8000), 8000)
-        assert np.isfinite(out).all()
+def test_marking_clips_of_300_lengths_on_the_gpu():
+    """On the GPU, in a fresh process with MLX's cache check on (``MLX_ENABLE_CACHE_THRASHING_CHECK=1``; the
+    package turns it off by default): 300 clips of as many frame counts marked with the spectra on the device.
+    With an FFT plan per frame count, MLX-CUDA 0.32.4 raised "Cache thrashing is happening" after 128 of them.
+    """
+    code = """
+import numpy as np
+from mlx_chatterbox.generation import watermark
+from tests.test_watermark import TINY, Watermarker, tiny_net, voiced
+watermark.SPECTRA_ON_DEVICE = True
+wm = Watermarker(tiny_net())
+for i in range(300):
+    assert np.isfinite(wm.apply(voiced(8000, (TINY.n_fft + TINY.hop_size * i) / 8000), 8000)).all()
+print("marked 300")
+"""
+    env = {**os.environ, "MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "marked 300" in done.stdout, done.stderr[-3000:]
 
 
 def test_spectra_on_the_device_by_default_only_with_mlx_cuda(monkeypatch):
