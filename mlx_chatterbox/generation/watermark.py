@@ -45,17 +45,17 @@ FORMAT = "mlx-chatterbox-perth"
 # device / the host everywhere.
 SPECTRA_ON_DEVICE: bool | None = None
 
-# The device's FFTs take the frames FFT_ROWS at a time, the last block zero-padded, so that they always have one
-# shape. MLX-CUDA (0.32.4, fft.cu) keeps one cuFFT plan per transform size and row count, 128 of them, in a cache
-# that the whole process shares, and raises "Cache thrashing is happening" once it has made 256 plans in the
-# process's life (unless MLX_ENABLE_CACHE_THRASHING_CHECK=0, which _backend.py sets; then it plans again): with a
-# plan per chunk length, a server that marks streamed chunks of every length gets there after ~128 lengths. (Run
-# AM: a server answered one request 500 and cut two streams off after ~170 marked chunks, its worker having
-# failed nothing; its log was not kept, and this is the likeliest cause.) 256 frames are 2.56 s at 32 kHz; a
-# shorter chunk's padding costs the GPU microseconds.
+# The device's FFTs take the frames FFT_ROWS at a time, the last block zero-padded, so that they always have
+# one shape. MLX-CUDA (0.32.4, fft.cu) keeps one cuFFT plan per transform size and row count, 128 of them, in
+# a cache that the whole process shares, and raises "Cache thrashing is happening" once it has made 256 plans
+# in the process's life (unless MLX_ENABLE_CACHE_THRASHING_CHECK=0, which _backend.py sets; then it plans
+# again): with a plan per chunk length, a server that marks streamed chunks of every length gets there after
+# ~128 lengths. (Run AM: a server answered one request 500 and cut two streams off after ~170 marked chunks,
+# its worker having failed nothing; its log was not kept, and this is the likeliest cause.) 256 frames are
+# 2.56 s at 32 kHz; a shorter chunk's padding costs the GPU microseconds.
 FFT_ROWS = 256
-# That cache and its plans (their stream and work area set before each run) are shared by all threads without a
-# lock, so one thread at a time runs the device's marking (the server marks on several threads).
+# That cache and its plans (their stream and work area set before each run) are shared by all threads without
+# a lock, so one thread at a time runs the device's marking (the server marks on several threads).
 _DEVICE_MARKING = threading.Lock()
 
 
