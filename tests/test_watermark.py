@@ -283,7 +283,6 @@ def test_the_devices_ffts_have_one_shape_and_run_one_thread_at_a_time(monkeypatc
 
     def recorded(fft):
         def run(x, *args, **kwargs):
-            # The lock is taken where the graph is evaluated: the FFTs run then, not when they are built.
             shapes.add((fft.__name__, x.shape, x.dtype))
             return fft(x, *args, **kwargs)
 
@@ -296,6 +295,7 @@ def test_the_devices_ffts_have_one_shape_and_run_one_thread_at_a_time(monkeypatc
     rows = watermark.FFT_ROWS
     assert shapes == {("rfft", (rows, n), mx.float32), ("irfft", (rows, n // 2 + 1), mx.complex64)}
 
+    # The lock is taken where the graph is evaluated: the FFTs run then, not when they are built.
     evaluated = []
     real_eval = mx.eval
 

@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from ..audio.resample import resample_polyphase, resample_soxr_hq
 from ..audio.spectral import as_waveform, hann_window, istft, stft
+from ..models import layers
 from ..models.hift import overlap_add
 from ..models.perth import PerthConfig, PerthNet
 
@@ -63,7 +64,7 @@ def spectra_on_device() -> bool:
     """Whether ``Watermarker.apply`` finds its spectra on the device (``SPECTRA_ON_DEVICE``)."""
     if SPECTRA_ON_DEVICE is not None:
         return SPECTRA_ON_DEVICE
-    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+    return mx.default_device() == mx.gpu and layers._CUDA
 
 
 def _in_blocks(fft: Callable[[mx.array], mx.array], frames: mx.array) -> mx.array:
