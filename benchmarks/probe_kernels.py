@@ -9,7 +9,7 @@ probe for the H200; prints a short table per part.
   start to the last one's end (a span well over the kernels' sum: the GPU waits for the host).
 - s3gen: one ``S3Gen.batch`` of a 10 s request after a 10 s prompt (English, bf16 estimator, 10 steps), for each
   of ``--systems`` ("ours-plain-products": the estimator's products as MLX's ops, not our kernel;
-  "ours-tiles-32": our kernel with tiles of 32 rows everywhere; "ours-wide-normed": tiles of 128 columns and 8
+  "ours-tiles-32": our kernel with tiles of 32 rows everywhere; "ours-narrow-normed": tiles of 64 columns and 4
   warps for the products with a norm of x).
 - scalars: a chain of multiplies on a 2 x 512 x 1,000 float32 array by a scalar made three ways: a Python
   float (a new 4-byte array from the host each op), one host-made array, and that array copied into device

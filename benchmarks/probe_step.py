@@ -72,7 +72,7 @@ OURS = (
     "ours-loaded-copied",
     "ours-plain-products",
     "ours-tiles-32",
-    "ours-wide-normed",
+    "ours-narrow-normed",
 )  # with our CUDA decode kernels
 DEPENDS = mx.depends
 FUSED = dict(layers.FUSED_LAYERS)  # the default: by architecture
@@ -209,7 +209,7 @@ def use(system: str) -> None:
     layers.DEVICE_SCALARS = system != "ours-host-scalars"
     cfm.TILED_PRODUCTS = system != "ours-plain-products"  # S3Gen's estimator (probe_kernels --part s3gen)
     cfm.TILED_TILE_ROWS = 32 if system == "ours-tiles-32" else None
-    cfm.TILED_WIDE_NORMED = system == "ours-wide-normed"
+    cfm.TILED_WIDE_NORMED = system != "ours-narrow-normed"
     global WEIGHTS
     WEIGHTS = {"ours-loaded-weights": "loaded", "ours-loaded-copied": "copied"}.get(system, "made")
 

@@ -701,8 +701,8 @@ def meanflow_steps(
 # micro`) against 7-10 µs for a kernel of ours. A bf16 call makes 242 products and 31 convolutions, and their
 # biases' sums, GELUs, residual sums, the norms and the resnets' Mish around them are 367 kernels more.
 #
-# The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle, and for a norm of x), 128
-# threads in 4 warps (2 x 2; ``TILED_WIDE_NORMED``: 32 x 128 in 2 x 4), tensor cores through PTX's mma.sync
+# The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle) in 4 warps (2 x 2), and
+# for a norm of x 32 x 128 in 8 warps (2 x 4; ``TILED_WIDE_NORMED``; else 32 x 64), tensor cores through PTX's mma.sync
 # (m16n8k16, float sums; no header), the next two 64-wide slices of x and the weight loading into registers
 # while one is multiplied from shared memory (slices of 32 left the kernel waiting on its loads: 2-4x cuBLAS's
 # GPU time, runs AF). Rows past x's end read zeros and write nothing, so any row count runs; the weight's rows
@@ -733,9 +733,10 @@ TILED_TILE_ROWS: int | None = None
 # Tiles of 128 columns and 8 warps (not 64 and 4) for the products with a norm of x, where that still gives the
 # GPU two blocks an SM: each block finds its rows' statistics and normalizes its x tiles once for twice the
 # columns, which were two thirds of q/k/v's instructions (24 column blocks at 1,536 channels; 35 µs against
-# cuBLAS's 6.5 plus a LayerNorm's 3.9, run AJ's Nsight Compute). For the next lease's A/B (benchmarks'
-# "ours-wide-normed"); its source runs in the tests on the CPU.
-TILED_WIDE_NORMED = False
+# cuBLAS's 6.5 plus a LayerNorm's 3.9, run AJ's Nsight Compute). On since its GPU tests passed on an H100 and
+# S3Gen.batch's kernels took 3.6 ms a call less on an H200 (run AL) and 4.3-4.8 less on an H100 (run AN), with
+# no loss in a stream's first audio or text -> wav. Off: the benchmarks' "ours-narrow-normed" A/B.
+TILED_WIDE_NORMED = True
 
 _TILE_N, _TILE_K = 64, 64
 
