@@ -178,6 +178,12 @@ def main() -> None:
     p.add_argument("--first-chunk", type=int, default=15)
     p.add_argument("--cfm-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--mark-threads",
+        type=int,
+        help="the Worker's marking threads (default: serve's, worker.default_mark_threads)",
+    )
+    p.add_argument("--max-batch", type=int, default=32, help="the Worker's max_batch (serve's default: 32)")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--tiny", action="store_true", help="tiny networks (a smoke run)")
     p.add_argument(
@@ -221,6 +227,7 @@ def main() -> None:
         "mark | decode end to put | put to read |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for mode in modes:
+        marking = None  # the Worker's marking threads (its modes)
         if mode == "stream":
             run, close = functools.partial(run_stream, tts, voice), None
         elif mode == "stream-thread":
@@ -228,7 +235,11 @@ def main() -> None:
             run, close = functools.partial(thread, run_stream, tts, voice), thread.pool.shutdown
         else:
             vocoding = "process" if mode == "worker-process" else "thread"
-            worker = Worker(tts, max_batch=1, vocode_thread=mode != "worker-inline", vocoding=vocoding)
+            threaded = mode != "worker-inline"
+            marking = args.mark_threads or worker_module.default_mark_threads(threaded)
+            worker = Worker(
+                tts, max_batch=args.max_batch, vocode_thread=threaded, vocoding=vocoding, mark_threads=marking
+            )
             worker.start()
             if vocoding == "process":
                 note_child_decodes(worker)
@@ -247,6 +258,7 @@ def main() -> None:
         write_line(
             dict(bench="first_audio", mode=mode, variant=tts.speech.variant, model=args.model or "built",
                  tokens=args.tokens, first_chunk=args.first_chunk, cfm_dtype=args.cfm_dtype,
+                 max_batch=args.max_batch, mark_threads=marking,
                  tiled_products=not args.plain_products,
                  switch_interval=sys.getswitchinterval(), **med, runs=rows, **info),
             args.out,
