@@ -3,6 +3,8 @@
 #   1. carry [".whl/a"]: bash benchmarks/device/install.sh a
 #   2. carry [".whl/b", ".ptx"]: bash benchmarks/device/install.sh b
 #   3. carry [".whl/c", ".whl/d"]: bash benchmarks/device/install.sh c && <the work, e.g. start.sh>
+# For upstream's side of compare.py, first carry [".whl/e"], [".whl/f"], [".whl/g"] with install.sh e, f, g, those
+# that install.sh a says the image lacks (wheels.sh upstream makes them).
 # MLX-CUDA goes into the image's python3 (a venv does not see its torch); the rest into /tmp/site.
 # .ptx/ptx.tgz (ignored by git), when there is one, is MLX's kernel cache of an earlier lease (wait.sh brings it
 # back: cp /work/.device/N/ptx.tgz .ptx/): compiling our kernels took most of a fresh machine's 6 minutes of
@@ -11,7 +13,13 @@
 set -euo pipefail
 mkdir -p ~/stash ~/res ~/ptx
 case "$1" in
-  a) cp .whl/a/* ~/stash/ ;;
+  a)
+    cp .whl/a/* ~/stash/
+    # What upstream's side of compare.py imports that the image lacks (wheels.sh upstream; install.sh e, f, g).
+    python3 -c "import importlib.util as u; print('upstream lacks:', *[m for m in ('scipy', 'sklearn', 'numba',
+'llvmlite', 'librosa', 'diffusers', 'conformer', 'omegaconf', 'perth', 's3tokenizer', 'pyloudnorm', 'PIL',
+'importlib_metadata', 'einops', 'huggingface_hub', 'soundfile') if u.find_spec(m) is None] or ['nothing'])"
+    ;;
   b)
     cp .whl/b/* ~/stash/
     if [ -f .ptx/ptx.tgz ]; then tar xzf .ptx/ptx.tgz -C ~/ptx && echo "kernel cache: $(ls ~/ptx | wc -l) entries"; fi
@@ -22,5 +30,6 @@ case "$1" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/d/*.whl
     python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())"
     ;;
-  *) echo "usage: install.sh a|b|c" >&2; exit 2 ;;
+  e | f | g) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/"$1"/*.whl ;;
+  *) echo "usage: install.sh a|b|c|e|f|g" >&2; exit 2 ;;
 esac
