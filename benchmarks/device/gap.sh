@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Why a served stream's first decode takes 2-3x the probe's (issue 25), in one lease (~4 minutes after the
-# installs): bash benchmarks/device/start.sh gap 300
+# Why a served stream's first decode takes 2-3x the probe's (issue 25), in one lease (~5 minutes after the
+# installs): bash benchmarks/device/start.sh gap 400
 # Run AN (H100, Turbo, bf16 estimator, first chunk 15): first chunk to first audio took 161 ms served against
 # the 63 ms decode of probe_first_audio's worker-process, with the same shapes and voice (checked on the CPU)
 # and T3's steps as fast; MLX's CUDA-graph cache ten times larger did not help (run AN), nor holding T3 (run AM).
 # What still differs: the request's budget (bench_serve 250 tokens, the probe 100), the marking threads (serve:
 # 4 on 16 cores, the probe 1), max_batch, and the server itself. So: the probe's worker-process at 100 and 250
-# tokens, with 1 and 4 marking threads; then the served requests at 100 and 250 tokens, each decode in the
-# server's vocoding process timed there (a sitecustomize.py on SERVE_PATH) into ~/res/decodes.txt as
-# "pid unix-time tokens final ms". Lines go to ~/res/first_audio_gap.jsonl and ~/res/serve.jsonl.
+# tokens, with 1 and 4 marking threads; then served requests at 100 and 250 tokens, and at 250 with one marking
+# thread, each decode in the server's vocoding process timed there (a sitecustomize.py on SERVE_PATH) into
+# ~/res/decodes_<server>.txt as "pid unix-time tokens final ms". Lines go to ~/res/first_audio_gap.jsonl and
+# ~/res/gap_<server>.jsonl.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 dir=/tmp/serve-turbo
@@ -45,12 +46,19 @@ def timed(self):
 
 stream.StreamVocoder._decode = timed
 PY
-echo "== served at $(date +%T)"
-SERVE_PATH=$timer bash "$here/serve.sh" turbo "--cfm-dtype bfloat16 --warm-batches off --first-chunk 15 -v" \
-    "--concurrency 1 --requests 8 --formats streamed --tokens 100" \
-    "--concurrency 1 --requests 8 --formats streamed --tokens 250" > ~/res/gap_serve.log 2>&1
-grep '^| closed' ~/res/gap_serve.log
-echo "first decodes in the server's vocoding process, in order (the warm-up's first; pid ms):"
-awk '$3 == 15 && $4 == 0 {print $1, $5}' ~/res/decodes.txt | tr '\n' ';'
-echo
+served() {  # name, extra server flags, scenarios...
+  local name=$1 flags="--cfm-dtype bfloat16 --warm-batches off --first-chunk 15 -v $2"
+  shift 2
+  echo "== served, $name at $(date +%T)"
+  SERVE_PATH=$timer bash "$here/serve.sh" turbo "$flags" "$@" > ~/res/gap_$name.log 2>&1
+  mv ~/res/serve.jsonl ~/res/gap_$name.jsonl
+  mv ~/res/decodes.txt ~/res/decodes_$name.txt
+  cp ~/res/serve_server.log ~/res/gap_${name}_server.log
+  grep '^| closed' ~/res/gap_$name.log
+  echo "first decodes in its vocoding process, in order (ms; the first request's builds its shapes):"
+  awk '$3 == 15 && $4 == 0 {printf "%s; ", $5} END {print ""}' ~/res/decodes_$name.txt
+}
+one="--concurrency 1 --requests 8 --formats streamed"
+served shipped "" "$one --tokens 100" "$one --tokens 250"
+served mark1 "--mark-threads 1" "$one --tokens 250"
 echo "== done"
