@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Why a served stream's first decode takes 2-3x the probe's (issue 25), in one lease (~5 minutes after the
-# installs): bash benchmarks/device/start.sh gap 400
+# Why a served stream's first decode takes 2-3x the probe's (issue 25), in one lease (~6 minutes after the
+# installs): bash benchmarks/device/start.sh gap 450
 # Run AN (H100, Turbo, bf16 estimator, first chunk 15): first chunk to first audio took 161 ms served against
 # the 63 ms decode of probe_first_audio's worker-process, with the same shapes and voice (checked on the CPU)
 # and T3's steps as fast; MLX's CUDA-graph cache ten times larger did not help (run AN), nor holding T3 (run AM).
 # What still differs: the request's budget (bench_serve 250 tokens, the probe 100), the marking threads (serve:
 # 4 on 16 cores, the probe 1), max_batch, and the server itself. So: the probe's worker-process at 100 and 250
 # tokens, with 1 and 4 marking threads; then served requests at 100 and 250 tokens, and at 250 with one marking
-# thread, each decode in the server's vocoding process timed there (a sitecustomize.py on SERVE_PATH) into
-# ~/res/decodes_<server>.txt as "pid unix-time tokens final ms". Lines go to ~/res/first_audio_gap.jsonl and
-# ~/res/gap_<server>.jsonl.
+# thread and with the fp32 estimator (served, its decodes took 175 ms a call against bf16's 203-205: the
+# reverse of the probe's), each decode in the server's vocoding process timed there (a sitecustomize.py on
+# SERVE_PATH) into ~/res/decodes_<server>.txt as "pid unix-time tokens final ms". Lines go to
+# ~/res/first_audio_gap.jsonl and ~/res/gap_<server>.jsonl.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 dir=/tmp/serve-turbo
@@ -46,8 +47,8 @@ def timed(self):
 
 stream.StreamVocoder._decode = timed
 PY
-served() {  # name, extra server flags, scenarios...
-  local name=$1 flags="--cfm-dtype bfloat16 --warm-batches off --first-chunk 15 -v $2"
+served() {  # name, server flags besides these, scenarios...
+  local name=$1 flags="--warm-batches off --first-chunk 15 -v $2"
   shift 2
   echo "== served, $name at $(date +%T)"
   SERVE_PATH=$timer bash "$here/serve.sh" turbo "$flags" "$@" > ~/res/gap_$name.log 2>&1
@@ -59,6 +60,7 @@ served() {  # name, extra server flags, scenarios...
   awk '$3 == 15 && $4 == 0 {printf "%s; ", $5} END {print ""}' ~/res/decodes_$name.txt
 }
 one="--concurrency 1 --requests 8 --formats streamed"
-served shipped "" "$one --tokens 100" "$one --tokens 250"
-served mark1 "--mark-threads 1" "$one --tokens 250"
+served shipped "--cfm-dtype bfloat16" "$one --tokens 100" "$one --tokens 250"
+served mark1 "--cfm-dtype bfloat16 --mark-threads 1" "$one --tokens 250"
+served fp32 "" "$one --tokens 250"
 echo "== done"
