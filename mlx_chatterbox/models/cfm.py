@@ -702,18 +702,18 @@ def meanflow_steps(
 # biases' sums, GELUs, residual sums, the norms and the resnets' Mish around them are 367 kernels more.
 #
 # The kernel: tiles of 64 x 64 outputs (32 x 64 where 64 rows would leave SMs idle) in 4 warps (2 x 2), and
-# for a norm of x 32 x 128 in 8 warps (2 x 4; ``TILED_WIDE_NORMED``; else 32 x 64), tensor cores through PTX's mma.sync
-# (m16n8k16, float sums; no header), the next two 64-wide slices of x and the weight loading into registers
-# while one is multiplied from shared memory (slices of 32 left the kernel waiting on its loads: 2-4x cuBLAS's
-# GPU time, runs AF). Rows past x's end read zeros and write nothing, so any row count runs; the weight's rows
-# (N) and columns (K) must be multiples of 64. A causal convolution of x (B, T, C) by a weight (N, taps, C) is
-# the product of the weight's rows (N, taps·C) with rows the kernel reads from x as it goes: row (b, t) is
-# frames t - taps + 1 .. t of sequence b side by side, zeros before its start (no padded copy of x). float32
-# stays with MLX: a tensor-core product in float32 would be TF32, and the fp32 estimator is upstream's
-# numbers. Sums differ from MLX's ops in rounding only: the epilogue works on the float accumulator and rounds
-# once, where the composed ops round after each op. Only on CUDA (``layers._use_cuda_paths``); every other
-# backend runs the composed ops. Its source also runs on the CPU in the tests (tests/emulated_cuda.py), and
-# nvcc builds it there for sm_90a (tests/compiled_cuda.py).
+# for a norm of x 32 x 128 in 8 warps (2 x 4; ``TILED_WIDE_NORMED``; else 32 x 64), tensor cores through PTX's
+# mma.sync (m16n8k16, float sums; no header), the next two 64-wide slices of x and the weight loading into
+# registers while one is multiplied from shared memory (slices of 32 left the kernel waiting on its loads:
+# 2-4x cuBLAS's GPU time, runs AF). Rows past x's end read zeros and write nothing, so any row count runs; the
+# weight's rows (N) and columns (K) must be multiples of 64. A causal convolution of x (B, T, C) by a weight
+# (N, taps, C) is the product of the weight's rows (N, taps·C) with rows the kernel reads from x as it goes:
+# row (b, t) is frames t - taps + 1 .. t of sequence b side by side, zeros before its start (no padded copy of
+# x). float32 stays with MLX: a tensor-core product in float32 would be TF32, and the fp32 estimator is
+# upstream's numbers. Sums differ from MLX's ops in rounding only: the epilogue works on the float accumulator
+# and rounds once, where the composed ops round after each op. Only on CUDA (``layers._use_cuda_paths``);
+# every other backend runs the composed ops. Its source also runs on the CPU in the tests
+# (tests/emulated_cuda.py), and nvcc builds it there for sm_90a (tests/compiled_cuda.py).
 
 # On since its GPU tests passed on an H200 (51 of them, runs AG) and a lone request's solve ran faster: 2 x 530
 # rows 67-84 ms against 132-182, 2 x 1,000 rows 83-100 against 91-145 (runs AF, AG). Without CUDA graphs it
@@ -734,7 +734,7 @@ TILED_TILE_ROWS: int | None = None
 # GPU two blocks an SM: each block finds its rows' statistics and normalizes its x tiles once for twice the
 # columns, which were two thirds of q/k/v's instructions (24 column blocks at 1,536 channels; 35 µs against
 # cuBLAS's 6.5 plus a LayerNorm's 3.9, run AJ's Nsight Compute). On since its GPU tests passed on an H100 and
-# S3Gen.batch's kernels took 3.6 ms a call less on an H200 (run AL) and 4.3-4.8 less on an H100 (run AN), with
+# S3Gen.batch's kernels took 3.6 ms a call less on an H200 (run AL) and 4.3-4.9 less on an H100 (run AN), with
 # no loss in a stream's first audio or text -> wav. Off: the benchmarks' "ours-narrow-normed" A/B.
 TILED_WIDE_NORMED = True
 
