@@ -24,12 +24,9 @@ served() {  # name, way, variant, server flags, scenarios...; serve.sh's own "==
   [ "$way" = thread ] && flags="$flags --vocoding thread"
   [ "$way" = nographs ] && env=(MLX_USE_CUDA_GRAPHS=0)  # T3's steps in the server's process without them too
   [ "$way" = graphcache ] && env=(MLX_CUDA_GRAPH_CACHE_SIZE=4000)  # the vocoding process inherits it
-  env "${env[@]}" bash "$here/serve.sh" "$variant" "$flags" "$@" > ~/res/"$name".log 2>&1
-  mv ~/res/serve.jsonl ~/res/"$name".jsonl
-  cp ~/res/serve_server.log ~/res/"$name"_server.log
+  env "${env[@]}" bash "$here/named.sh" "$name" "$variant" "$flags" "$@"
   grep -c -e Traceback -e 'failed' ~/res/"$name"_server.log | sed 's/^/server log lines with Traceback or failed: /'
-  grep '^| closed' ~/res/"$name".log  # each scenario's row, then its Server-Timing medians
-  grep -e 'runs MLX with' -e 'serving mlx' ~/res/serve_server.log | head -2
+  grep -e 'runs MLX with' -e 'serving mlx' ~/res/"$name"_server.log | head -2
 }
 one="--concurrency 1 --requests 6 --formats streamed"
 many="--concurrency 16 --requests 32 --formats streamed --warm-up-tokens 40"

@@ -51,11 +51,8 @@ served() {  # name, server flags besides these, scenarios...
   local name=$1 flags="--warm-batches off --first-chunk 15 -v $2"
   shift 2
   echo "== served, $name at $(date +%T)"
-  SERVE_PATH=$timer bash "$here/serve.sh" turbo "$flags" "$@" > ~/res/gap_$name.log 2>&1
-  mv ~/res/serve.jsonl ~/res/gap_$name.jsonl
+  SERVE_PATH=$timer bash "$here/named.sh" gap_$name turbo "$flags" "$@"
   mv ~/res/decodes.txt ~/res/decodes_$name.txt
-  cp ~/res/serve_server.log ~/res/gap_${name}_server.log
-  grep '^| closed' ~/res/gap_$name.log
   echo "first decodes in its vocoding process, in order (ms; the first request's builds its shapes):"
   awk '$3 == 15 && $4 == 0 {printf "%s; ", $5} END {print ""}' ~/res/decodes_$name.txt
 }

@@ -16,9 +16,7 @@ for variant in turbo english; do
   for way in process thread; do
     name=serve_many_${variant}_$way
     echo "== $name at $(date +%T)"
-    bash "$here/serve.sh" $variant "$flags --vocoding $way" "$many" > ~/res/$name.log 2>&1
-    mv ~/res/serve.jsonl ~/res/$name.jsonl
-    grep '^| closed' ~/res/$name.log
+    bash "$here/named.sh" $name $variant "$flags --vocoding $way" "$many"
   done
 done
 echo "== done"

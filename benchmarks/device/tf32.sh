@@ -23,9 +23,7 @@ for variant in english turbo; do
     name=serve_tf32_${variant}_$way
     echo "== $name at $(date +%T)"
     path=$([ $way = tf32 ] && echo $tf32 || echo "")
-    SERVE_PATH=$path bash "$here/serve.sh" $variant "$flags" "$one" "$whole" > ~/res/$name.log 2>&1
-    mv ~/res/serve.jsonl ~/res/$name.jsonl
-    grep '^| closed' ~/res/$name.log | head -2
+    SERVE_PATH=$path bash "$here/named.sh" $name $variant "$flags" "$one" "$whole" | head -2
   done
 done
 echo "== done"
