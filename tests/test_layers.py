@@ -10,13 +10,26 @@ import pytest
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.layers import Conv1d, ConvTranspose1d, conv1d, conv_transpose1d
 
+# The last two: HiFT's first source_downs (kernel 2u, stride u, padding u // 2) and a dilated strided one.
+CONV_CASES = [
+    (1, 0, 1, 1),
+    (3, 1, 1, 1),
+    (4, 0, 1, 1),
+    (7, 9, 3, 1),
+    (11, 25, 5, 1),
+    (1, 0, 1, 2),
+    (6, 1, 1, 3),
+]
 
-@pytest.mark.parametrize("k, padding, dilation", [(1, 0, 1), (3, 1, 1), (4, 0, 1), (7, 9, 3), (11, 25, 5)])
-def test_conv1d_matches_mlx(k, padding, dilation):
-    x = mx.random.normal((2, 23, 6), key=mx.random.key(k))
+
+@pytest.mark.parametrize("k, padding, dilation, stride", CONV_CASES + [(30, 7, 1, 15), (5, 2, 2, 4)])
+def test_conv1d_matches_mlx(k, padding, dilation, stride):
+    x = mx.random.normal((2, 47, 6), key=mx.random.key(k))
     w = mx.random.normal((5, k, 6), key=mx.random.key(k + 1))
-    want = mx.conv1d(x, w, padding=padding, dilation=dilation)
-    np.testing.assert_allclose(np.array(conv1d(x, w, padding, dilation)), np.array(want), atol=2e-5)
+    want = mx.conv1d(x, w, stride=stride, padding=padding, dilation=dilation)
+    got = conv1d(x, w, padding, dilation, stride)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
 
 
 @pytest.mark.parametrize("k, stride, padding", [(16, 8, 4), (11, 5, 3), (7, 3, 2), (4, 4, 0), (3, 5, 1)])
@@ -34,15 +47,46 @@ def test_layers_give_the_same_result_on_either_path(device):
     if not mx.is_available(device):
         pytest.skip(f"no MLX {device} here")
     conv, up = Conv1d(6, 4, 5, padding=4, dilation=2), ConvTranspose1d(6, 4, 11, 5, padding=3)
-    no_bias = Conv1d(6, 4, 3, bias=False)
+    no_bias, strided = Conv1d(6, 4, 3, bias=False), Conv1d(6, 4, 6, padding=1, stride=3)
     x = mx.random.normal((1, 17, 6))
     previous = mx.default_device()
     mx.set_default_device(device)
     try:
-        for ours, native in ((conv, nn.Conv1d), (up, nn.ConvTranspose1d), (no_bias, nn.Conv1d)):
+        for ours, native in (
+            (conv, nn.Conv1d),
+            (up, nn.ConvTranspose1d),
+            (no_bias, nn.Conv1d),
+            (strided, nn.Conv1d),
+        ):
             np.testing.assert_allclose(np.array(ours(x)), np.array(native.__call__(ours, x)), atol=2e-5)
     finally:
         mx.set_default_device(previous)
+
+
+@pytest.mark.parametrize("device", [mx.cpu, mx.gpu])
+@pytest.mark.parametrize("switch", [False, True])
+def test_product_convs_off_the_cpu_only_when_switched_on(switch, device, monkeypatch):
+    """``PRODUCT_CONVS_OFF_CPU``: off the CPU (a GPU, or the CPU backend taken for another device) the layers
+    run MLX's convolutions, or with the switch on our products; the same numbers either way."""
+    if not mx.is_available(device):
+        pytest.skip(f"no MLX {device} here")
+    if device == mx.gpu and mx.default_device() != mx.gpu:
+        pytest.skip("the GPU is not MLX's default device here")
+    calls = []
+    for name in ("conv1d", "conv_transpose1d"):
+        real = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    if device == mx.cpu:
+        monkeypatch.setattr(layers, "_on_cpu", lambda: False)
+    monkeypatch.setattr(layers, "PRODUCT_CONVS_OFF_CPU", switch)
+    conv, up = Conv1d(6, 4, 5, padding=4, dilation=2), ConvTranspose1d(6, 4, 11, 5, padding=3)
+    x = mx.random.normal((1, 17, 6), key=mx.random.key(0))
+    for ours, native in ((conv, nn.Conv1d), (up, nn.ConvTranspose1d)):
+        np.testing.assert_allclose(np.array(ours(x)), np.array(native.__call__(ours, x)), atol=2e-5)
+    got = conv.padded(x, 2, 1)
+    monkeypatch.setattr(layers, "_on_cpu", lambda: True)
+    np.testing.assert_allclose(np.array(got), np.array(conv.padded(x, 2, 1)), atol=2e-5)
+    assert calls == (["conv1d", "conv_transpose1d", "conv1d", "conv1d"] if switch else ["conv1d"])
 
 
 @pytest.mark.parametrize("device", [mx.cpu, mx.gpu])

@@ -306,10 +306,7 @@ class HiFT(nn.Module):
             zip(cfg.source_down_rates, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)
         ):
             ch = base // 2 ** (i + 1)
-            if u == 1:
-                self.source_downs.append(Conv1d(n_fft + 2, ch, 1))
-            else:
-                self.source_downs.append(nn.Conv1d(n_fft + 2, ch, 2 * u, stride=u, padding=u // 2))
+            self.source_downs.append(Conv1d(n_fft + 2, ch, 1 if u == 1 else 2 * u, padding=u // 2, stride=u))
             self.source_resblocks.append(ResBlock(ch, k, d))
         self.resblocks = [
             ResBlock(base // 2 ** (i + 1), k, d)

@@ -59,17 +59,19 @@ _SIN_TAYLOR = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(8))  # 
 _ERFC_DEN = (1.0, 2.8087602098771103, 5.587476222824679, 5.063992825004679, 2.147227026841558)
 
 
-def conv1d(x: mx.array, weight: mx.array, padding: int = 0, dilation: int = 1) -> mx.array:
-    """x (B, T, C_in), weight (C_out, k, C_in), stride 1: the k shifted views side by side (im2col), then one
+def conv1d(x: mx.array, weight: mx.array, padding: int = 0, dilation: int = 1, stride: int = 1) -> mx.array:
+    """x (B, T, C_in), weight (C_out, k, C_in): the k shifted (strided) views side by side (im2col), then one
     product with the flattened kernel."""
     k = weight.shape[1]
     if padding:
         x = mx.pad(x, [(0, 0), (padding, padding), (0, 0)])
-    length = x.shape[1] - dilation * (k - 1)
-    if k == 1:
+    length = (x.shape[1] - dilation * (k - 1) - 1) // stride + 1
+    span = (length - 1) * stride + 1  # the frames a view spans
+    if k == 1 and stride == 1:
         cols = x
     else:
-        cols = mx.concatenate([x[:, j * dilation : j * dilation + length] for j in range(k)], axis=-1)
+        views = [x[:, j * dilation : j * dilation + span : stride] for j in range(k)]
+        cols = views[0] if k == 1 else mx.concatenate(views, axis=-1)
     return cols @ weight.reshape(weight.shape[0], -1).T  # (B, T', k·C_in) @ (k·C_in, C_out)
 
 
@@ -96,8 +98,19 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+# Conv1d and ConvTranspose1d as the products above off the CPU too (on the CPU they always are). MLX-CUDA
+# (0.32.4) builds a cuDNN graph for every convolution shape it meets and keeps 128 per thread
+# (MLX_CUDA_CONV_CACHE_SIZE); S3Gen runs about 41 shapes a length (HiFT 37), and a stream's decodes and a
+# server's requests all differ in length. Off until measured against MLX's convolutions (device/caches.sh).
+PRODUCT_CONVS_OFF_CPU = False
+
+
+def _products() -> bool:
+    return PRODUCT_CONVS_OFF_CPU or _on_cpu()
+
+
 class Conv1d(nn.Conv1d):
-    """``nn.Conv1d`` (stride 1, groups 1), computed by ``conv1d`` on the CPU."""
+    """``nn.Conv1d`` (groups 1), computed by ``conv1d`` on the CPU (``PRODUCT_CONVS_OFF_CPU``: everywhere)."""
 
     def __init__(
         self,
@@ -107,22 +120,29 @@ class Conv1d(nn.Conv1d):
         padding: int = 0,
         dilation: int = 1,
         bias: bool = True,
+        stride: int = 1,
     ):
         super().__init__(
-            in_channels, out_channels, kernel_size, padding=padding, dilation=dilation, bias=bias
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            bias=bias,
         )
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _on_cpu():
+        if not _products():
             return super().__call__(x)
-        y = conv1d(x, self.weight, self.padding, self.dilation)
+        y = conv1d(x, self.weight, self.padding, self.dilation, self.stride)
         return y + self.bias if "bias" in self else y
 
     def padded(self, x: mx.array, left: int, right: int) -> mx.array:
         """The convolution of x (B, T, C_in) with ``left`` and ``right`` more zero frames on its ends (causal
         and look-ahead convolutions). Off the CPU the convolution pads itself: ``mx.pad`` would be two more
         primitives (a fill and a copy), and S3Gen's host-bound estimator has 31 such convolutions a call."""
-        if _on_cpu():  # Conv1d's own call: a subclass's (CausalConv1d) pads through this method
+        if _products():  # Conv1d's own call: a subclass's (CausalConv1d) pads through this method
             return Conv1d.__call__(self, mx.pad(x, [(0, 0), (left, right), (0, 0)]))
         pad = self.padding
         y = mx.conv_general(
@@ -132,13 +152,14 @@ class Conv1d(nn.Conv1d):
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
-    """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv_transpose1d`` on the CPU."""
+    """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv_transpose1d`` on the CPU
+    (``PRODUCT_CONVS_OFF_CPU``: everywhere)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, padding: int = 0):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _on_cpu():
+        if not _products():
             return super().__call__(x)
         return conv_transpose1d(x, self.weight, self.stride, self.padding) + self.bias
 
