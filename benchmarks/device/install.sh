@@ -3,8 +3,8 @@
 #   1. carry [".whl/a"]: bash benchmarks/device/install.sh a
 #   2. carry [".whl/b", ".ptx"]: bash benchmarks/device/install.sh b
 #   3. carry [".whl/c", ".whl/d"]: bash benchmarks/device/install.sh c && <the work, e.g. start.sh>
-# For upstream's side of compare.py, first carry [".whl/e"], [".whl/f"], [".whl/g"] with install.sh e, f, g, those
-# that install.sh a says the image lacks (wheels.sh upstream makes them).
+# For upstream's side of compare.py, first carry [".whl/e"], [".whl/h"], ... with install.sh e, h, ..., those that
+# install.sh a says the image lacks (wheels.sh upstream makes them: e and h for run AO's image).
 # MLX-CUDA goes into the image's python3 (a venv does not see its torch); the rest into /tmp/site.
 # .ptx/ptx.tgz (ignored by git), when there is one, is MLX's kernel cache of an earlier lease (wait.sh brings it
 # back: cp /work/.device/N/ptx.tgz .ptx/): compiling our kernels took most of a fresh machine's 6 minutes of
@@ -30,6 +30,6 @@ case "$1" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/d/*.whl
     python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())"
     ;;
-  e | f | g) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/"$1"/*.whl ;;
-  *) echo "usage: install.sh a|b|c|e|f|g" >&2; exit 2 ;;
+  e | f | g | h | x) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/"$1"/*.whl ;;
+  *) echo "usage: install.sh a|b|c|e|f|g|h|x" >&2; exit 2 ;;
 esac

@@ -2,8 +2,9 @@
 # Issue 25's side by side with upstream on the GPU: text -> wav of 10 s, ours and upstream's ChatterboxTTS on the
 # machine's CUDA torch, each in its own process (GPU peak, time): bash benchmarks/device/start.sh upstream 500
 # Needs upstream's packages in /tmp/site first: `install.sh a` says which the image lacks, and `install.sh e`,
-# `f` (numba, llvmlite), `g` (scipy) install them from the wheels `wheels.sh upstream` makes (run AM's attempt
-# failed for want of them). compare.py first writes the random checkpoint with upstream's modules (~1 minute).
+# `h` (resemble-perth) and the others install them from the wheels `wheels.sh upstream` makes (run AM's attempt
+# failed for want of them; run AO's image needed e and h; there text -> wav took 0.95 s against
+# upstream's 5.97). compare.py first writes the random checkpoint with upstream's modules (~1 minute).
 # Lines go to ~/res/compare.jsonl; compare.py's log, each job's stderr in it, to ~/res/upstream.log.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 echo "== commit $BENCH_COMMIT"
