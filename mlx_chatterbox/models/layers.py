@@ -100,8 +100,9 @@ def _on_cpu() -> bool:
 
 # Conv1d and ConvTranspose1d as the products above off the CPU too (on the CPU they always are). MLX-CUDA
 # (0.32.4) builds a cuDNN graph for every convolution shape it meets and keeps 128 per thread
-# (MLX_CUDA_CONV_CACHE_SIZE); S3Gen runs about 41 shapes a length (HiFT 37), and a stream's decodes and a
-# server's requests all differ in length. Off until measured against MLX's convolutions (device/caches.sh).
+# (MLX_CUDA_CONV_CACHE_SIZE); S3Gen runs about 41 shapes a length (HiFT 37) and the watermark 3, a stream's
+# decodes and a server's requests all differ in length, and the server marks on 4 threads, each with its own
+# cache. Off until measured against MLX's convolutions (device/caches.sh).
 PRODUCT_CONVS_OFF_CPU = False
 
 

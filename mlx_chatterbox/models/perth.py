@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import Conv1d
+
 
 @dataclass(frozen=True)
 class PerthConfig:
@@ -59,7 +61,7 @@ class ConvLayer(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, act: bool = True):
         super().__init__()
-        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, padding=(kernel_size - 1) // 2)
+        self.conv = Conv1d(in_channels, out_channels, kernel_size, padding=(kernel_size - 1) // 2)
         self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
