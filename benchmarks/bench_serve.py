@@ -167,6 +167,11 @@ def summarize(results: list[Result], wall: float, sample_rate: int, streamed: bo
     return row
 
 
+def request_budget(tokens: int, spread: int, seed: int) -> int:
+    """A request's max_new_tokens: ``tokens``, or with ``--tokens-spread`` one drawn from tokens ± spread."""
+    return tokens + random.Random(seed).randint(-spread, spread) if spread else tokens
+
+
 def closed_loop(
     send: Callable[[int], Result], clients: int, requests: int | None, duration: float | None
 ) -> tuple[list[Result], float]:
@@ -545,6 +550,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=positive(float), help="seconds per scenario instead of --requests")
     p.add_argument("--tokens", type=positive(int), default=250, help="max_new_tokens of a request (25 = 1 s)")
     p.add_argument(
+        "--tokens-spread",
+        type=int,
+        default=0,
+        metavar="N",
+        help="request i's max_new_tokens drawn from --tokens ± N (seeded by --seed + i): random weights never "
+        "stop early, so without it every request has one length, and a GPU's per-shape plans stay cached as they "
+        "would not for real text",
+    )
+    p.add_argument(
         "--warm-up-tokens",
         type=positive(int),
         help="before each scenario, a closed loop of requests of this many tokens at its concurrency (an open loop's "
@@ -570,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--pid is for --url with --soak; a server started here is sampled by its own pid")
     if args.requests is not None and args.duration is not None:
         p.error("give --requests or --duration, not both")
+    if not 0 <= args.tokens_spread < args.tokens:
+        p.error(
+            f"--tokens-spread {args.tokens_spread}: it must lie in [0, --tokens) so that every budget is >= 1"
+        )
     if args.soak is None:
         if any(getattr(args, k) is not None for k in SOAK_FLAGS):
             p.error("--sample-every, --soak-warmup and --soak-tolerance are for --soak")
@@ -620,12 +638,13 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
     server = {k: health.get(k) for k in keys}
     rows = []
 
-    def sender(fmt_: str, tokens: int = args.tokens):
+    def sender(fmt_: str, tokens: int = args.tokens, vary: int = args.tokens_spread):
         extra = {"stream": True, "stream_format": "audio"} if fmt_ == "streamed" else {"stream": False}
 
         def send(i: int) -> Result:
             body = dict(model=health["model"], input=args.text, response_format="pcm", seed=args.seed + i)
-            return request(url, {**body, "max_new_tokens": tokens, **extra}, args.timeout)
+            budget = request_budget(tokens, vary, args.seed + i)
+            return request(url, {**body, "max_new_tokens": budget, **extra}, args.timeout)
 
         return send
 
@@ -633,12 +652,13 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> list[dict]:
         """The unrecorded round before a scenario (``--warm-up-tokens``): its size and how many came back whole."""
         if args.warm_up_tokens is None:
             return None
-        results, _ = closed_loop(sender(fmt_, args.warm_up_tokens), clients, clients, None)
+        results, _ = closed_loop(sender(fmt_, args.warm_up_tokens, 0), clients, clients, None)
         return dict(tokens=args.warm_up_tokens, requests=clients, ok=sum(r.ok for r in results))
 
     def emit(scenario: str, fmt_: str, results: list[Result], wall: float, before: dict, **extra) -> None:
         """One scenario's row, ``before``: the server's /metrics as it began."""
         row = dict(bench="serve", scenario=scenario, format=fmt_, tokens=args.tokens, server=server, **extra)
+        row.update(tokens_spread=args.tokens_spread, seed=args.seed)
         row.update(summarize(results, wall, sample_rate, fmt_ == "streamed"))
         row.update(worker=worker_breakdown(before, scrape(url)))
         # MLX's active, peak (since the server started) and cached bytes once the scenario is over: how much

@@ -15,6 +15,8 @@ import httpx
 from tests.test_serve_process import Serve, model  # noqa: F401  (model: the fixture, a tiny converted model)
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_serve import request_budget  # noqa: E402
 
 
 def bench(*args: str, timeout: float = 120) -> str:
@@ -57,7 +59,11 @@ def check_worker(row: dict, streamed: bool) -> None:
     phases = w["phases"]["worker"]
     assert set(w["phases"]) == {"worker"}
     assert phases["t3_step"]["seconds"] > 0 and w["t3_rows_per_step"] >= 1
-    assert phases["t3_step"]["rows"] == row["requests"] * row["tokens"]  # random weights never stop
+    # Random weights never stop: request i takes its whole budget.
+    budgets = [
+        request_budget(row["tokens"], row["tokens_spread"], row["seed"] + i) for i in range(row["requests"])
+    ]
+    assert phases["t3_step"]["rows"] == sum(budgets)
     busy, vocoded = ("stream_decode", "emit"), ("vocode", "hand_over")
     for name in busy if streamed else vocoded:
         assert phases[name]["seconds"] > 0 and phases[name]["calls"] > 0, name
@@ -91,6 +97,42 @@ def test_closed_and_open_loops_streamed_and_whole(tmp_path):
     assert "| scenario | idle | gc | admit | t3_step |" in stdout  # the worker's
     timing = "| scenario | TTFA p50 ms | admitted | first-token | first-chunk | first-audio | first-ready |"
     assert timing in stdout  # Server-Timing's medians
+
+
+def test_tokens_spread_gives_each_request_its_own_budget(model, tmp_path):  # noqa: F811
+    """``--tokens-spread``: request i's budget drawn from tokens ± spread with seed + i (the worker's T3 rows are
+    their sum: check_worker), so the lengths differ as real text's do; a spread that could reach 0 is refused.
+    """
+    budgets = [request_budget(20, 6, 3 + i) for i in range(4)]
+    assert len(set(budgets)) > 1 and all(14 <= b <= 26 for b in budgets)
+    s = Serve(model, tmp_path / "voices")
+    try:
+        out = tmp_path / "spread.jsonl"
+        args = [
+            "--url",
+            s.url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--formats",
+            "whole",
+            "--tokens",
+            "20",
+        ]
+        bench(*args, "--tokens-spread", "6", "--seed", "3", "--out", str(out))
+        refused = subprocess.run(
+            [sys.executable, "benchmarks/bench_serve.py", *args, "--tokens-spread", "20"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        s.stop()
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["tokens_spread"] == 6 and row["seed"] == 3
+    check_sane(row, 4, streamed=False)
+    assert refused.returncode == 2 and "--tokens-spread 20: it must lie in [0, --tokens)" in refused.stderr
 
 
 def test_soak_samples_rss_and_mlx_memory(model, tmp_path):  # noqa: F811

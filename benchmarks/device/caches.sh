@@ -38,12 +38,15 @@ probe turbo 250 check
 for way in shipped cache1024 products; do probe turbo 250 $way; done
 for way in shipped products; do probe turbo 100 $way; done
 for way in shipped products; do probe english 250 $way; done
-one="--concurrency 1 --requests 8 --formats streamed --tokens 250"
+# Then whole requests one at a time, each of its own length (--tokens-spread): text -> wav as real text meets it.
+one="--concurrency 1 --requests 8 --tokens 250"
 flags="--warm-batches off --first-chunk 15 --cfm-dtype bfloat16"
 echo "== served, shipped at $(date +%T)"
-bash "$here/named.sh" caches_shipped turbo "$flags" "$one"
+bash "$here/named.sh" caches_shipped turbo "$flags" "$one --formats streamed" "$one --formats whole --tokens-spread 100"
 echo "== served, cache1024 at $(date +%T)"
-MLX_CUDA_CONV_CACHE_SIZE=1024 bash "$here/named.sh" caches_cache1024 turbo "$flags" "$one"
+MLX_CUDA_CONV_CACHE_SIZE=1024 bash "$here/named.sh" caches_cache1024 turbo "$flags" "$one --formats streamed" \
+    "$one --formats whole --tokens-spread 100"
 echo "== served, products at $(date +%T)"
-SERVE_PATH=$products bash "$here/named.sh" caches_products turbo "$flags" "$one"
+SERVE_PATH=$products bash "$here/named.sh" caches_products turbo "$flags" "$one --formats streamed" \
+    "$one --formats whole --tokens-spread 100"
 echo "== done"
