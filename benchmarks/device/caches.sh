@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Whether cuDNN's per-shape convolution graphs are why a stream's decodes are slow in the vocoding process
-# (issue 25), in one lease (~12 minutes after the installs; a later call waits on with wait.sh):
+# (issue 25), in one lease (~14 minutes after the installs; a later call waits on with wait.sh):
 #   bash benchmarks/device/start.sh caches 560
 # Run AO (H100, Turbo, bf16 estimator, first chunk 15, probe_first_audio's worker-process): the first decode took
 # 54 ms at a 100-token budget, 65 at 150, 155 at 250 and 140 at 400; served at 250 tokens it was ~60 or ~160 ms,
