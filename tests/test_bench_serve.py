@@ -108,18 +108,7 @@ def test_tokens_spread_gives_each_request_its_own_budget(model, tmp_path):  # no
     s = Serve(model, tmp_path / "voices")
     try:
         out = tmp_path / "spread.jsonl"
-        args = [
-            "--url",
-            s.url,
-            "--concurrency",
-            "2",
-            "--requests",
-            "4",
-            "--formats",
-            "whole",
-            "--tokens",
-            "20",
-        ]
+        args = ["--url", s.url, *"--concurrency 2 --requests 4 --formats whole --tokens 20".split()]
         bench(*args, "--tokens-spread", "6", "--seed", "3", "--out", str(out))
         refused = subprocess.run(
             [sys.executable, "benchmarks/bench_serve.py", *args, "--tokens-spread", "20"],
