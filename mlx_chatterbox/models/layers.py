@@ -70,8 +70,7 @@ def conv1d(x: mx.array, weight: mx.array, padding: int = 0, dilation: int = 1, s
     if k == 1 and stride == 1:
         cols = x
     else:
-        views = [x[:, j * dilation : j * dilation + span : stride] for j in range(k)]
-        cols = views[0] if k == 1 else mx.concatenate(views, axis=-1)
+        cols = mx.concatenate([x[:, j * dilation : j * dilation + span : stride] for j in range(k)], axis=-1)
     return cols @ weight.reshape(weight.shape[0], -1).T  # (B, T', k·C_in) @ (k·C_in, C_out)
 
 
