@@ -45,23 +45,31 @@ def test_malloc_setting_is_applied_and_reported_on_linux(monkeypatch):
     assert _backend.STATUS["malloc"].startswith("large arrays from the heap")  # what import did
 
 
-def test_mlx_cache_check_is_off_unless_the_user_set_it(monkeypatch):
-    """MLX-CUDA's caches raise once they have missed twice their size in a process's life; the package turns
-    that check off (``MLX_ENABLE_CACHE_THRASHING_CHECK=0``) unless the user chose, and reports which."""
-    monkeypatch.delenv(_backend.CACHE_CHECK_VAR, raising=False)
+@pytest.mark.parametrize(
+    "var, key, ours, status",
+    [
+        # MLX-CUDA's caches raise once they have missed twice their size in a process's life: off.
+        ("MLX_ENABLE_CACHE_THRASHING_CHECK", "mlx_caches", "0", "MLX-CUDA's caches evict"),
+        # 128 cuDNN convolution graphs a thread are 3-4 of a server's S3Gen decodes: 1,024.
+        ("MLX_CUDA_CONV_CACHE_SIZE", "conv_graphs", "1024", "MLX-CUDA keeps that many convolution graphs"),
+    ],
+)
+def test_mlx_cuda_cache_settings_are_ours_unless_the_user_set_them(monkeypatch, var, key, ours, status):
+    """The package sets MLX-CUDA's cache variables when it is imported, unless the user chose, and reports
+    which."""
+    setting = {"mlx_caches": _backend._cache_check, "conv_graphs": _backend._conv_cache}[key]
+    monkeypatch.delenv(var, raising=False)
     done = run_python(
-        "import os, mlx_chatterbox; from mlx_chatterbox import _backend; "
-        "print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'], _backend.STATUS['mlx_caches'])"
+        f"import os, mlx_chatterbox; from mlx_chatterbox import _backend; "
+        f"print(os.environ['{var}'], _backend.STATUS['{key}'])"
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(
-        "0 MLX_ENABLE_CACHE_THRASHING_CHECK=0: MLX-CUDA's caches evict"
-    ), done.stdout
-    assert _backend._cache_check().startswith("MLX_ENABLE_CACHE_THRASHING_CHECK=0: MLX-CUDA's caches evict")
-    assert os.environ[_backend.CACHE_CHECK_VAR] == "0"
-    monkeypatch.setenv(_backend.CACHE_CHECK_VAR, "1")
-    assert _backend._cache_check() == "MLX_ENABLE_CACHE_THRASHING_CHECK=1 (set by the user)"
-    assert os.environ[_backend.CACHE_CHECK_VAR] == "1"
+    assert done.stdout.startswith(f"{ours} {var}={ours}: {status}"), done.stdout
+    assert setting().startswith(f"{var}={ours}: {status}")
+    assert os.environ[var] == ours
+    monkeypatch.setenv(var, "7")
+    assert setting() == f"{var}=7 (set by the user)"
+    assert os.environ[var] == "7"
 
 
 @pytest.fixture(scope="module")
