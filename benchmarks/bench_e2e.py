@@ -34,7 +34,14 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
-from common import bare_upstream, machine_info, memory_budget, refuse_torch_cpu_beside_preload, write_line
+from common import (
+    bare_upstream,
+    machine_info,
+    memory_budget,
+    refuse_torch_cpu_beside_preload,
+    request_budget,
+    write_line,
+)
 
 from mlx_chatterbox.generation import watermark as watermark_module
 from mlx_chatterbox.models import cfm
@@ -149,11 +156,13 @@ def bench_ours(
     built: str | None = None,
     cfm_dtype: str = "float32",
     s3gen_budget: int | str | None = "auto",
+    spread: int = 0,
 ) -> dict:
     """``built`` ("tiny" or "full"): a model built here with random weights (bench_stream.build: no checkpoint,
     no torch, its random voice and a toy tokenizer) instead of the checkpoint and a cloned voice; no voice is
     prepared then. ``cfm_dtype``: the estimator's dtype (``TTS.load(cfm_dtype=)``); ``s3gen_budget``:
-    ``S3Gen.memory_budget``."""
+    ``S3Gen.memory_budget``; ``spread``: run ``seed`` makes ``request_budget(tokens, spread, seed)`` tokens.
+    """
     from mlx_chatterbox import TTS, SamplingParams
     from mlx_chatterbox.convert import prepare
     from mlx_chatterbox.generation.speech_tokens import generate_speech_tokens
@@ -187,10 +196,11 @@ def bench_ours(
     else:
         voice, voice_first, voices = tts.builtin_voice, None, None
     # The public API stops at EOS; generate_speech_tokens(stop_on_eos=False) is what TTS.speech_tokens runs.
-    params = SamplingParams(max_new_tokens=tokens, exaggeration=EXAGGERATION, **KNOBS)
     cfg = tts.t3.config
 
     def once(seed: int) -> dict:
+        n = request_budget(tokens, spread, seed)
+        params = SamplingParams(max_new_tokens=n, exaggeration=EXAGGERATION, **KNOBS)
         t0 = time.perf_counter()
         ids = tts.text_ids(TEXT)
         raw = list(
@@ -202,14 +212,19 @@ def bench_ours(
         if watermark:
             wav = tts.watermarker().apply(wav, tts.sample_rate)
         t3 = time.perf_counter()
-        assert len(raw) == tokens, f"expected {tokens} tokens, got {len(raw)}"
+        assert len(raw) == n, f"expected {n} tokens, got {len(raw)}"
         return dict(
-            total_s=t3 - t0, t3_s=t1 - t0, s3gen_s=t2 - t1, watermark_s=t3 - t2, samples=wav.shape[-1]
+            total_s=t3 - t0,
+            t3_s=t1 - t0,
+            s3gen_s=t2 - t1,
+            watermark_s=t3 - t2,
+            samples=wav.shape[-1],
+            tokens=n,
         )
 
     once(0)  # warm-up (also loads the watermarker)
     mx.reset_peak_memory()
-    result = summarize([once(1 + i) for i in range(repeats)], tokens)
+    result = summarize([once(1 + i) for i in range(repeats)])
     result.update(
         model=(
             "checkpoint" if built is None else f"built {built} (random weights, toy tokenizer, random voice)"
@@ -254,6 +269,7 @@ def bench_upstream(
     watermark: bool,
     device: str | None,
     src: str | None,
+    spread: int = 0,
 ) -> dict:
     import torch
 
@@ -294,6 +310,7 @@ def bench_upstream(
     def once(seed: int) -> dict:
         # ChatterboxTTS.generate's steps, with max_new_tokens = tokens (generate fixes it at 1000) and the
         # out-of-range ids folded instead of dropped (see fold).
+        n = request_budget(tokens, spread, seed)
         torch.manual_seed(seed)
         sync()
         t0 = time.perf_counter()
@@ -302,7 +319,7 @@ def bench_upstream(
         text = torch.nn.functional.pad(text, (1, 0), value=tts.t3.hp.start_text_token)
         text = torch.nn.functional.pad(text, (0, 1), value=tts.t3.hp.stop_text_token)
         with torch.inference_mode():
-            ids = tts.t3.inference(t3_cond=tts.conds.t3, text_tokens=text, max_new_tokens=tokens, **KNOBS)[0]
+            ids = tts.t3.inference(t3_cond=tts.conds.t3, text_tokens=text, max_new_tokens=n, **KNOBS)[0]
             sync()
             t1 = time.perf_counter()
             wav, _ = tts.s3gen.inference(speech_tokens=ids % SPEECH_CODES, ref_dict=tts.conds.gen)
@@ -311,15 +328,20 @@ def bench_upstream(
         if watermark:
             wav = tts.watermarker.apply_watermark(wav, sample_rate=tts.sr)
         t3 = time.perf_counter()
-        assert ids.shape[-1] == tokens, f"expected {tokens} tokens, got {ids.shape[-1]}"
+        assert ids.shape[-1] == n, f"expected {n} tokens, got {ids.shape[-1]}"
         return dict(
-            total_s=t3 - t0, t3_s=t1 - t0, s3gen_s=t2 - t1, watermark_s=t3 - t2, samples=wav.shape[-1]
+            total_s=t3 - t0,
+            t3_s=t1 - t0,
+            s3gen_s=t2 - t1,
+            watermark_s=t3 - t2,
+            samples=wav.shape[-1],
+            tokens=n,
         )
 
     once(0)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    result = summarize([once(1 + i) for i in range(repeats)], tokens)
+    result = summarize([once(1 + i) for i in range(repeats)])
     result.update(
         torch_device=str(dev),
         load_s=round(load_s, 2),
@@ -338,18 +360,18 @@ def bench_upstream(
     return result
 
 
-def summarize(runs: list[dict], tokens: int) -> dict:
-    """Medians of the per-run stage times; the RTF is over the audio the run made."""
+def summarize(runs: list[dict]) -> dict:
+    """Medians of the per-run stage times; the RTF is each run's time over the audio it made, and T3's speed
+    its tokens over its time (runs differ in length with --tokens-spread)."""
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    audio_s = med["samples"] / SAMPLE_RATE
     return dict(
         total_s=round(med["total_s"], 4),
         t3_s=round(med["t3_s"], 4),
         s3gen_s=round(med["s3gen_s"], 4),
         watermark_s=round(med["watermark_s"], 4),
-        audio_s=round(audio_s, 3),
-        rtf=round(med["total_s"] / audio_s, 4),
-        t3_tok_s=round(tokens / med["t3_s"], 2),
+        audio_s=round(med["samples"] / SAMPLE_RATE, 3),
+        rtf=round(statistics.median(r["total_s"] * SAMPLE_RATE / r["samples"] for r in runs), 4),
+        t3_tok_s=round(statistics.median(r["tokens"] / r["t3_s"] for r in runs), 2),
     )
 
 
@@ -367,6 +389,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--tokens", type=int, default=250, help="speech tokens per request (25 per second of audio)"
+    )
+    p.add_argument(
+        "--tokens-spread",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run i makes a number of tokens drawn from --tokens ± N (seeded by i, the same for both systems): "
+        "every length new, as real text meets the GPU's per-shape plans",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; medians are reported")
     p.add_argument("--no-watermark", action="store_true", help="leave out perth's watermark on both systems")
@@ -406,6 +436,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("unknown system")
     if args.tokens < 1 or args.repeats < 1:
         p.error("--tokens and --repeats must be >= 1")
+    if not 0 <= args.tokens_spread < args.tokens:
+        p.error(
+            f"--tokens-spread {args.tokens_spread}: it must lie in [0, --tokens) so that every run makes a token"
+        )
     if args.built and set(systems) != {"ours"}:
         p.error("--built runs ours alone (--systems ours)")
     if args.cfm_dtype not in ("float32", "bfloat16", "float16"):
@@ -451,18 +485,27 @@ def main(argv: list[str] | None = None) -> None:
                     args.built,
                     args.cfm_dtype,
                     args.memory_budget,
+                    args.tokens_spread,
                 ),
                 mlx_device,
             )
         else:
             res = bench_upstream(
-                checkpoint, clip, args.tokens, args.repeats, watermark, args.torch_device, args.upstream_src
+                checkpoint,
+                clip,
+                args.tokens,
+                args.repeats,
+                watermark,
+                args.torch_device,
+                args.upstream_src,
+                args.tokens_spread,
             )
             dev = res.pop("torch_device")
         row = dict(
             system=system,
             device=dev,
             tokens=args.tokens,
+            tokens_spread=args.tokens_spread,
             repeats=args.repeats,
             clip_s=None if args.built else args.clip_seconds,
         )

@@ -51,7 +51,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common import REPO, machine_info, write_line
+from common import REPO, machine_info, request_budget, write_line
 
 TEXT = "Speech synthesis turns written text into spoken words, and this voice was cloned a moment ago."
 BYTES_PER_SAMPLE = 2  # response_format pcm: 16-bit mono
@@ -165,11 +165,6 @@ def summarize(results: list[Result], wall: float, sample_rate: int, streamed: bo
             wait_s_per_stream={**spread(waits, (50, 95)), "max": max(waits, default=None)},
         )
     return row
-
-
-def request_budget(tokens: int, spread: int, seed: int) -> int:
-    """A request's max_new_tokens: ``tokens``, or with ``--tokens-spread`` one drawn from tokens ± spread."""
-    return tokens + random.Random(seed).randint(-spread, spread) if spread else tokens
 
 
 def closed_loop(

@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import types
@@ -93,6 +94,13 @@ def memory_budget(value: str) -> int | str | None:
     if value.isdigit():
         return int(value) * 2**20
     raise argparse.ArgumentTypeError(f"{value!r}: auto, none, or a whole number of MiB")
+
+
+def request_budget(tokens: int, spread: int, seed: int) -> int:
+    """A request's speech tokens: ``tokens``, or with ``--tokens-spread`` one drawn from tokens ± spread (random
+    weights never stop early, so without a spread every request has one length and meets the GPU's per-shape
+    plans warm, as real text would not)."""
+    return tokens + random.Random(seed).randint(-spread, spread) if spread else tokens
 
 
 def write_line(row: dict, out: str | None) -> None:

@@ -55,3 +55,19 @@ def test_mark_spectra_and_memory_budget_rows_and_refusal(tmp_path):
     assert rows[0]["memory_budget"] == 64 * 2**20
     done = run("--built", "tiny", "--mark-spectra", "host", "--no-watermark")
     assert done.returncode == 2 and "--mark-spectra applies to ours" in done.stderr
+
+
+def test_tokens_spread_gives_each_run_its_length(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import request_budget
+
+    out = tmp_path / "e2e.jsonl"
+    done = run("--built", "tiny", "--tokens", "20", "--tokens-spread", "6", "--repeats", "3", "--no-watermark",
+               "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    lengths = sorted(request_budget(20, 6, seed) for seed in (1, 2, 3))  # the timed runs' seeds
+    assert len(set(lengths)) > 1 and row["tokens_spread"] == 6
+    assert row["audio_s"] == round(lengths[1] * 0.04, 3)  # the median run's audio
+    done = run("--built", "tiny", "--tokens", "20", "--tokens-spread", "20")
+    assert done.returncode == 2 and "--tokens-spread 20: it must lie in [0, --tokens)" in done.stderr

@@ -16,7 +16,7 @@ from tests.test_serve_process import Serve, model  # noqa: F401  (model: the fix
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serve import request_budget  # noqa: E402
+from common import request_budget  # noqa: E402
 
 
 def bench(*args: str, timeout: float = 120) -> str:
