@@ -98,10 +98,11 @@ def _on_cpu() -> bool:
 
 
 # Conv1d and ConvTranspose1d as the products above off the CPU too (on the CPU they always are). MLX-CUDA
-# (0.32.4) builds a cuDNN graph for every convolution shape it meets and keeps 128 per thread
-# (MLX_CUDA_CONV_CACHE_SIZE); S3Gen runs about 41 shapes a length (HiFT 37) and the watermark 3, a stream's
-# decodes and a server's requests all differ in length, and the server marks on 4 threads, each with its own
-# cache. Off until measured against MLX's convolutions (device/caches.sh).
+# (0.32.4) builds a cuDNN graph for every convolution shape it meets (S3Gen runs about 41 shapes a length, HiFT
+# 37), which products never do: run AP (H100) took whole served requests of varied length from 801 to 631 ms
+# with them, but a server of 16 streams ran out of GPU memory (an im2col holds k times its input, and MLX keeps
+# a queued kernel's buffers until the GPU has run it). Off: a benchmark's switch; _backend.py's larger graph
+# cache and hift.LENGTH_RUNGS are the ways that cost no memory.
 PRODUCT_CONVS_OFF_CPU = False
 
 
