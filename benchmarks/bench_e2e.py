@@ -213,14 +213,7 @@ def bench_ours(
             wav = tts.watermarker().apply(wav, tts.sample_rate)
         t3 = time.perf_counter()
         assert len(raw) == n, f"expected {n} tokens, got {len(raw)}"
-        return dict(
-            total_s=t3 - t0,
-            t3_s=t1 - t0,
-            s3gen_s=t2 - t1,
-            watermark_s=t3 - t2,
-            samples=wav.shape[-1],
-            tokens=n,
-        )
+        return run_row(t0, t1, t2, t3, wav.shape[-1], n)
 
     once(0)  # warm-up (also loads the watermarker)
     mx.reset_peak_memory()
@@ -329,14 +322,7 @@ def bench_upstream(
             wav = tts.watermarker.apply_watermark(wav, sample_rate=tts.sr)
         t3 = time.perf_counter()
         assert ids.shape[-1] == n, f"expected {n} tokens, got {ids.shape[-1]}"
-        return dict(
-            total_s=t3 - t0,
-            t3_s=t1 - t0,
-            s3gen_s=t2 - t1,
-            watermark_s=t3 - t2,
-            samples=wav.shape[-1],
-            tokens=n,
-        )
+        return run_row(t0, t1, t2, t3, wav.shape[-1], n)
 
     once(0)
     if cuda:
@@ -358,6 +344,13 @@ def bench_upstream(
         perth_stub=sys.modules["perth"].__spec__ is None,
     )
     return result
+
+
+def run_row(t0: float, t1: float, t2: float, t3: float, samples: int, tokens: int) -> dict:
+    """One run: its stage times from four clock readings (start, T3 done, S3Gen done, marked), samples, tokens."""
+    return dict(
+        total_s=t3 - t0, t3_s=t1 - t0, s3gen_s=t2 - t1, watermark_s=t3 - t2, samples=samples, tokens=tokens
+    )
 
 
 def summarize(runs: list[dict]) -> dict:
