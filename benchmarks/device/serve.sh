@@ -33,6 +33,9 @@ for scenario in "$@"; do
   timeout 900 python3 benchmarks/bench_serve.py --url http://127.0.0.1:8000 $scenario --out ~/res/serve.jsonl 2>&1 \
       | grep -v '^{'
 done
+# The device memory each process holds at the end: MLX's peak in the rows leaves out what cuDNN's graphs, cuFFT's
+# plans and CUDA's own context take.
+nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv 2>/dev/null | sed 's/^/gpu memory: /'
 kill -INT $server
 wait $server
 echo "== done"
