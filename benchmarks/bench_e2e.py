@@ -197,26 +197,36 @@ def bench_ours(
         voice, voice_first, voices = tts.builtin_voice, None, None
     # The public API stops at EOS; generate_speech_tokens(stop_on_eos=False) is what TTS.speech_tokens runs.
     cfg = tts.t3.config
+    stage_peaks = dict.fromkeys(("t3", "s3gen", "watermark"), 0)  # MLX's peak in each stage, over the runs
+
+    def peak(stage: str) -> None:
+        """Note the stage's peak (every stage ends synchronised: tokens, then numpy samples) and start anew."""
+        stage_peaks[stage] = max(stage_peaks[stage], mx.get_peak_memory())
+        mx.reset_peak_memory()
 
     def once(seed: int) -> dict:
         n = request_budget(tokens, spread, seed)
         params = SamplingParams(max_new_tokens=n, exaggeration=EXAGGERATION, **KNOBS)
+        mx.reset_peak_memory()
         t0 = time.perf_counter()
         ids = tts.text_ids(TEXT)
         raw = list(
             generate_speech_tokens(tts.t3, voice, ids, params, key=mx.random.key(seed), stop_on_eos=False)
         )
         t1 = time.perf_counter()
+        peak("t3")
         wav = tts.vocode(fold(raw).astype(np.int32), voice, seed=seed, watermark=False)
         t2 = time.perf_counter()
+        peak("s3gen")
         if watermark:
             wav = tts.watermarker().apply(wav, tts.sample_rate)
         t3 = time.perf_counter()
+        peak("watermark")
         assert len(raw) == n, f"expected {n} tokens, got {len(raw)}"
         return run_row(t0, t1, t2, t3, wav.shape[-1], n)
 
     once(0)  # warm-up (also loads the watermarker)
-    mx.reset_peak_memory()
+    stage_peaks.update(dict.fromkeys(stage_peaks, 0))
     result = summarize([once(1 + i) for i in range(repeats)])
     result.update(
         model=(
@@ -228,8 +238,10 @@ def bench_ours(
         voice_first_s=None if voices is None else round(voice_first, 3),
         voice_s=None if voices is None else round(statistics.median(voices), 3),
         prompt_tokens=int(voice.s3gen_prompt_tokens.shape[1]),
-        peak_mem_bytes=mx.get_peak_memory(),
+        peak_mem_bytes=max(stage_peaks.values()),
         peak_mem_kind="mx.get_peak_memory over the text -> wav runs, weights included",
+        stage_peak_mib={stage: round(b / 2**20) for stage, b in stage_peaks.items()},
+        resident_mib=round(mx.get_active_memory() / 2**20),
         backend=_backend.STATUS,
         text_ids=len(tts.text_ids(TEXT)),
         eos="generate_speech_tokens(stop_on_eos=False)",
@@ -524,6 +536,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{(r['peak_mem_bytes'] or float('nan')) / 2**20:>9.0f}",
             file=sys.stderr,
         )
+        if "stage_peak_mib" in r:
+            stages = ", ".join(f"{stage} {mib}" for stage, mib in r["stage_peak_mib"].items())
+            print(f"  {r['system']}: peak MiB by stage {stages}; {r['resident_mib']} after", file=sys.stderr)
 
 
 if __name__ == "__main__":
