@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# HiFT at rung lengths (hift.LENGTH_RUNGS) against the shipped library, whose MLX-CUDA now keeps 1,024 cuDNN
-# convolution graphs a thread (_backend.py, from run AP), in one lease (~13 minutes after the installs; a second
-# call waits on with wait.sh): bash benchmarks/device/start.sh rungs 560
+# HiFT at rung lengths (hift.LENGTH_RUNGS) against the shipped library, whose MLX-CUDA now keeps 1,024
+# cuDNN convolution graphs a thread (_backend.py, from run AP), in one lease (~13 minutes after the installs;
+# a second call waits on with wait.sh): bash benchmarks/device/start.sh rungs 560
 # Run AP (H100): a new length costs ~100-170 ms of graph building. A cache of 1,024 took a lone served Turbo
 # stream's first audio from 217 to 115 ms (its first chunk's graphs stay), but not whole requests of varied
 # length (800 ms either way: each length is new); our im2col products, which need no graph, took those to 631
@@ -10,9 +10,10 @@
 # sitecustomize.py on the path of every process, the vocoding one too, turns them on).
 # 1. tests/test_hift.py (the rungs' samples against the unpadded call) and tests/test_backend.py on the GPU.
 # 2. Text -> wav (bench_e2e --built full, bf16 estimator) at 250 tokens ± 100, each way, and shipped at one
-#    length (issue 25's 0.48-0.55 s were measured so), into ~/res/e2e_rungs.jsonl.
-# 3. Served Turbo and English, one stream at a time at 250 tokens (first audio) and whole requests of 250 ± 100,
-#    shipped and rungs; then Turbo, 16 streams of 250 ± 100 at a time (run AP: shipped TTFA p50 1.20 s).
+#    length (issue 25's 0.48-0.55 s were measured so), into ~/res/e2e_rungs_<way>.jsonl, with the peak of
+#    each stage.
+# 3. Served Turbo and English, one stream at a time at 250 tokens (first audio) and whole requests of
+#    250 ± 100, shipped and rungs; then Turbo, 16 streams of 250 ± 100 at a time (run AP: TTFA p50 1.20 s).
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
@@ -29,7 +30,7 @@ e2e() {  # way, then bench_e2e's flags
   esac
   echo "== bench_e2e $way $* at $(date +%T)"
   env "${settings[@]}" timeout 300 python3 benchmarks/bench_e2e.py --built full --cfm-dtype bfloat16 \
-      --tokens 250 --repeats 5 "$@" --out ~/res/e2e_rungs_$way.jsonl 2>&1 | grep -v '^{' | tail -1
+      --tokens 250 --repeats 5 "$@" --out ~/res/e2e_rungs_$way.jsonl 2>&1 | grep -v "^{" | tail -2
 }
 for way in cache128 shipped rungs; do e2e $way --tokens-spread 100; done
 e2e shipped
