@@ -272,19 +272,8 @@ def test_fused_snake_equals_the_composed_snake():
 
 
 def test_rungs_are_multiples_of_an_eighth_of_the_length():
-    assert [hift_module.rung(n) for n in (1, 8, 9, 63, 64, 65, 127, 128, 129, 500, 1000)] == [
-        8,
-        8,
-        16,
-        64,
-        64,
-        72,
-        128,
-        128,
-        144,
-        512,
-        1024,
-    ]
+    frames = (1, 8, 9, 63, 64, 65, 127, 128, 129, 500, 1000)
+    assert [hift_module.rung(n) for n in frames] == [8, 8, 16, 64, 64, 72, 128, 128, 144, 512, 1024]
     for n in range(1, 3000):
         r = hift_module.rung(n)
         assert n <= r < n + max(8, n / 8) and hift_module.rung(r) == r

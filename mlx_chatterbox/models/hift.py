@@ -344,11 +344,11 @@ class HiFT(nn.Module):
         """mel: (B, T, 80) log-mel. Returns f0 (B, T) in Hz (not negative). ``lengths`` (B,) int32: row b's
         frames, the rest padding; its first lengths[b] values are those of the row alone."""
         b, t, _ = mel.shape
-        if LENGTH_RUNGS and rung(t) > t:
-            return self.f0_predictor(
-                _padded(mel, rung(t)), _frame_mask(_row_lengths(lengths, b, t), rung(t))
-            )[:, :t]
-        return self.f0_predictor(mel, _frame_mask(lengths, t))
+        width = rung(t) if LENGTH_RUNGS else t
+        if width > t:
+            mel, lengths = _padded(mel, width), _row_lengths(lengths, b, t)
+        f0 = self.f0_predictor(mel, _frame_mask(lengths, width))
+        return f0 if width == t else f0[:, :t]
 
     def draw_source(self, batch: int, frames: int, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """The random inputs of ``source`` for (batch, frames) mel frames, from ``key`` (or MLX's global
