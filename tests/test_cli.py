@@ -23,6 +23,7 @@ from mlx_chatterbox.cli.common import flags
 from mlx_chatterbox.cli.progress import log_format
 from mlx_chatterbox.convert import ConversionError, convert, source_config
 from mlx_chatterbox.generation.speech_tokens import refuse_language
+from mlx_chatterbox.generation.stream import FIRST_CHUNK
 from mlx_chatterbox.hybrid import INSTALL_HINT
 from mlx_chatterbox.variants import PRESETS
 from tests.conftest import TINY_MODEL, TINY_TURBO, random_voice, write_upstream_checkpoint
@@ -335,13 +336,25 @@ def test_usage_errors_are_one_line(capsys, argv, message):
         (["tokens", "", "-o", "t.txt"], "the text is empty"),
         (["bench", "--voice", "missing.safetensors"], "--voice missing.safetensors: no such file"),
         # Knob ranges the model sets, from its variant's sizes (the default model is English: 4096 tokens).
-        (["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"], "--max-new-tokens 5000 is out of range: at most 4096"),
+        (
+            ["say", "Hi.", "-o", "out.wav", "--max-new-tokens", "5000"],
+            "--max-new-tokens 5000 is out of range: at most 4096",
+        ),
         (["say", "Hi.", "-o", "o.wav", "--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
-        (["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"], "--max-new-tokens 9000 is out of range: at most 8193"),
+        (
+            ["tokens", "Hi.", "--variant", "turbo", "--max-new-tokens", "9000"],
+            "--max-new-tokens 9000 is out of range: at most 8193",
+        ),
         # Recordings and voice files are read and checked before the model loads.
-        (["say", "Hi.", "--voice", "ref.wav", "-o", "out.wav"], "ref.wav: not an audio file libsndfile can read"),
+        (
+            ["say", "Hi.", "--voice", "ref.wav", "-o", "out.wav"],
+            "ref.wav: not an audio file libsndfile can read",
+        ),
         (["say", "Hi.", "--voice", "silent.wav", "-o", "out.wav"], "the reference is silent"),
-        (["say", "Hi.", "--voice", "bad.safetensors", "-o", "o.wav"], "is not a readable safetensors voice file"),
+        (
+            ["say", "Hi.", "--voice", "bad.safetensors", "-o", "o.wav"],
+            "is not a readable safetensors voice file",
+        ),
         (["voice", "ref.wav", "-o", "v.safetensors"], "ref.wav: not an audio file libsndfile can read"),
         (["voice", "silent.wav", "-o", "v.safetensors"], "the reference is silent"),
         (["vc", "silent.wav", "-o", "out.wav"], "the source is silent"),
@@ -434,7 +447,8 @@ def test_say_shows_progress_over_pieces_on_a_terminal(model, tmp_path, monkeypat
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main([*args, "--max-new-tokens", "5000", "-o", str(tmp_path / "c.wav")]) == 1
     assert (
-        terminal.getvalue().count("\n") == 1 and "--max-new-tokens 5000 is out of range" in terminal.getvalue()
+        terminal.getvalue().count("\n") == 1
+        and "--max-new-tokens 5000 is out of range" in terminal.getvalue()
     )
 
 
@@ -647,9 +661,23 @@ def test_serve_warms_the_worker_up_before_it_listens(model, tmp_path, monkeypatc
     from mlx_chatterbox.server.worker import Worker
 
     calls = []
-    monkeypatch.setattr(Worker, "warm_up", lambda self, voice, language=None: calls.append(("warm_up", language)))
+    monkeypatch.setattr(
+        Worker, "warm_up", lambda self, voice, language, first_chunk: calls.append(("warm_up", first_chunk))
+    )
     monkeypatch.setattr(run, "serve", lambda app, **kwargs: calls.append(("serve", kwargs["port"])))
     voice = str(tmp_path / "voice.safetensors")
-    argv = ["serve", "--model", str(model), "--voice", voice, "--voices", str(tmp_path / "v"), "--port", "8123"]
+    argv = [
+        "serve",
+        "--model",
+        str(model),
+        "--voice",
+        voice,
+        "--voices",
+        str(tmp_path / "v"),
+        "--port",
+        "8123",
+    ]
     assert main(argv) == 0
-    assert calls == [("warm_up", None), ("serve", 8123)]
+    assert main([*argv, "--first-chunk", "12"]) == 0
+    # The streams' first chunk: with MLX-CUDA their first decode's convolution graphs are built then.
+    assert calls == [("warm_up", FIRST_CHUNK), ("serve", 8123), ("warm_up", 12), ("serve", 8123)]

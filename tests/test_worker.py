@@ -295,9 +295,14 @@ def test_warm_up_traces_the_decode_step_and_leaves_the_worker_idle(tts):
     t3 = tts.speech.t3
     t3.compiled_steps.clear()
     with Worker(tts) as worker:
-        worker.warm_up(random_voice(1))
+        submit, jobs = worker.submit, []
+        worker.submit = lambda job: jobs.append(job) or submit(job)
+        worker.warm_up(random_voice(1), first_chunk=9)
         assert worker.jobs == 0
         assert t3.compiled_steps, "no decode step was traced"
+    # The stream runs past its first chunk of the server's length, so that its first decode is made.
+    (stream,) = [job for job in jobs if job.stream]
+    assert stream.first_chunk == 9 and stream.params.max_new_tokens > 9 and len(jobs) == 2
 
 
 @pytest.mark.parametrize("variant", ["english", "turbo"])

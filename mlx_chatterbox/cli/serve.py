@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> None:
     ) as worker:
         first_chunk = FIRST_CHUNK if args.first_chunk == "auto" else args.first_chunk
         if default is not None:  # so that the first request pays no kernel compilation nor step tracing
-            worker.warm_up(default, common.english(tts))
+            worker.warm_up(default, common.english(tts), first_chunk)
             if warm_batches:
                 start = time.perf_counter()
                 counts = worker.warm_batches(default, common.english(tts))
@@ -324,6 +324,8 @@ def run(args: argparse.Namespace) -> None:
                         f"warning: --first-chunk auto: {e}; streams start after {first_chunk} tokens",
                         file=sys.stderr,
                     )
+                if first_chunk != FIRST_CHUNK:  # a stream's first decode at the length it will have
+                    worker.warm_up(default, common.english(tts), first_chunk)
         app = create_app(
             worker,
             voices,

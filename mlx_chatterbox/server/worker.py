@@ -494,14 +494,24 @@ class Worker:
         self._inbox.put(_Job(job, ticket, plan, piece_ids, lane=lane))
         return ticket
 
-    def warm_up(self, voice: Voice, language: str | None = None) -> None:
+    def warm_up(self, voice: Voice, language: str | None = None, first_chunk: int = FIRST_CHUNK) -> None:
         """Run a short streamed request and a short whole one to the end, so that the first real request does
         not pay for compiling kernels and tracing steps (issue 24: 1.56 s to the first byte of a cold server,
         0.68 s warm, on the H200). ``serve`` calls it before it listens. ``language``: for the multilingual
-        models. The audio is dropped."""
-        params = self.tts.speech.params_type(max_new_tokens=WARM_UP_TOKENS)
+        models. ``first_chunk``: the streams' (their first decode's length: with MLX-CUDA its convolution
+        graphs are then built, ~100 ms, run AP): the stream runs past it. The audio is dropped."""
         for stream in (True, False):
-            job = SpeechJob("Warming up.", voice, params, seed=0, stream=stream, language=language)
+            budget = WARM_UP_TOKENS + (first_chunk if stream else 0)
+            params = self.tts.speech.params_type(max_new_tokens=budget)
+            job = SpeechJob(
+                "Warming up.",
+                voice,
+                params,
+                seed=0,
+                stream=stream,
+                first_chunk=first_chunk,
+                language=language,
+            )
             for _ in self.submit(job):
                 pass
 
