@@ -291,6 +291,27 @@ def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):
     assert not close(mx.array(run(model)), mx.array(first), 1e-2)
 
 
+def test_stacked_weights_share_the_memory_of_the_parameters():
+    """q/k/v stacked once for the fused product: the three weights become views of the stack, which then costs
+    no memory beside them (a copy would be 768 KiB here), and are equal to what they were."""
+    attn = cfm.Attention(256, 4, 64)
+    mx.eval(attn.parameters())
+    old = [np.array(attn[name]["weight"]) for name in ("to_q", "to_k", "to_v")]
+    before = mx.get_active_memory()
+    w = attn.qkv_weight()
+    assert w.shape == (768, 256) and mx.get_active_memory() - before < w.nbytes // 4
+    assert attn.qkv_weight() is w  # kept
+    for name, weight in zip(("to_q", "to_k", "to_v"), old):
+        assert np.array_equal(np.array(attn[name]["weight"]), weight)
+    assert {k for k, _ in tree_flatten(attn.parameters())} == {
+        "to_q.weight",
+        "to_k.weight",
+        "to_v.weight",
+        "to_out.0.weight",
+        "to_out.0.bias",
+    }
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_gelu_linear_off_the_cpu_fast_path_equals_addmm_then_gelu(monkeypatch, dtype):
     """The GPU's path (MLX's own math): in fp32 the bias goes inside the compiled GELU, the same sums bit for
