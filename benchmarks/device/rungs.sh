@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # HiFT at rung lengths (hift.LENGTH_RUNGS) against the shipped library, whose MLX-CUDA now keeps 1,024
-# cuDNN convolution graphs a thread (_backend.py, from run AP), in one lease (~13 minutes after the installs;
+# cuDNN convolution graphs a thread (_backend.py, from run AP), in one lease (~15 minutes after the installs;
 # a second call waits on with wait.sh): bash benchmarks/device/start.sh rungs 560
 # Run AP (H100): a new length costs ~100-170 ms of graph building. A cache of 1,024 took a lone served Turbo
 # stream's first audio from 217 to 115 ms (its first chunk's graphs stay), but not whole requests of varied
@@ -13,7 +13,8 @@
 #    length (issue 25's 0.48-0.55 s were measured so), into ~/res/e2e_rungs_<way>.jsonl, with the peak of
 #    each stage.
 # 3. Served Turbo and English, one stream at a time at 250 tokens (first audio) and whole requests of
-#    250 ± 100, shipped and rungs; then Turbo, 16 streams of 250 ± 100 at a time (run AP: TTFA p50 1.20 s).
+#    250 ± 100, shipped and rungs; then Turbo, 16 streams of 250 ± 100 at a time (run AP: TTFA p50 1.20 s),
+#    shipped, rungs, and rungs with 8,192 graphs a thread.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
@@ -43,10 +44,14 @@ for variant in turbo english; do
         "$one --formats streamed" "$one --formats whole --tokens-spread 100"
   done
 done
+# 16 streams batch 1-16 rows a decode, and every (rows, length) has its own graphs: ~28 rungs of 30-400 frames
+# times 16 row counts times ~37 shapes is far past 1,024, hence a third way with 8,192 (nvidia-smi's lines at
+# the end of each log say what the graphs cost in device memory).
 many="--concurrency 16 --requests 48 --tokens 250 --tokens-spread 100 --formats streamed"
-for way in shipped rungs; do
+for way in shipped rungs rungs8192; do
   echo "== served turbo, 16 at a time, $way at $(date +%T)"
-  SERVE_PATH=$([ $way = rungs ] && echo $rungs) bash "$here/named.sh" rungs_c16_$way turbo \
-      "--first-chunk 15 --cfm-dtype bfloat16" "$many"
+  size=$([ $way = rungs8192 ] && echo 8192 || echo 1024)
+  MLX_CUDA_CONV_CACHE_SIZE=$size SERVE_PATH=$([ $way = shipped ] || echo $rungs) bash "$here/named.sh" \
+      rungs_c16_$way turbo "--first-chunk 15 --cfm-dtype bfloat16" "$many"
 done
 echo "== done"
