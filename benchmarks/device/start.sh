@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start a job on the device machine detached (it outlives the 600 s call), its output in ~/res/JOB.log, then wait
 # as wait.sh does: bash benchmarks/device/start.sh JOB SECONDS [ARGS...]; JOB is a script of this folder
-# (first, gap, caches, many, tf32, upstream, e2e, serve, ...).
+# (first, gap, rungs, many, tf32, upstream, e2e, serve, ...).
 set -uo pipefail
 job=$1 wait_s=$2
 shift 2

@@ -14,6 +14,7 @@ its products and convolutions can run as one kernel of ours with their sums (``t
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import string
@@ -144,7 +145,7 @@ def stacked(module: nn.Module, name: str, linears: list[nn.Module]) -> mx.array:
     cache = module.__dict__.get(name)
     if cache is None or not all(map(operator.is_, cache.sources, weights)):
         stack = mx.concatenate(weights)
-        views = mx.split(stack, [sum(w.shape[0] for w in weights[:i]) for i in range(1, len(weights))])
+        views = mx.split(stack, list(itertools.accumulate(w.shape[0] for w in weights[:-1])))
         mx.eval(stack, views)
         for lin, view in zip(linears, views):
             lin["weight"] = view

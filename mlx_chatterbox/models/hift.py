@@ -410,8 +410,9 @@ class HiFT(nn.Module):
         if source.shape != (b, t * cfg.samples_per_frame, 1):
             raise ValueError(f"source has shape {source.shape}, expected {(b, t * cfg.samples_per_frame, 1)}")
         wanted = t * cfg.samples_per_frame
-        if LENGTH_RUNGS and rung(t) > t:
-            lengths, t = _row_lengths(lengths, b, t), rung(t)
+        width = rung(t) if LENGTH_RUNGS else t
+        if width > t:
+            lengths, t = _row_lengths(lengths, b, t), width
             mel, source = _padded(mel, t), _padded(source, t * cfg.samples_per_frame)
         spectral = cfg.samples_per_frame // hop  # spectrogram frames per mel frame (120)
         samples = None if lengths is None else lengths * cfg.samples_per_frame
