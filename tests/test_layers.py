@@ -22,14 +22,20 @@ CONV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows_per_channel", [0, 10**9], ids=["taps", "im2col"])
 @pytest.mark.parametrize("k, padding, dilation, stride", CONV_CASES + [(30, 7, 1, 15), (5, 2, 2, 4)])
-def test_conv1d_matches_mlx(k, padding, dilation, stride):
+def test_conv1d_matches_mlx(k, padding, dilation, stride, rows_per_channel, monkeypatch):
+    """Both of conv1d's ways (a sum of taps, an im2col), with and without the bias."""
+    monkeypatch.setattr(layers, "_TAPS_ROWS_PER_CHANNEL", rows_per_channel)
     x = mx.random.normal((2, 47, 6), key=mx.random.key(k))
     w = mx.random.normal((5, k, 6), key=mx.random.key(k + 1))
+    bias = mx.random.normal((5,), key=mx.random.key(k + 2))
     want = mx.conv1d(x, w, stride=stride, padding=padding, dilation=dilation)
     got = conv1d(x, w, padding, dilation, stride)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+    biased = conv1d(x, w, padding, dilation, stride, bias)
+    np.testing.assert_allclose(np.array(biased), np.array(want + bias), atol=2e-5)
 
 
 @pytest.mark.parametrize("k, stride, padding", [(16, 8, 4), (11, 5, 3), (7, 3, 2), (4, 4, 0), (3, 5, 1)])
@@ -264,3 +270,18 @@ def test_kernel_sources_go_to_mlx_without_comments_and_indentation(monkeypatch):
         'asm("mov.u32 %0, 1; // not a comment" : "=r"(n));  /* kept */\n'
     )
     assert got["kw"] == {"header": "#define TWO 2\n", "shared_memory": 8}
+
+
+def test_conv1d_taps_hold_no_copies_of_the_input():
+    """A long input's convolution (HiFT's) adds products of the shifted views: its peak above the input and
+    weights is about the output and a product, not the k-fold im2col of the input."""
+    x = mx.random.normal((1, 20000, 32), key=mx.random.key(0))
+    w = mx.random.normal((32, 11, 32), key=mx.random.key(1))
+    mx.eval(x, w)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    y = conv1d(x, w, padding=25, dilation=5)
+    mx.eval(y)
+    above = mx.get_peak_memory() - before
+    assert above < 4 * y.nbytes < 11 * x.nbytes / 2, (above, y.nbytes)

@@ -59,19 +59,42 @@ _SIN_TAYLOR = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(8))  # 
 _ERFC_DEN = (1.0, 2.8087602098771103, 5.587476222824679, 5.063992825004679, 2.147227026841558)
 
 
-def conv1d(x: mx.array, weight: mx.array, padding: int = 0, dilation: int = 1, stride: int = 1) -> mx.array:
-    """x (B, T, C_in), weight (C_out, k, C_in): the k shifted (strided) views side by side (im2col), then one
-    product with the flattened kernel."""
-    k = weight.shape[1]
+def conv1d(
+    x: mx.array,
+    weight: mx.array,
+    padding: int = 0,
+    dilation: int = 1,
+    stride: int = 1,
+    bias: mx.array | None = None,
+) -> mx.array:
+    """x (B, T, C_in), weight (C_out, k, C_in), bias (C_out,) or None: the convolution as matrix products.
+
+    Long inputs (rows of output at least ``_TAPS_ROWS_PER_CHANNEL`` times C_out, as HiFT's): one product per
+    kernel tap, summed, the view of x shifted by j·dilation times the kernel's j-th (C_in, C_out) slice, each
+    added by ``addmm``. Nothing holds k copies of x, and the copy is of the kernel, once. Shorter ones: the k
+    shifted views side by side (im2col) times the flattened kernel, one larger product. On 2 EPYC cores with
+    OpenBLAS, HiFT's convolutions of 10 s ran 1.4-2.8x faster as taps and held 4-12x less memory; the flow's
+    and the estimator's ran up to 1.4x slower (benchmarks/RESULTS.md, "convolutions as a sum of taps")."""
+    c_out, k, c_in = weight.shape
     if padding:
         x = mx.pad(x, [(0, 0), (padding, padding), (0, 0)])
     length = (x.shape[1] - dilation * (k - 1) - 1) // stride + 1
     span = (length - 1) * stride + 1  # the frames a view spans
-    if k == 1 and stride == 1:
-        cols = x
-    else:
-        cols = mx.concatenate([x[:, j * dilation : j * dilation + span : stride] for j in range(k)], axis=-1)
-    return cols @ weight.reshape(weight.shape[0], -1).T  # (B, T', k·C_in) @ (k·C_in, C_out)
+    views = [x[:, j * dilation : j * dilation + span : stride] for j in range(k)]
+    if k == 1 or x.shape[0] * length < _TAPS_ROWS_PER_CHANNEL * c_out:
+        cols = views[0] if k == 1 else mx.concatenate(views, axis=-1)
+        w = weight.reshape(c_out, -1).T  # (k·C_in, C_out)
+        return cols @ w if bias is None else mx.addmm(bias, cols, w)
+    taps = mx.contiguous(weight.transpose(1, 2, 0))  # (k, C_in, C_out): each tap's slice a plain matrix
+    y = views[0] @ taps[0] if bias is None else mx.addmm(bias, views[0], taps[0])
+    for view, tap in zip(views[1:], taps[1:]):
+        y = mx.addmm(y, view, tap)
+    return y
+
+
+# conv1d's taps pay from this many output rows per output channel: below it the kernel's copy and the smaller
+# products cost more than the im2col's copy of x saves.
+_TAPS_ROWS_PER_CHANNEL = 4
 
 
 def conv_transpose1d(x: mx.array, weight: mx.array, stride: int, padding: int = 0) -> mx.array:
@@ -136,8 +159,7 @@ class Conv1d(nn.Conv1d):
     def __call__(self, x: mx.array) -> mx.array:
         if not _products():
             return super().__call__(x)
-        y = conv1d(x, self.weight, self.padding, self.dilation, self.stride)
-        return y + self.bias if "bias" in self else y
+        return conv1d(x, self.weight, self.padding, self.dilation, self.stride, self.get("bias"))
 
     def padded(self, x: mx.array, left: int, right: int) -> mx.array:
         """The convolution of x (B, T, C_in) with ``left`` and ``right`` more zero frames on its ends (causal
