@@ -200,7 +200,6 @@ def test_attention_in_query_chunks_matches_one_piece(monkeypatch, mask_kind):
         "full": mx.random.normal((2, 3, 17, 17), key=mx.random.key(7)),
     }[mask_kind]
     whole = _on_cpu(layers.attention, q, k, v, 8**-0.5, mask)
-    monkeypatch.setattr(layers, "_ONE_PIECE_SCORES", 0)
     monkeypatch.setattr(layers, "_CHUNK_SCORES", 5 * 2 * 3 * 17)
     chunked = _on_cpu(layers.attention, q, k, v, 8**-0.5, mask)
     np.testing.assert_allclose(chunked, whole, atol=1e-6, rtol=1e-6)
