@@ -272,15 +272,17 @@ def test_kernel_sources_go_to_mlx_without_comments_and_indentation(monkeypatch):
 
 
 def test_conv1d_taps_hold_no_copies_of_the_input():
-    """A long input's convolution (HiFT's) adds products of the shifted views: its peak above the input and
-    weights is about the output and a product, not the k-fold im2col of the input."""
-    x = mx.random.normal((1, 20000, 32), key=mx.random.key(0))
-    w = mx.random.normal((32, 11, 32), key=mx.random.key(1))
-    mx.eval(x, w)
-    mx.synchronize()
-    mx.reset_peak_memory()
-    before = mx.get_active_memory()
-    y = conv1d(x, w, padding=25, dilation=5)
-    mx.eval(y)
+    """A long input's convolution (HiFT's) adds products of the shifted views: on the CPU its peak above the
+    input and weights is about the padded input and the output, not the k-fold im2col of the input. (A GPU
+    keeps each product's buffer until its kernel has run, so there the bound is MLX's memory limit's.)"""
+    with mx.stream(mx.cpu):
+        x = mx.random.normal((1, 20000, 32), key=mx.random.key(0))
+        w = mx.random.normal((32, 11, 32), key=mx.random.key(1))
+        mx.eval(x, w)
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        y = conv1d(x, w, padding=25, dilation=5)
+        mx.eval(y)
     above = mx.get_peak_memory() - before
-    assert above < 4 * y.nbytes < 11 * x.nbytes / 2, (above, y.nbytes)
+    assert above < 3 * y.nbytes, f"{above} bytes above the input for an output of {y.nbytes}"

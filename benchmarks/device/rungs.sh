@@ -33,8 +33,8 @@ e2e() {  # way, then bench_e2e's flags
   local way=$1
   shift
   echo "== bench_e2e $way $* at $(date +%T)"
-  PYTHONPATH=$(path $way):$PYTHONPATH timeout 300 python3 benchmarks/bench_e2e.py --built full --cfm-dtype bfloat16 \
-      --tokens 250 --repeats 5 "$@" --out ~/res/e2e_rungs_$way.jsonl 2>&1 | grep -v "^{" | tail -2
+  PYTHONPATH=$(path $way):$PYTHONPATH timeout 300 python3 benchmarks/bench_e2e.py --built full \
+      --cfm-dtype bfloat16 --tokens 250 --repeats 5 "$@" --out ~/res/e2e_rungs_$way.jsonl 2>&1 | grep -v "^{" | tail -2
 }
 for way in shipped rungs taps; do e2e $way --tokens-spread 100; done
 e2e shipped

@@ -2,8 +2,9 @@
 elementwise functions (exp, exact GELU, Mish) and attention that are fast on the CPU.
 
 MLX's CPU convolution kernels are direct loops: on a Linux CPU a (4000 x 256) -> 256, kernel 11 conv took 4.1 s
-against 50 ms as a product with OpenBLAS (benchmarks/bench_conv.py), and 31 ms as a sum of products (``conv1d``). On GPUs MLX's own kernels are as fast or
-faster (H200: 0.12-0.34 ms vs 0.15-0.32 ms), so there the layers call them. Both paths compute the same
+against 50 ms as a product with OpenBLAS (benchmarks/bench_conv.py), and 31 ms as a sum of products (``conv1d``).
+On GPUs MLX's own kernels are as fast or faster (H200: 0.12-0.34 ms vs 0.15-0.32 ms), so there the layers call
+them. Both paths compute the same
 convolution; they keep ``nn.Conv1d``/``nn.ConvTranspose1d``'s parameters (weight (out, k, in), bias), so checkpoints
 and key tables do not change.
 
