@@ -38,14 +38,20 @@ def test_conv1d_matches_mlx(k, padding, dilation, stride, rows_per_channel, monk
     np.testing.assert_allclose(np.array(biased), np.array(want + bias), atol=2e-5)
 
 
+@pytest.mark.parametrize("rows_per_channel", [0, 10**9], ids=["taps", "im2col"])
 @pytest.mark.parametrize("k, stride, padding", [(16, 8, 4), (11, 5, 3), (7, 3, 2), (4, 4, 0), (3, 5, 1)])
-def test_conv_transpose1d_matches_mlx(k, stride, padding):
+def test_conv_transpose1d_matches_mlx(k, stride, padding, rows_per_channel, monkeypatch):
+    """Through either of conv1d's ways, with and without the bias."""
+    monkeypatch.setattr(layers, "_TAPS_ROWS_PER_CHANNEL", rows_per_channel)
     x = mx.random.normal((2, 9, 6), key=mx.random.key(k))
     w = mx.random.normal((5, k, 6), key=mx.random.key(k + 1))
+    bias = mx.random.normal((5,), key=mx.random.key(k + 2))
     want = mx.conv_transpose1d(x, w, stride=stride, padding=padding)
     got = conv_transpose1d(x, w, stride, padding)
     assert got.shape == want.shape == (2, (9 - 1) * stride - 2 * padding + k, 5)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+    biased = conv_transpose1d(x, w, stride, padding, bias)
+    np.testing.assert_allclose(np.array(biased), np.array(want + bias), atol=2e-5)
 
 
 @pytest.mark.parametrize("device", [mx.cpu, mx.gpu])
@@ -81,7 +87,9 @@ def test_product_convs_off_the_cpu_only_when_switched_on(switch, device, monkeyp
     calls = []
     for name in ("conv1d", "conv_transpose1d"):
         real = getattr(layers, name)
-        monkeypatch.setattr(layers, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+        monkeypatch.setattr(
+            layers, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw)
+        )
     if device == mx.cpu:
         monkeypatch.setattr(layers, "_on_cpu", lambda: False)
     monkeypatch.setattr(layers, "PRODUCT_CONVS_OFF_CPU", switch)
@@ -92,7 +100,8 @@ def test_product_convs_off_the_cpu_only_when_switched_on(switch, device, monkeyp
     got = conv.padded(x, 2, 1)
     monkeypatch.setattr(layers, "_on_cpu", lambda: True)
     np.testing.assert_allclose(np.array(got), np.array(conv.padded(x, 2, 1)), atol=2e-5)
-    assert calls == (["conv1d", "conv_transpose1d", "conv1d", "conv1d"] if switch else ["conv1d"])
+    # conv_transpose1d is a conv1d of its own.
+    assert calls == (["conv1d", "conv_transpose1d", "conv1d", "conv1d", "conv1d"] if switch else ["conv1d"])
 
 
 @pytest.mark.parametrize("device", [mx.cpu, mx.gpu])
