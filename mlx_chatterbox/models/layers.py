@@ -4,9 +4,8 @@ elementwise functions (exp, exact GELU, Mish) and attention that are fast on the
 MLX's CPU convolution kernels are direct loops: on a Linux CPU a (4000 x 256) -> 256, kernel 11 conv took 4.1 s
 against 50 ms as a product with OpenBLAS (benchmarks/bench_conv.py), and 31 ms as a sum of products (``conv1d``).
 On GPUs MLX's own kernels are as fast or faster (H200: 0.12-0.34 ms vs 0.15-0.32 ms), so there the layers call
-them. Both paths compute the same
-convolution; they keep ``nn.Conv1d``/``nn.ConvTranspose1d``'s parameters (weight (out, k, in), bias), so checkpoints
-and key tables do not change.
+them. Both paths compute the same convolution; they keep ``nn.Conv1d``/``nn.ConvTranspose1d``'s parameters
+(weight (out, k, in), bias), so checkpoints and key tables do not change.
 
 MLX's CPU exp, erf and tanh are scalar loops (on a 2-core EPYC: exp 9 ns, erf 21 ns per element; an add takes
 0.2 ns), and they dominated the CFM on the CPU. The functions below build them from adds, multiplies and bit
@@ -87,7 +86,10 @@ def conv1d(
     one = taps and x.shape[0] == 1
     if one:
         x = x.reshape(x.shape[1:])
-    views = [x[..., j * dilation : j * dilation + span : stride, :] for j in range(k)]
+    if k == 1 and stride == 1:
+        views = [x]  # the input itself: no slice
+    else:
+        views = [x[..., j * dilation : j * dilation + span : stride, :] for j in range(k)]
     if not taps:
         cols = views[0] if k == 1 else mx.concatenate(views, axis=-1)
         w = weight.reshape(c_out, -1).T  # (k·C_in, C_out)
@@ -133,9 +135,10 @@ def _on_cpu() -> bool:
 # Conv1d and ConvTranspose1d as the products above off the CPU too (on the CPU they always are). MLX-CUDA
 # (0.32.4) builds a cuDNN graph for every convolution shape it meets (S3Gen runs about 41 shapes a length, HiFT
 # 37), which products never do: run AP (H100) took whole served requests of varied length from 801 to 631 ms
-# with them, but a server of 16 streams ran out of GPU memory (an im2col holds k times its input, and MLX keeps
-# a queued kernel's buffers until the GPU has run it). Off: a benchmark's switch; _backend.py's larger graph
-# cache and hift.LENGTH_RUNGS are the ways that cost no memory.
+# with them, but a server of 16 streams ran out of GPU memory (an im2col held k times its input, and MLX keeps
+# a queued kernel's buffers until the GPU has run it). Since then long inputs (HiFT's) go as taps, without the
+# k copies. Off: a benchmark's switch until device/rungs.sh weighs it ("taps") against _backend.py's larger
+# graph cache and hift.LENGTH_RUNGS.
 PRODUCT_CONVS_OFF_CPU = False
 
 
