@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -78,11 +79,15 @@ def alone(tts: TTS, job: SpeechJob) -> list[np.ndarray]:
     return [tts.generate(job.text, job.voice, job.params, **kwargs)]
 
 
-def wait_idle(worker: Worker, timeout: float = 20.0) -> None:
+def wait_until(done: Callable[[], bool], timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
-    while worker.jobs and time.monotonic() < end:
+    while not done() and time.monotonic() < end:
         time.sleep(0.01)
-    assert worker.jobs == 0, "the worker still has jobs"
+    assert done(), "the worker did not get there in time"
+
+
+def wait_idle(worker: Worker, timeout: float = 20.0) -> None:
+    wait_until(lambda: worker.jobs == 0, timeout)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -143,12 +148,17 @@ def test_cancel_queue_limit_and_errors(tts):
     with Worker(tts, max_queue=2) as worker:
         first = worker.submit(endless)
         next(iter(first))  # it is decoding and streaming
-        worker.submit(endless).cancel()  # cancelled while waiting or right after joining
+        second = worker.submit(endless)
         with pytest.raises(QueueFull, match="limit is 2"):
             worker.submit(endless)
+        # Cancelled while waiting or right after joining, it leaves the queue at the worker's next step. (The
+        # limit is checked before: the worker may drop a cancelled job before a submit that follows at once.)
+        second.cancel()
+        wait_until(lambda: worker.jobs == 1)
+        worker.submit(endless).cancel()
         first.cancel()
         wait_idle(worker)
-        assert list(first) == []  # its stream ended
+        assert list(first) == [] and list(second) == []  # their streams ended
 
         # A job that fails (a voice T3 cannot take) fails alone; the worker goes on.
         bad = dataclasses.replace(
