@@ -183,5 +183,5 @@ def emulated(monkeypatch):
     monkeypatch.setattr(layers, "_sm_count", lambda: 132)
     for module, cache in ((layers, "_gemv_kernels"), (layers, "_decode_attention_kernels"),
                           (fused_sampling, "_kernels"), (cfm, "_tiled_kernels"),
-                          (cfm, "_tiled_launches")):  # fmt: skip
+                          (cfm, "_tiled_launches"), (layers, "_conv_kernels")):  # fmt: skip
         monkeypatch.setattr(module, cache, {})

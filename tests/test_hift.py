@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_chatterbox.convert import LAYOUTS, sanitize
 from mlx_chatterbox.models import hift as hift_module
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig, istft, sine_phase, stft
+from tests import compiled_cuda
 
 TINY = HiFTConfig(base_channels=32, f0_cond_channels=16)
 
@@ -295,3 +296,52 @@ def test_length_rungs_change_no_sample(model, monkeypatch, lengths):
     np.testing.assert_allclose(np.array(model.predict_f0(mel, rows)), f0, rtol=1e-5, atol=1e-3)
     for i, n in enumerate(lengths or [13, 13]):
         np.testing.assert_allclose(got[i, : n * 480], want[i, : n * 480], rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("lengths", [None, [7, 4]])
+def test_kernel_convolutions_give_the_composed_f0_and_samples(model, emulated, monkeypatch, lengths):
+    """``layers.KERNEL_CONVS``: every convolution of 16 or more input channels (the tiny model's first stages,
+    the F0 predictor's, the upsamplings) as our CUDA kernel's source (emulated on the CPU), taking the padded
+    frames' mask and the resblocks' residual sums; the rest composed as before. f0, and the samples of one
+    source (the source's phase integrates f0's, so a whole call's samples move by more: see the rungs' test)."""
+    from mlx_chatterbox.models import layers
+
+    mel = random_mel(2, 7, seed=5)
+    phases, noise = model.draw_source(2, 7, mx.random.key(4))
+    rows = None if lengths is None else mx.array(lengths, dtype=mx.int32)
+    f0 = model.predict_f0(mel, rows)
+    source = model.source(f0, phases=phases, noise=noise)
+    want = np.array(model.decode(mel, source, rows))
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    got_f0 = np.array(model.predict_f0(mel, rows))
+    got = np.array(model.decode(mel, source, rows))
+    flags = {key[-1] for key in layers._conv_kernels}
+    assert (True, lengths is not None, True) in flags and len(layers._conv_kernels) >= 10
+    # fp32 sums in another order; the decode's exp of its log-magnitudes (up to 100) scales their error.
+    for i, n in enumerate(lengths or [7, 7]):
+        np.testing.assert_allclose(got_f0[i, :n], np.array(f0)[i, :n], rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(got[i, : n * 480], want[i, : n * 480], rtol=0, atol=5e-4)
+
+
+@pytest.mark.skipif(compiled_cuda.NVCC is None, reason="needs nvcc (CUDA's toolkit; no GPU)")
+def test_every_kernel_convolution_of_the_full_model_builds_for_hopper_without_spills(monkeypatch):
+    """Each convolution kernel a full-size HiFT launches (two rows of 20 frames, the second shorter), built by
+    nvcc for sm_90a (tests/compiled_cuda.py): no spills, static shared memory within 48 KB. (Registers when
+    written, a thread: 55 with 64-row tiles, 87 with 128.)"""
+    from mlx_chatterbox.models import layers
+
+    programs = compiled_cuda.record(monkeypatch)
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    monkeypatch.setattr(layers, "_conv_kernels", {})
+    for sms in (132, 0):  # 64-row tiles, then 128
+        monkeypatch.setattr(layers, "_sm_count", lambda: sms)
+        layers._conv_kernels.clear()
+        hift = HiFT(HiFTConfig())
+        mel = random_mel(2, 20)
+        mx.eval(hift(mel, key=mx.random.key(0), lengths=mx.array([20, 13], dtype=mx.int32)))
+    convs = [p for p in programs if p.name.startswith("conv_")]
+    assert {dict(p.template)["BM"] for p in convs} == {64, 128} and len(convs) > 40
+    for program in convs:
+        used = compiled_cuda.resources(program)
+        assert used.spill_bytes == 0 and used.shared_bytes <= compiled_cuda.STATIC_SHARED_LIMIT, (program, used)

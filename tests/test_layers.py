@@ -132,6 +132,125 @@ def test_a_padded_convolution_is_the_same_off_the_cpu(k, padding, dilation, left
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
 
 
+# --- HiFT's float32 convolutions as our CUDA kernel (layers.KERNEL_CONVS) ---
+
+# (C_in, C_out, k, dilation, padding, rows, frames), then Conv1d's bias, mask and add: a "same" dilated one with
+# all three, output columns past a tile's 64 and rows past a tile's; a wide kernel, no bias, one row; a
+# pointwise one; the causal-style one-sided length change (padding 0).
+KERNEL_CASES = [
+    (32, 80, 3, 2, 2, 2, 37, (True, True, True)),
+    (16, 18, 11, 5, 25, 1, 60, (False, False, False)),
+    (48, 64, 1, 1, 0, 2, 70, (True, False, True)),
+    (16, 8, 7, 1, 0, 1, 20, (True, True, False)),
+]
+
+
+def _kernel_layers(c_in, c_out, k, dilation, padding, bias, seed):
+    conv = Conv1d(c_in, c_out, k, padding=padding, dilation=dilation, bias=bias)
+    keys = mx.random.split(mx.random.key(seed), 2)
+    conv.weight = mx.random.normal(conv.weight.shape, key=keys[0]) / np.sqrt(k * c_in)
+    if bias:
+        conv.bias = mx.random.normal((c_out,), key=keys[1])
+    return conv
+
+
+def _kernel_inputs(c_in, c_out, rows, frames, t_out, mask, add, seed):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((rows, frames, c_in), key=keys[0])
+    lengths = mx.array([frames, frames - 9][:rows])
+    m = (mx.arange(frames)[None] < lengths[:, None])[..., None] if mask else None
+    a = mx.random.normal((rows, t_out, c_out), key=keys[2]) if add else None
+    return x, m, a
+
+
+def _composed(layer, *args):
+    """The layer's call off the kernel: x * mask, MLX's convolution (or our products on the CPU), + add."""
+    previous = layers.KERNEL_CONVS
+    layers.KERNEL_CONVS = False
+    try:
+        return layer(*args)
+    finally:
+        layers.KERNEL_CONVS = previous
+
+
+@pytest.mark.parametrize("sms", [132, 0], ids=["64-row-tiles", "128-row-tiles"])
+@pytest.mark.parametrize("c_in, c_out, k, dilation, padding, rows, frames, flags", KERNEL_CASES)
+def test_conv_kernel_matches_the_composed_convolution(
+    emulated, monkeypatch, c_in, c_out, k, dilation, padding, rows, frames, flags, sms
+):
+    """The kernel's source (emulated on the CPU: its indexing, tiles, barriers) against x * mask, MLX's
+    convolution, the bias and + add; 132 SMs keep 64-row tiles, none makes 128 rows pay."""
+    monkeypatch.setattr(layers, "_sm_count", lambda: sms)
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    bias, mask, add = flags
+    conv = _kernel_layers(c_in, c_out, k, dilation, padding, bias, seed=k)
+    t_out = frames + 2 * padding - dilation * (k - 1)
+    x, m, a = _kernel_inputs(c_in, c_out, rows, frames, t_out, mask, add, seed=c_in)
+    got = conv(x, m, a)
+    (key,) = layers._conv_kernels
+    assert key[0] == (64 if sms == 132 else 128)
+    want = _composed(conv, x, m, a)
+    assert got.shape == want.shape == (rows, t_out, c_out)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k, stride, padding", [(16, 8, 4), (11, 5, 3), (7, 3, 2)])
+def test_conv_kernel_upsamples_as_the_transposed_convolution(emulated, monkeypatch, k, stride, padding):
+    """HiFT's three upsamplings (k, stride, padding) at small channels, with a mask of the padded frames."""
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    up = ConvTranspose1d(16, 8, k, stride, padding=padding)
+    up.weight = mx.random.normal(up.weight.shape, key=mx.random.key(k)) / 8
+    up.bias = mx.random.normal((8,), key=mx.random.key(k + 1))
+    x, m, _ = _kernel_inputs(16, 8, 2, 13, 0, True, False, seed=k)
+    got = up(x, m)
+    assert len(layers._conv_kernels) == 1
+    want = _composed(up, x, m)
+    assert got.shape == want.shape == (2, 12 * stride - 2 * padding + k, 8)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
+
+
+def test_conv_kernel_takes_only_what_it_computes(emulated, monkeypatch):
+    """Off the switch, or for bfloat16, a stride, or C_in not a multiple of 16, the composed path runs; the
+    rearranged weight is made once per weight array; a bad mask or add is refused by name."""
+    x = mx.random.normal((1, 20, 16))
+    conv = _kernel_layers(16, 8, 3, 1, 1, True, seed=0)
+    assert not layers.kernel_conv_fits(x, conv.weight)  # the switch is off
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    assert layers.kernel_conv_fits(x, conv.weight)
+    assert not layers.kernel_conv_fits(x.astype(mx.bfloat16), conv.weight)
+    assert not layers.kernel_conv_fits(x, conv.weight, stride=2)
+    assert not layers.kernel_conv_fits(x[..., :12], conv.weight[..., :12])
+    conv(x)
+    rows = conv["_rows"][1]
+    conv(x)
+    assert conv["_rows"][1] is rows and "_rows" not in dict(nn.utils.tree_flatten(conv.parameters()))
+    conv.weight = conv.weight * 2
+    conv(x)
+    assert conv["_rows"][1] is not rows
+    with pytest.raises(ValueError, match="mask must be bool"):
+        conv(x, mx.ones((1, 20, 1)))
+    with pytest.raises(ValueError, match="add must have the output's shape"):
+        conv(x, None, mx.ones((1, 19, 8)))
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("c_in, c_out, k, dilation, padding, rows, frames", [
+    (512, 256, 16, 1, 1, 1, 500), (256, 256, 11, 5, 25, 2, 4000), (64, 64, 7, 3, 9, 1, 60001),
+    (64, 18, 7, 1, 3, 2, 24001), (80, 512, 7, 1, 3, 1, 500),
+])  # fmt: skip
+def test_conv_kernel_on_cuda_matches_mlx(monkeypatch, c_in, c_out, k, dilation, padding, rows, frames):
+    """The compiled kernel on a GPU at HiFT's sizes (10 s: 500 mel frames, 60,001 at the last stage), with
+    the mask of a shorter second row, the bias and a residual sum, against MLX's convolution in float32."""
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    conv = _kernel_layers(c_in, c_out, k, dilation, padding, True, seed=k)
+    t_out = frames + 2 * padding - dilation * (k - 1)
+    x, m, a = _kernel_inputs(c_in, c_out, rows, frames, t_out, True, True, seed=c_in)
+    got, want = conv(x, m, a), _composed(conv, x, m, a)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+
+
 # --- the elementwise functions (their CPU path is our polynomials; elsewhere MLX's own ops) ---
 
 # Bounds measured on a 2-core EPYC (MLX 0.32.4 CPU), with a little margin: exp rel. 1.0e-7, erf abs. 1.34e-7,

@@ -276,8 +276,9 @@ class ResBlock(nn.Module):
         self.activations2 = [Snake(channels) for _ in dilations]
 
     def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        # The convolutions take the mask and the residual sum themselves (one launch with layers.KERNEL_CONVS).
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = conv2(_masked(act2(conv1(_masked(act1(x), mask))), mask)) + x
+            x = conv2(act2(conv1(act1(x), mask)), mask, add=x)
         return x
 
 
@@ -294,7 +295,7 @@ class F0Predictor(nn.Module):
     def __call__(self, mel: mx.array, mask: mx.array | None = None) -> mx.array:
         x = mel
         for layer in self.condnet:
-            x = layer(_masked(x, mask) if isinstance(layer, Conv1d) else x)
+            x = layer(x, mask) if isinstance(layer, Conv1d) else layer(x)
         return mx.abs(self.classifier(x)[..., 0])
 
 
@@ -422,10 +423,10 @@ class HiFT(nn.Module):
 
         # Without lengths every mask is None; with them each conv's input is zero beyond its row's frames.
         mask = _frame_mask(lengths, t)
-        x = self.conv_pre(_masked(mel, mask))
+        x = self.conv_pre(mel, mask)
         nk, scale = len(cfg.resblock_kernel_sizes), 1
         for i, up in enumerate(self.ups):
-            x = up(_masked(nn.leaky_relu(x, cfg.lrelu_slope), mask))
+            x = up(nn.leaky_relu(x, cfg.lrelu_slope), mask)
             scale *= cfg.upsample_rates[i]
             extra = int(i == len(self.ups) - 1)
             if extra:
@@ -437,7 +438,7 @@ class HiFT(nn.Module):
                 xs = xs + self.resblocks[i * nk + j](x, mask)
             x = xs / nk
         # The last slope is F.leaky_relu's default 0.01, not lrelu_slope (architecture §9.12).
-        x = self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask)).astype(mx.float32)
+        x = self.conv_post(nn.leaky_relu(x, 0.01), mask).astype(mx.float32)
         bins = n_fft // 2 + 1
         magnitude = mx.minimum(exp(x[..., :bins]), 100.0)
         phase = sin(x[..., bins:])  # upstream applies sin here too ("actually, sin is redundancy")

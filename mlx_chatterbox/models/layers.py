@@ -117,15 +117,212 @@ def conv_transpose1d(
     phases' channels (stride·C_out), read out frame by frame, so that HiFT's upsampling runs as taps too. On
     2 EPYC cores its three at 10 s took 14, 22 and 21 ms and held 23, 20 and 25 MiB above their inputs, where
     one product for all blocks and the blocks' shifted copies took 26, 36 and 47 ms and held 32, 62 and 89."""
+    w = _transposed_taps(weight, stride)
+    y = conv1d(x, w, w.shape[1] - 1, bias=None if bias is None else mx.tile(bias, stride))
+    return _phases_out(y, weight.shape, x.shape[1], stride, padding)
+
+
+def _transposed_taps(weight: mx.array, stride: int) -> mx.array:
+    """A transposed convolution's weight (C_out, k, C_in) as ``conv_transpose1d``'s convolution's,
+    (stride·C_out, blocks, C_in): out channel r·C_out + c, conv tap blocks - 1 - j (tap j reads x[f - j])."""
     c_out, k, c_in = weight.shape
-    b, t, _ = x.shape
     blocks = -(-k // stride)
     w = mx.pad(weight, [(0, 0), (0, blocks * stride - k), (0, 0)])  # zero taps up to whole blocks
-    # (stride·C_out, blocks, C_in): out channel r·C_out + c, conv tap blocks - 1 - j (tap j reads x[f - j]).
-    w = w.reshape(c_out, blocks, stride, c_in).transpose(2, 0, 1, 3)[:, :, ::-1].reshape(-1, blocks, c_in)
-    y = conv1d(x, w, blocks - 1, bias=None if bias is None else mx.tile(bias, stride))
-    y = y.reshape(b, (t + blocks - 1) * stride, c_out)
+    return w.reshape(c_out, blocks, stride, c_in).transpose(2, 0, 1, 3)[:, :, ::-1].reshape(-1, blocks, c_in)
+
+
+def _phases_out(y: mx.array, shape: tuple[int, int, int], t: int, stride: int, padding: int) -> mx.array:
+    """The transposed convolution's output, frame by frame, from its convolution's y (B, t + blocks - 1,
+    stride·C_out) (``shape``: the transposed weight's)."""
+    c_out, k, _ = shape
+    y = y.reshape(y.shape[0], -1, c_out)
     return y[:, padding : padding + (t - 1) * stride + k - 2 * padding]
+
+
+# --- float32 convolutions (HiFT's) as our kernel on CUDA ---
+
+# Off: a benchmark's switch until a GPU lease weighs it (device/rungs.sh's "kernel") against MLX's cuDNN
+# convolutions, which plan a graph for every new shape (~100-170 ms of a served request of a new length, run AP)
+# and run HiFT's float32 convolutions at ~11 TFLOPs with a layout transpose on each side (run AJ's Nsight: 77
+# implicit GEMMs, ~19 ms, and 257 transposes, 4.2 ms, in S3Gen.batch at 10 s). Ours plans nothing (one
+# compiled kernel per convolution shape, whatever the length), reads channels-last as it is, and takes the mask
+# of the padded frames, the bias and a residual sum into the same launch.
+KERNEL_CONVS = False
+
+# Rows (frames) a block: 128 where that still gives every SM two blocks, else 64 (the first upsampling's
+# resblocks at 10 s: 4,000 frames x 256 channels are 128 blocks of 128).
+_CONV_BN = 64
+_conv_kernels: dict[tuple, object] = {}
+
+# An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in,
+# C_IN) channels-last, the weight as rows (TAPS·C_IN, NP): tap j's C_IN rows, C_OUT columns zero-padded to NP,
+# a multiple of BN. Output row m = b·T_out + t sums, over taps j and channels c, x[b, t + j·DIL - PAD, c] (0
+# outside the sequence, or where the mask is false) times row j·C_IN + c. A block of 256 threads takes BM rows
+# and BN columns; each thread RM = BM / 16 rows (adjacent) and 4 columns, as 16 x 16 groups. Slices of BK = 16
+# of the K = TAPS·C_IN products (C_IN a multiple of 16: a slice lies in one tap) go through shared memory, x's
+# transposed so that a thread's RM rows are one 16-byte read; the next slice is in registers while this one is
+# multiplied, and the two shared buffers take turns (one barrier a slice).
+_CONV_SOURCE = """
+  constexpr int BN = %(bn)d, BK = 16, THREADS = 256, RM = BM / 16;
+  constexpr int SLICES = TAPS * C_IN / BK, LDA = BM + 4, NP = (C_OUT + BN - 1) / BN * BN;
+  constexpr int XQ = BM * BK / 4 / THREADS;  // x's 16-byte pieces a thread moves a slice
+  static_assert(C_IN %% BK == 0 && XQ >= 1, "a slice lies in one tap");
+  __shared__ __align__(16) float xs[2][BK][LDA];
+  __shared__ __align__(16) float ws[2][BK][BN];
+  const int T_IN = x_shape[1], T_OUT = T_IN + 2 * PAD - DIL * (TAPS - 1), M = x_shape[0] * T_OUT;
+  const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  // Piece i: tile row (tid + i·THREADS) / 4, the slice's channels (tid %% 4)·4 on; its sequence's first row
+  // in x, and its output frame (-1 past the last row).
+  int first[XQ], frame[XQ];
+  #pragma unroll
+  for (int i = 0; i < XQ; ++i) {
+    const int m = m0 + (tid + i * THREADS) / 4, b = m / T_OUT;
+    first[i] = b * T_IN;
+    frame[i] = m < M ? m - b * T_OUT : -1;
+  }
+  float4 xr[XQ], wr;
+  auto fetch = [&](int s) {
+    const int k0 = s * BK, tap = k0 / C_IN, c = k0 - tap * C_IN + (tid %% 4) * 4;
+    #pragma unroll
+    for (int i = 0; i < XQ; ++i) {
+      const int t = frame[i] + tap * DIL - PAD;
+      const bool read = frame[i] >= 0 && t >= 0 && t < T_IN%(mask)s;
+      xr[i] = read ? *reinterpret_cast<const float4*>(x + (size_t)(first[i] + t) * C_IN + c)
+                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    wr = *reinterpret_cast<const float4*>(w + (size_t)(k0 + tid / 16) * NP + n0 + (tid %% 16) * 4);
+  };
+  auto stash = [&](int buf) {
+    const int q = (tid %% 4) * 4;
+    #pragma unroll
+    for (int i = 0; i < XQ; ++i) {
+      const int r = (tid + i * THREADS) / 4;
+      xs[buf][q][r] = xr[i].x;
+      xs[buf][q + 1][r] = xr[i].y;
+      xs[buf][q + 2][r] = xr[i].z;
+      xs[buf][q + 3][r] = xr[i].w;
+    }
+    *reinterpret_cast<float4*>(&ws[buf][tid / 16][(tid %% 16) * 4]) = wr;
+  };
+  const int tr = tid / 16, tc = tid %% 16;
+  float acc[RM][4];
+  #pragma unroll
+  for (int i = 0; i < RM; ++i)
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  auto multiply = [&](int buf) {
+    #pragma unroll
+    for (int kk = 0; kk < BK; ++kk) {
+      float a[RM];
+      #pragma unroll
+      for (int i = 0; i < RM; i += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(&xs[buf][kk][tr * RM + i]);
+        a[i] = v.x;
+        a[i + 1] = v.y;
+        a[i + 2] = v.z;
+        a[i + 3] = v.w;
+      }
+      const float4 v = *reinterpret_cast<const float4*>(&ws[buf][kk][tc * 4]);
+      #pragma unroll
+      for (int i = 0; i < RM; ++i) {
+        acc[i][0] = fmaf(a[i], v.x, acc[i][0]);
+        acc[i][1] = fmaf(a[i], v.y, acc[i][1]);
+        acc[i][2] = fmaf(a[i], v.z, acc[i][2]);
+        acc[i][3] = fmaf(a[i], v.w, acc[i][3]);
+      }
+    }
+  };
+  fetch(0);
+  stash(0);
+  __syncthreads();
+  for (int s = 0; s < SLICES; ++s) {
+    if (s + 1 < SLICES) fetch(s + 1);
+    multiply(s %% 2);
+    if (s + 1 < SLICES) stash((s + 1) %% 2);
+    __syncthreads();
+  }
+  #pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const int m = m0 + tr * RM + i;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + tc * 4 + j;
+      if (m < M && n < C_OUT) {
+        const size_t at = (size_t)m * C_OUT + n;
+        float y = acc[i][j];
+        %(bias)s
+        %(add)s
+        out[at] = y;
+      }
+    }
+  }
+"""
+
+
+def kernel_rows(weight: mx.array) -> mx.array:
+    """A convolution's weight (C_out, k, C_in) as the kernel's rows (k·C_in, NP): tap j's C_in rows, the
+    columns zero-padded to a multiple of the kernel's tile."""
+    c_out, k, c_in = weight.shape
+    rows = weight.transpose(1, 2, 0).reshape(k * c_in, c_out)
+    return mx.contiguous(mx.pad(rows, [(0, 0), (0, -c_out % _CONV_BN)]))
+
+
+def kernel_conv_fits(x: mx.array, weight: mx.array, stride: int = 1) -> bool:
+    """Whether x's convolution by ``weight`` (C_out, k, C_in) takes ``conv1d_kernel``: ``KERNEL_CONVS``, on
+    CUDA, both float32, stride 1, C_in a multiple of 16."""
+    fp32 = x.dtype == weight.dtype == mx.float32
+    return KERNEL_CONVS and _use_cuda_paths() and fp32 and stride == 1 and weight.shape[-1] % 16 == 0
+
+
+def conv1d_kernel(
+    x: mx.array,
+    rows: mx.array,
+    c_out: int,
+    dilation: int = 1,
+    padding: int = 0,
+    bias: mx.array | None = None,
+    mask: mx.array | None = None,
+    add: mx.array | None = None,
+) -> mx.array:
+    """``conv1d(x * mask, weight, padding, dilation, bias=bias) + add`` (stride 1) by our CUDA kernel: x (B,
+    T, C_in) float32, ``rows`` = ``kernel_rows(weight)``, mask (B, T, 1) bool or None, add (B, T_out, C_out)
+    or None. One compiled kernel serves every length."""
+    b, t, c_in = x.shape
+    taps = rows.shape[0] // c_in
+    t_out = t + 2 * padding - dilation * (taps - 1)
+    if t_out < 1:
+        raise ValueError(f"a convolution of {taps} taps, dilation {dilation}, needs more than {t} frames")
+    if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (b, t, 1)):
+        raise ValueError(f"mask must be bool of shape {(b, t, 1)}, got {mask.dtype} {mask.shape}")
+    if add is not None and add.shape != (b, t_out, c_out):
+        raise ValueError(f"add must have the output's shape {(b, t_out, c_out)}, got {add.shape}")
+    m = b * t_out
+    blocks = rows.shape[1] // _CONV_BN
+    rows_a_block = 128 if -(-m // 128) * blocks >= 2 * _sm_count() else 64
+    flags = (bias is not None, mask is not None, add is not None)
+    key = (rows_a_block, c_in, c_out, taps, dilation, padding, flags)
+    if key not in _conv_kernels:
+        source = _CONV_SOURCE % dict(
+            bn=_CONV_BN,
+            mask=" && mask[first[i] + t]" if mask is not None else "",
+            bias="y += bias[n];" if bias is not None else "",
+            add="y += add[at];" if add is not None else "",
+        )
+        names = ["x", "w"] + [n for n, a in zip(("bias", "mask", "add"), flags) if a]
+        name = "_".join(["conv", str(taps), str(dilation)] + [n for n in names[2:]])
+        _conv_kernels[key] = cuda_kernel(name, names, ["out"], source)
+    inputs = [x, rows] + [a for a in (bias, mask, add) if a is not None]
+    template = [("BM", rows_a_block), ("C_IN", c_in), ("C_OUT", c_out), ("TAPS", taps), ("DIL", dilation),
+                ("PAD", padding)]  # fmt: skip
+    (out,) = _conv_kernels[key](
+        inputs=inputs,
+        template=template,
+        grid=(blocks * 256, -(-m // rows_a_block), 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(b, t_out, c_out)],
+        output_dtypes=[mx.float32],
+    )
+    return out
 
 
 def _on_cpu() -> bool:
@@ -169,10 +366,19 @@ class Conv1d(nn.Conv1d):
             bias=bias,
         )
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None, add: mx.array | None = None) -> mx.array:
+        """The convolution of ``x * mask`` (mask (B, T, 1) bool: zero beyond each row's frames), plus ``add``
+        (B, T_out, C_out), each where given."""
+        if kernel_conv_fits(x, self.weight, self.stride):
+            rows = _cached(self, "_rows", kernel_rows, self.weight)
+            c_out = self.weight.shape[0]
+            return conv1d_kernel(x, rows, c_out, self.dilation, self.padding, self.get("bias"), mask, add)
+        x = x if mask is None else x * mask  # bool promotes to x's dtype
         if not _products():
-            return super().__call__(x)
-        return conv1d(x, self.weight, self.padding, self.dilation, self.stride, self.get("bias"))
+            y = super().__call__(x)
+        else:
+            y = conv1d(x, self.weight, self.padding, self.dilation, self.stride, self.get("bias"))
+        return y if add is None else y + add
 
     def padded(self, x: mx.array, left: int, right: int) -> mx.array:
         """The convolution of x (B, T, C_in) with ``left`` and ``right`` more zero frames on its ends (causal
@@ -194,10 +400,29 @@ class ConvTranspose1d(nn.ConvTranspose1d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, padding: int = 0):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        """The transposed convolution of ``x * mask`` (mask as ``Conv1d``'s)."""
+        if kernel_conv_fits(x, self.weight):
+            stride = self.stride
+            rows = _cached(self, "_rows", lambda w: kernel_rows(_transposed_taps(w, stride)), self.weight)
+            bias = _cached(self, "_bias", lambda b: mx.tile(b, stride), self.bias)
+            blocks = rows.shape[0] // x.shape[-1]
+            y = conv1d_kernel(x, rows, stride * self.weight.shape[0], 1, blocks - 1, bias, mask)
+            return _phases_out(y, self.weight.shape, x.shape[1], stride, self.padding)
+        x = x if mask is None else x * mask
         if not _products():
             return super().__call__(x)
         return conv_transpose1d(x, self.weight, self.stride, self.padding, self.bias)
+
+
+def _cached(module: nn.Module, name: str, make: Callable[[mx.array], mx.array], source: mx.array) -> mx.array:
+    """``make(source)``, kept on ``module`` under ``name`` (a private key: no parameter) while ``source`` is the
+    same array: the kernel's rearranged weights are made once, not at every call."""
+    kept = module.get(name)
+    if kept is None or kept[0] is not source:
+        kept = (source, make(source))
+        module[name] = kept
+    return kept[1]
 
 
 # --- elementwise functions ---

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# HiFT's float32 convolutions as our kernel (layers.KERNEL_CONVS: plans nothing, one launch takes the mask, the
+# bias and the residual sum) against the shipped library (MLX's cuDNN convolutions, 1,024 graphs a thread),
+# our products as taps (layers.PRODUCT_CONVS_OFF_CPU) and rung lengths (hift.LENGTH_RUNGS), in what is left of
+# a lease (~13 minutes after the installs; a second call waits on with wait.sh): bash benchmarks/device/start.sh
+# kernel 560. In the order of what decides, since the lease may cut it short:
+# 1. The GPU tests of test_layers (the kernel against MLX's convolutions at HiFT's sizes) and test_hift.
+# 2. probe_hift.py: a 10 s decode warm, the first call at new lengths, 4 rows in one call, primitives; each way.
+# 3. Served Turbo one stream at a time (first audio, and whole requests of 250 ± 100 tokens): shipped, kernel,
+#    taps; 16 streams at a time (run AP: TTFA p50 1.20 s shipped): kernel, shipped; text -> wav of 250 ± 100
+#    tokens (bench_e2e, with each stage's peak): kernel, shipped; then 16 streams as taps, served rungs.
+export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
+here=$(dirname "$0")
+echo "== commit $BENCH_COMMIT"
+ways=/tmp/ways
+mkdir -p $ways/rungs $ways/taps $ways/kernel
+printf 'from mlx_chatterbox.models import hift\n\nhift.LENGTH_RUNGS = True\n' > $ways/rungs/sitecustomize.py
+printf 'from mlx_chatterbox.models import layers\n\nlayers.PRODUCT_CONVS_OFF_CPU = True\n' > $ways/taps/sitecustomize.py
+printf 'from mlx_chatterbox.models import layers\n\nlayers.KERNEL_CONVS = True\n' > $ways/kernel/sitecustomize.py
+path() {  # a way's sitecustomize folder (none for shipped)
+  [ "$1" = shipped ] || echo $ways/$1
+}
+echo "== tests at $(date +%T)"
+python3 -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_hift.py 2>&1 | tail -4
+echo "== probe_hift at $(date +%T)"
+timeout 300 python3 benchmarks/probe_hift.py --out ~/res/probe_hift.jsonl 2>&1 | tail -6
+one="--concurrency 1 --requests 8 --tokens 250"
+served() {  # variant, way
+  echo "== served $1, $2 at $(date +%T)"
+  SERVE_PATH=$(path $2) bash "$here/named.sh" kernel_$1_$2 $1 "--warm-batches off --first-chunk 15 \
+--cfm-dtype bfloat16" "$one --formats streamed" "$one --formats whole --tokens-spread 100"
+}
+many() {  # way
+  echo "== served turbo, 16 at a time, $1 at $(date +%T)"
+  SERVE_PATH=$(path $1) bash "$here/named.sh" kernel_c16_$1 turbo "--first-chunk 15 --cfm-dtype bfloat16" \
+      "--concurrency 16 --requests 48 --tokens 250 --tokens-spread 100 --formats streamed"
+}
+e2e() {  # way
+  echo "== bench_e2e $1 at $(date +%T)"
+  PYTHONPATH=$(path $1):$PYTHONPATH timeout 300 python3 benchmarks/bench_e2e.py --built full \
+      --cfm-dtype bfloat16 --tokens 250 --tokens-spread 100 --repeats 5 --out ~/res/e2e_kernel_$1.jsonl 2>&1 \
+      | grep -v "^{" | tail -2
+}
+for way in shipped kernel taps; do served turbo $way; done
+many kernel
+many shipped
+e2e kernel
+e2e shipped
+many taps
+served turbo rungs
+echo "== done"

@@ -1,0 +1,87 @@
+"""HiFT's convolutions on a GPU, way by way (issue 25): MLX's (cuDNN, a graph planned per new shape), our
+products as taps (``layers.PRODUCT_CONVS_OFF_CPU``), our kernel (``layers.KERNEL_CONVS``), and MLX's at rung
+lengths (``hift.LENGTH_RUNGS``). Full-size HiFT, random weights, ``decode`` of a source made once. Per way:
+one row of 500 frames (10 s) warm, the first call at each of 6 lengths that way has not met (what a served
+request of a new length pays), 4 rows of different lengths in one call (a vocoding batch), and the primitives of
+a 10 s call. Prints a short table; ``--out`` appends a JSON line per way.
+
+    python benchmarks/probe_hift.py --ways shipped,taps,kernel,rungs --out hift.jsonl
+"""
+
+from __future__ import annotations
+
+import sys  # isort: skip
+from pathlib import Path  # isort: skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx_chatterbox  # noqa: F401  isort: skip
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+from probe_step import primitives
+
+from mlx_chatterbox.models import hift as hift_module
+from mlx_chatterbox.models import layers
+from mlx_chatterbox.models.hift import HiFT, HiFTConfig
+
+SWITCHES = {  # (PRODUCT_CONVS_OFF_CPU, KERNEL_CONVS, LENGTH_RUNGS)
+    "shipped": (False, False, False),
+    "taps": (True, False, False),
+    "kernel": (False, True, False),
+    "rungs": (False, False, True),
+}
+
+
+def timed(model: HiFT, mel: mx.array, source: mx.array, lengths: mx.array | None = None) -> float:
+    """Milliseconds of one decode, evaluated."""
+    mx.synchronize()
+    start = time.perf_counter()
+    mx.eval(model.decode(mel, source, lengths))
+    mx.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ways", default=",".join(SWITCHES))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", help="append JSON lines here")
+    args = p.parse_args()
+    model = HiFT(HiFTConfig())
+    mx.eval(model.parameters())
+    spf = model.config.samples_per_frame
+
+    def inputs(rows: int, frames: int, seed: int) -> tuple[mx.array, mx.array]:
+        key = mx.random.key(seed)
+        mel = mx.random.normal((rows, frames, 80), key=key)
+        return mel, mx.tanh(mx.random.normal((rows, frames * spf, 1), key=mx.random.split(key)[0]))
+
+    print(f"{'way':8} {'10 s warm ms':>13} {'new length ms':>14} {'4 rows ms':>10} {'primitives':>11}")
+    for i, way in enumerate(args.ways.split(",")):
+        layers.PRODUCT_CONVS_OFF_CPU, layers.KERNEL_CONVS, hift_module.LENGTH_RUNGS = SWITCHES[way]
+        mel, source = inputs(1, 500, 0)
+        timed(model, mel, source)  # compiles and plans what 10 s needs
+        warm = statistics.median(timed(model, mel, source) for _ in range(args.repeats))
+        # Lengths no earlier way met (a rung's width may recur across ways: rungs' advantage, as served).
+        new = [timed(model, *inputs(1, 157 + 61 * j + 7 * i, j)) for j in range(6)]
+        lengths = [480, 411, 303, 250]
+        mel4, source4 = inputs(4, 480, 1)
+        rows = mx.array(lengths, dtype=mx.int32)
+        timed(model, mel4, source4, rows)
+        four = statistics.median(timed(model, mel4, source4, rows) for _ in range(args.repeats))
+        count = sum(primitives(model.decode(mel, source)).values())
+        line = dict(way=way, warm_ms=warm, new_length_ms=new, four_rows_ms=four, primitives=count,
+                    peak_mib=mx.get_peak_memory() / 2**20)  # fmt: skip
+        print(f"{way:8} {warm:13.1f} {statistics.mean(new):14.1f} {four:10.1f} {count:11d}")
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
