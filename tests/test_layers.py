@@ -163,6 +163,12 @@ def _kernel_inputs(c_in, c_out, rows, frames, t_out, mask, add, seed):
     return x, m, a
 
 
+@pytest.fixture
+def launched_alone(monkeypatch):
+    """The kernel's cache holds what the test launched: no compiling of all HiFT's kernels at the first call."""
+    monkeypatch.setattr(layers, "_compile_kernel_convs", lambda: None)
+
+
 def _composed(layer, *args):
     """The layer's call off the kernel: x * mask, MLX's convolution (or our products on the CPU), + add."""
     previous = layers.KERNEL_CONVS
@@ -176,7 +182,7 @@ def _composed(layer, *args):
 @pytest.mark.parametrize("sms", [132, 0], ids=["64-row-tiles", "128-row-tiles"])
 @pytest.mark.parametrize("c_in, c_out, k, dilation, padding, rows, frames, flags", KERNEL_CASES)
 def test_conv_kernel_matches_the_composed_convolution(
-    emulated, monkeypatch, c_in, c_out, k, dilation, padding, rows, frames, flags, sms
+    emulated, launched_alone, monkeypatch, c_in, c_out, k, dilation, padding, rows, frames, flags, sms
 ):
     """The kernel's source (emulated on the CPU: its indexing, tiles, barriers) against x * mask, MLX's
     convolution, the bias and + add; 132 SMs keep 64-row tiles, none makes 128 rows pay."""
@@ -187,15 +193,16 @@ def test_conv_kernel_matches_the_composed_convolution(
     t_out = frames + 2 * padding - dilation * (k - 1)
     x, m, a = _kernel_inputs(c_in, c_out, rows, frames, t_out, mask, add, seed=c_in)
     got = conv(x, m, a)
-    (key,) = layers._conv_kernels
-    assert key[0] == (64 if sms == 132 else 128)
+    assert list(layers._conv_kernels) == [(64 if sms == 132 else 128, flags)]
     want = _composed(conv, x, m, a)
     assert got.shape == want.shape == (rows, t_out, c_out)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("k, stride, padding", [(16, 8, 4), (11, 5, 3), (7, 3, 2)])
-def test_conv_kernel_upsamples_as_the_transposed_convolution(emulated, monkeypatch, k, stride, padding):
+def test_conv_kernel_upsamples_as_the_transposed_convolution(
+    emulated, launched_alone, monkeypatch, k, stride, padding
+):
     """HiFT's three upsamplings (k, stride, padding) at small channels, with a mask of the padded frames."""
     monkeypatch.setattr(layers, "KERNEL_CONVS", True)
     up = ConvTranspose1d(16, 8, k, stride, padding=padding)
@@ -209,9 +216,26 @@ def test_conv_kernel_upsamples_as_the_transposed_convolution(emulated, monkeypat
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
 
 
-def test_conv_kernel_takes_only_what_it_computes(emulated, monkeypatch):
+def test_the_first_kernel_convolution_compiles_all_of_hifts(emulated, monkeypatch):
+    """A process's first kernel convolution launches HiFT's 8 kernels (tile heights 64 and 128, with and
+    without the mask and the sum, with a bias), so that their compiles come together; later calls at other
+    sizes compile nothing more."""
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    conv = _kernel_layers(16, 24, 3, 1, 1, True, seed=0)
+    x, m, a = _kernel_inputs(16, 24, 2, 30, 30, True, True, seed=0)
+    np.testing.assert_allclose(np.array(conv(x)), np.array(_composed(conv, x)), atol=2e-5, rtol=1e-5)
+    every = {(rows, (True, mask, add)) for rows in (64, 128) for mask in (False, True) for add in (False, True)}
+    assert set(layers._conv_kernels) == every
+    wider = _kernel_layers(32, 80, 7, 3, 9, True, seed=1)
+    x32 = mx.random.normal((2, 50, 32), key=mx.random.key(2))
+    mx.eval(wider(x32, mx.ones((2, 50, 1), mx.bool_)), conv(x, m, a))
+    assert set(layers._conv_kernels) == every
+
+
+def test_conv_kernel_takes_only_what_it_computes(emulated, launched_alone, monkeypatch):
     """Off the switch, or for bfloat16, a stride, or C_in not a multiple of 16, the composed path runs; the
-    rearranged weight is made once per weight array; a bad mask or add is refused by name."""
+    kernel's weight is made once per weight array, and is no parameter; a bad mask or add is refused by
+    name."""
     x = mx.random.normal((1, 20, 16))
     conv = _kernel_layers(16, 8, 3, 1, 1, True, seed=0)
     assert not layers.kernel_conv_fits(x, conv.weight)  # the switch is off
@@ -221,12 +245,14 @@ def test_conv_kernel_takes_only_what_it_computes(emulated, monkeypatch):
     assert not layers.kernel_conv_fits(x, conv.weight, stride=2)
     assert not layers.kernel_conv_fits(x[..., :12], conv.weight[..., :12])
     conv(x)
-    rows = conv["_rows"][1]
+    kept = conv["_kernel_weight"][1]
+    assert kept.geometry.tolist() == [8, 1, 1] and kept.rows.shape == (3 * 16, 64)
     conv(x)
-    assert conv["_rows"][1] is rows and "_rows" not in dict(nn.utils.tree_flatten(conv.parameters()))
+    assert conv["_kernel_weight"][1] is kept
+    assert not any(k.startswith("_") for k, _ in nn.utils.tree_flatten(conv.parameters()))
     conv.weight = conv.weight * 2
     conv(x)
-    assert conv["_rows"][1] is not rows
+    assert conv["_kernel_weight"][1] is not kept
     with pytest.raises(ValueError, match="mask must be bool"):
         conv(x, mx.ones((1, 20, 1)))
     with pytest.raises(ValueError, match="add must have the output's shape"):

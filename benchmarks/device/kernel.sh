@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # HiFT's float32 convolutions as our kernel (layers.KERNEL_CONVS: plans nothing, one launch takes the mask, the
-# bias and the residual sum) against the shipped library (MLX's cuDNN convolutions, 1,024 graphs a thread),
-# our products as taps (layers.PRODUCT_CONVS_OFF_CPU) and rung lengths (hift.LENGTH_RUNGS), in what is left of
-# a lease (~13 minutes after the installs; a second call waits on with wait.sh): bash benchmarks/device/start.sh
-# kernel 560. In the order of what decides, since the lease may cut it short:
+# bias and the residual sum) against the shipped library (MLX's cuDNN convolutions, 1,024 graphs a thread), in
+# ~14 minutes after the installs (a second call waits on with wait.sh): bash benchmarks/device/start.sh kernel 560
+# Run AQ (H100) had the kernel fastest wherever it had been compiled, but that version compiled one per
+# convolution shape (~60, 0.6 s each) and stalled served requests; now its sizes come at run time, and HiFT's
+# 8 kernels are compiled together at a process's first kernel convolution. If served whole requests and 16
+# streams hold shipped's p95 and TTFA with the kernel, and text -> wav keeps run AQ's gain, KERNEL_CONVS becomes
+# the default on CUDA. In the order of what decides:
 # 1. The GPU tests of test_layers (the kernel against MLX's convolutions at HiFT's sizes) and test_hift.
-# 2. probe_hift.py: a 10 s decode warm, the first call at new lengths, 4 rows in one call, primitives; each way.
-# 3. Served Turbo one stream at a time (first audio, and whole requests of 250 ± 100 tokens): shipped, kernel,
-#    taps; 16 streams at a time (run AP: TTFA p50 1.20 s shipped): kernel, shipped; text -> wav of 250 ± 100
-#    tokens (bench_e2e, with each stage's peak): kernel, shipped; then 16 streams as taps, served rungs.
+# 2. probe_hift.py, shipped and kernel: a 10 s decode warm (its first call compiles), the first call at new
+#    lengths, 4 rows in one call, primitives.
+# 3. Served Turbo one stream at a time (first audio, and whole requests of 250 ± 100 tokens), 16 streams at a
+#    time (run AQ: TTFA p50 0.97 s shipped), text -> wav of 250 ± 100 tokens (bench_e2e, each stage's peak),
+#    served English one at a time: kernel and shipped each.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
 ways=/tmp/ways
-mkdir -p $ways/rungs $ways/taps $ways/kernel
-printf 'from mlx_chatterbox.models import hift\n\nhift.LENGTH_RUNGS = True\n' > $ways/rungs/sitecustomize.py
-printf 'from mlx_chatterbox.models import layers\n\nlayers.PRODUCT_CONVS_OFF_CPU = True\n' > $ways/taps/sitecustomize.py
+mkdir -p $ways/kernel
 printf 'from mlx_chatterbox.models import layers\n\nlayers.KERNEL_CONVS = True\n' > $ways/kernel/sitecustomize.py
 path() {  # a way's sitecustomize folder (none for shipped)
   [ "$1" = shipped ] || echo $ways/$1
@@ -23,7 +25,7 @@ path() {  # a way's sitecustomize folder (none for shipped)
 echo "== tests at $(date +%T)"
 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_hift.py 2>&1 | tail -4
 echo "== probe_hift at $(date +%T)"
-timeout 300 python3 benchmarks/probe_hift.py --out ~/res/probe_hift.jsonl 2>&1 | tail -6
+timeout 300 python3 benchmarks/probe_hift.py --ways shipped,kernel --out ~/res/probe_hift.jsonl 2>&1 | tail -6
 one="--concurrency 1 --requests 8 --tokens 250"
 served() {  # variant, way
   echo "== served $1, $2 at $(date +%T)"
@@ -41,11 +43,10 @@ e2e() {  # way
       --cfm-dtype bfloat16 --tokens 250 --tokens-spread 100 --repeats 5 --out ~/res/e2e_kernel_$1.jsonl 2>&1 \
       | grep -v "^{" | tail -2
 }
-for way in shipped kernel taps; do served turbo $way; done
+for way in shipped kernel; do served turbo $way; done
 many kernel
 many shipped
 e2e kernel
 e2e shipped
-many taps
-served turbo rungs
+for way in shipped kernel; do served english $way; done
 echo "== done"

@@ -20,7 +20,7 @@ import math
 import struct
 from collections.abc import Callable
 from functools import cache, partial
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,35 +141,38 @@ def _phases_out(y: mx.array, shape: tuple[int, int, int], t: int, stride: int, p
 
 # --- float32 convolutions (HiFT's) as our kernel on CUDA ---
 
-# Off: a benchmark's switch until a GPU lease weighs it (device/rungs.sh's "kernel") against MLX's cuDNN
-# convolutions, which plan a graph for every new shape (~100-170 ms of a served request of a new length, run AP)
-# and run HiFT's float32 convolutions at ~11 TFLOPs with a layout transpose on each side (run AJ's Nsight: 77
-# implicit GEMMs, ~19 ms, and 257 transposes, 4.2 ms, in S3Gen.batch at 10 s). Ours plans nothing (one
-# compiled kernel per convolution shape, whatever the length), reads channels-last as it is, and takes the mask
-# of the padded frames, the bias and a residual sum into the same launch.
+# Off: a benchmark's switch until a GPU lease has weighed this version ("kernel" in device/kernel.sh) against
+# MLX's cuDNN convolutions, which plan a graph for every new shape and run HiFT's float32 convolutions at ~11
+# TFLOPs with a layout transpose on each side (run AJ's Nsight: 77 implicit GEMMs, ~19 ms, and 257 transposes,
+# 4.2 ms, in S3Gen.batch at 10 s). Ours plans nothing, reads channels-last as it is, and takes the mask of the
+# padded frames, the bias and a residual sum into the same launch. Run AQ (H100, a first version that compiled a
+# kernel per convolution shape): a 10 s decode 12.6 ms against 16.1, the first call at a new length 12-15 ms
+# against 57-60, text -> wav of 250 ± 100 tokens 0.474 s against 0.502 (S3Gen 142 ms against 198, peak 3,579 MiB
+# against 3,888); but a process compiled ~60 kernels at ~0.6 s each as it met them (37 s in its first call at a
+# short length, and served requests stalled). The convolution's sizes now come at run time: one kernel per
+# (tile rows, bias, mask, sum), and HiFT's 8 are compiled together at a process's first kernel convolution.
 KERNEL_CONVS = False
 
-# Rows (frames) a block: 128 where that still gives every SM two blocks, else 64 (the first upsampling's
-# resblocks at 10 s: 4,000 frames x 256 channels are 128 blocks of 128).
-_CONV_BN = 64
+_CONV_BN = 64  # a block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64
 _conv_kernels: dict[tuple, object] = {}
 
-# An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in,
-# C_IN) channels-last, the weight as rows (TAPS·C_IN, NP): tap j's C_IN rows, C_OUT columns zero-padded to NP,
-# a multiple of BN. Output row m = b·T_out + t sums, over taps j and channels c, x[b, t + j·DIL - PAD, c] (0
-# outside the sequence, or where the mask is false) times row j·C_IN + c. A block of 256 threads takes BM rows
-# and BN columns; each thread RM = BM / 16 rows (adjacent) and 4 columns, as 16 x 16 groups. Slices of BK = 16
-# of the K = TAPS·C_IN products (C_IN a multiple of 16: a slice lies in one tap) go through shared memory, x's
-# transposed so that a thread's RM rows are one 16-byte read; the next slice is in registers while this one is
-# multiplied, and the two shared buffers take turns (one barrier a slice).
+# An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in, C_in)
+# channels-last, the weight as rows (taps·C_in, NP): tap j's C_in rows, C_out columns zero-padded to NP, a
+# multiple of BN. ``geometry`` holds (C_out, dilation, padding). Output row m = b·T_out + t sums, over taps j and
+# channels c, x[b, t + j·dilation - padding, c] (0 outside the sequence, or where the mask is false) times row
+# j·C_in + c. A block of 256 threads takes BM rows and BN columns; each thread RM = BM / 16 adjacent rows and 4
+# columns, as 16 x 16 groups. Slices of BK = 16 of the K = taps·C_in products (C_in a multiple of 16: a slice
+# lies in one tap) go through shared memory, x's transposed so that a thread's RM rows are one 16-byte read; the
+# next slice is in registers while this one is multiplied, and the two shared buffers take turns (one barrier a
+# slice).
 _CONV_SOURCE = """
-  constexpr int BN = %(bn)d, BK = 16, THREADS = 256, RM = BM / 16;
-  constexpr int SLICES = TAPS * C_IN / BK, LDA = BM + 4, NP = (C_OUT + BN - 1) / BN * BN;
+  constexpr int BN = %(bn)d, BK = 16, THREADS = 256, RM = BM / 16, LDA = BM + 4;
   constexpr int XQ = BM * BK / 4 / THREADS;  // x's 16-byte pieces a thread moves a slice
-  static_assert(C_IN %% BK == 0 && XQ >= 1, "a slice lies in one tap");
   __shared__ __align__(16) float xs[2][BK][LDA];
   __shared__ __align__(16) float ws[2][BK][BN];
-  const int T_IN = x_shape[1], T_OUT = T_IN + 2 * PAD - DIL * (TAPS - 1), M = x_shape[0] * T_OUT;
+  const int T_IN = x_shape[1], C_IN = x_shape[2], K = w_shape[0], NP = w_shape[1], SLICES = K / BK;
+  const int C_OUT = geometry[0], DIL = geometry[1], PAD = geometry[2];
+  const int T_OUT = T_IN + 2 * PAD - DIL * (K / C_IN - 1), M = x_shape[0] * T_OUT;
   const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   // Piece i: tile row (tid + i·THREADS) / 4, the slice's channels (tid %% 4)·4 on; its sequence's first row
   // in x, and its output frame (-1 past the last row).
@@ -259,12 +262,25 @@ _CONV_SOURCE = """
 """
 
 
-def kernel_rows(weight: mx.array) -> mx.array:
-    """A convolution's weight (C_out, k, C_in) as the kernel's rows (k·C_in, NP): tap j's C_in rows, the
-    columns zero-padded to a multiple of the kernel's tile."""
+class KernelWeight(NamedTuple):
+    """A convolution's weight as ``conv1d_kernel`` takes it: ``rows`` (taps·C_in, NP), tap j's C_in rows, the
+    columns zero-padded to a multiple of the kernel's tile; ``geometry`` (C_out, dilation, padding) in device
+    memory, which the kernel reads, so that one compiled kernel serves every convolution."""
+
+    rows: mx.array
+    geometry: mx.array
+    c_out: int
+    dilation: int
+    padding: int
+
+
+def kernel_weight(weight: mx.array, dilation: int = 1, padding: int = 0) -> KernelWeight:
+    """``weight`` (C_out, k, C_in) as ``conv1d_kernel``'s ``KernelWeight``."""
     c_out, k, c_in = weight.shape
     rows = weight.transpose(1, 2, 0).reshape(k * c_in, c_out)
-    return mx.contiguous(mx.pad(rows, [(0, 0), (0, -c_out % _CONV_BN)]))
+    rows = mx.contiguous(mx.pad(rows, [(0, 0), (0, -c_out % _CONV_BN)]))
+    geometry = mx.array([c_out, dilation, padding], dtype=mx.int32)
+    return KernelWeight(rows, geometry, c_out, dilation, padding)
 
 
 def kernel_conv_fits(x: mx.array, weight: mx.array, stride: int = 1) -> bool:
@@ -276,53 +292,62 @@ def kernel_conv_fits(x: mx.array, weight: mx.array, stride: int = 1) -> bool:
 
 def conv1d_kernel(
     x: mx.array,
-    rows: mx.array,
-    c_out: int,
-    dilation: int = 1,
-    padding: int = 0,
+    weight: KernelWeight,
     bias: mx.array | None = None,
     mask: mx.array | None = None,
     add: mx.array | None = None,
+    tile_rows: int | None = None,
 ) -> mx.array:
     """``conv1d(x * mask, weight, padding, dilation, bias=bias) + add`` (stride 1) by our CUDA kernel: x (B,
-    T, C_in) float32, ``rows`` = ``kernel_rows(weight)``, mask (B, T, 1) bool or None, add (B, T_out, C_out)
-    or None. One compiled kernel serves every length."""
+    T, C_in) float32, ``weight`` from ``kernel_weight``, mask (B, T, 1) bool or None, add (B, T_out, C_out)
+    or None. ``tile_rows``: a block's rows, 64 or 128 (None: by the number of blocks)."""
     b, t, c_in = x.shape
-    taps = rows.shape[0] // c_in
-    t_out = t + 2 * padding - dilation * (taps - 1)
+    c_out, dilation, padding = weight.c_out, weight.dilation, weight.padding
+    t_out = t + 2 * padding - dilation * (weight.rows.shape[0] // c_in - 1)
     if t_out < 1:
-        raise ValueError(f"a convolution of {taps} taps, dilation {dilation}, needs more than {t} frames")
+        raise ValueError(f"the convolution (dilation {dilation}, padding {padding}) needs more than {t} frames")
     if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (b, t, 1)):
         raise ValueError(f"mask must be bool of shape {(b, t, 1)}, got {mask.dtype} {mask.shape}")
     if add is not None and add.shape != (b, t_out, c_out):
         raise ValueError(f"add must have the output's shape {(b, t_out, c_out)}, got {add.shape}")
     m = b * t_out
-    blocks = rows.shape[1] // _CONV_BN
-    rows_a_block = 128 if -(-m // 128) * blocks >= 2 * _sm_count() else 64
+    blocks = weight.rows.shape[1] // _CONV_BN
+    if tile_rows is None:
+        tile_rows = 128 if -(-m // 128) * blocks >= 2 * _sm_count() else 64
+        if not _conv_kernels:
+            _compile_kernel_convs()
     flags = (bias is not None, mask is not None, add is not None)
-    key = (rows_a_block, c_in, c_out, taps, dilation, padding, flags)
-    if key not in _conv_kernels:
+    if (tile_rows, flags) not in _conv_kernels:
         source = _CONV_SOURCE % dict(
             bn=_CONV_BN,
             mask=" && mask[first[i] + t]" if mask is not None else "",
             bias="y += bias[n];" if bias is not None else "",
             add="y += add[at];" if add is not None else "",
         )
-        names = ["x", "w"] + [n for n, a in zip(("bias", "mask", "add"), flags) if a]
-        name = "_".join(["conv", str(taps), str(dilation)] + [n for n in names[2:]])
-        _conv_kernels[key] = cuda_kernel(name, names, ["out"], source)
-    inputs = [x, rows] + [a for a in (bias, mask, add) if a is not None]
-    template = [("BM", rows_a_block), ("C_IN", c_in), ("C_OUT", c_out), ("TAPS", taps), ("DIL", dilation),
-                ("PAD", padding)]  # fmt: skip
-    (out,) = _conv_kernels[key](
-        inputs=inputs,
-        template=template,
-        grid=(blocks * 256, -(-m // rows_a_block), 1),
+        names = ["x", "w", "geometry"] + [n for n, on in zip(("bias", "mask", "add"), flags) if on]
+        _conv_kernels[tile_rows, flags] = cuda_kernel("_".join(["conv"] + names[3:]), names, ["out"], source)
+    (out,) = _conv_kernels[tile_rows, flags](
+        inputs=[x, weight.rows, weight.geometry] + [a for a in (bias, mask, add) if a is not None],
+        template=[("BM", tile_rows)],
+        grid=(blocks * 256, -(-m // tile_rows), 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(b, t_out, c_out)],
         output_dtypes=[mx.float32],
     )
     return out
+
+
+def _compile_kernel_convs() -> None:
+    """Launch each of HiFT's 8 convolution kernels (two tile heights, with and without the mask and the sum,
+    all with a bias) once on a few zeros: ``conv1d_kernel`` does at a process's first call, so that the process
+    compiles them together (NVRTC, ~0.6 s each), not as later calls meet them (run AQ's served requests
+    stalled on such compiles)."""
+    x, bias = mx.zeros((1, 1, 16)), mx.zeros((_CONV_BN,))
+    weight = kernel_weight(mx.zeros((_CONV_BN, 1, 16)))
+    mask, add = mx.ones((1, 1, 1), mx.bool_), mx.zeros((1, 1, _CONV_BN))
+    mx.eval(
+        [conv1d_kernel(x, weight, bias, m, a, rows) for rows in (64, 128) for m in (None, mask) for a in (None, add)]
+    )
 
 
 def _on_cpu() -> bool:
@@ -334,8 +359,8 @@ def _on_cpu() -> bool:
 # 37), which products never do: run AP (H100) took whole served requests of varied length from 801 to 631 ms
 # with them, but a server of 16 streams ran out of GPU memory (an im2col held k times its input, and MLX keeps
 # a queued kernel's buffers until the GPU has run it). Since then long inputs (HiFT's) go as taps, without the
-# k copies. Off: a benchmark's switch until device/rungs.sh weighs it ("taps") against _backend.py's larger
-# graph cache and hift.LENGTH_RUNGS.
+# k copies; run AQ (H100) ran 16 streams out of memory with those too, and a warm 10 s decode took 18.6 ms
+# against cuDNN's 16.1. Off: a benchmark's switch (KERNEL_CONVS is the plan-free way on CUDA).
 PRODUCT_CONVS_OFF_CPU = False
 
 
@@ -370,9 +395,8 @@ class Conv1d(nn.Conv1d):
         """The convolution of ``x * mask`` (mask (B, T, 1) bool: zero beyond each row's frames), plus ``add``
         (B, T_out, C_out), each where given."""
         if kernel_conv_fits(x, self.weight, self.stride):
-            rows = _cached(self, "_rows", kernel_rows, self.weight)
-            c_out = self.weight.shape[0]
-            return conv1d_kernel(x, rows, c_out, self.dilation, self.padding, self.get("bias"), mask, add)
+            weight = _cached(self, lambda w: kernel_weight(w, self.dilation, self.padding))
+            return conv1d_kernel(x, weight, self.get("bias"), mask, add)
         x = x if mask is None else x * mask  # bool promotes to x's dtype
         if not _products():
             y = super().__call__(x)
@@ -404,10 +428,13 @@ class ConvTranspose1d(nn.ConvTranspose1d):
         """The transposed convolution of ``x * mask`` (mask as ``Conv1d``'s)."""
         if kernel_conv_fits(x, self.weight):
             stride = self.stride
-            rows = _cached(self, "_rows", lambda w: kernel_rows(_transposed_taps(w, stride)), self.weight)
-            bias = _cached(self, "_bias", lambda b: mx.tile(b, stride), self.bias)
-            blocks = rows.shape[0] // x.shape[-1]
-            y = conv1d_kernel(x, rows, stride * self.weight.shape[0], 1, blocks - 1, bias, mask)
+
+            def as_conv(w: mx.array) -> tuple[KernelWeight, mx.array]:
+                taps = _transposed_taps(w, stride)
+                return kernel_weight(taps, padding=taps.shape[1] - 1), mx.tile(self.bias, stride)
+
+            weight, bias = _cached(self, as_conv)
+            y = conv1d_kernel(x, weight, bias, mask)
             return _phases_out(y, self.weight.shape, x.shape[1], stride, self.padding)
         x = x if mask is None else x * mask
         if not _products():
@@ -415,13 +442,17 @@ class ConvTranspose1d(nn.ConvTranspose1d):
         return conv_transpose1d(x, self.weight, self.stride, self.padding, self.bias)
 
 
-def _cached(module: nn.Module, name: str, make: Callable[[mx.array], mx.array], source: mx.array) -> mx.array:
-    """``make(source)``, kept on ``module`` under ``name`` (a private key: no parameter) while ``source`` is the
-    same array: the kernel's rearranged weights are made once, not at every call."""
-    kept = module.get(name)
-    if kept is None or kept[0] is not source:
-        kept = (source, make(source))
-        module[name] = kept
+_Made = TypeVar("_Made")
+
+
+def _cached(module: nn.Module, make: Callable[[mx.array], _Made]) -> _Made:
+    """``make(module.weight)`` (the kernel's form of the weight), kept on the module under a private key (no
+    parameter) while its weight and bias are the same arrays: made once, not at every call."""
+    sources = (module.weight, module.get("bias"))
+    kept = module.get("_kernel_weight")
+    if kept is None or any(a is not b for a, b in zip(kept[0], sources)):
+        kept = (sources, make(module.weight))
+        module["_kernel_weight"] = kept
     return kept[1]
 
 
