@@ -303,7 +303,7 @@ def test_kernel_convolutions_give_the_composed_f0_and_samples(model, emulated, m
     """``layers.KERNEL_CONVS``: every convolution of 16 or more input channels (the tiny model's first stages,
     the F0 predictor's, the upsamplings) as our CUDA kernel's source (emulated on the CPU), taking the padded
     frames' mask and the resblocks' residual sums; the rest composed as before. f0, and the samples of one
-    source (the source's phase integrates f0's, so a whole call's samples move by more: see the rungs' test)."""
+    source (the source's phase integrates f0's: a whole call's samples move by more, see the rungs' test)."""
     from mlx_chatterbox.models import layers
 
     mel = random_mel(2, 7, seed=5)
@@ -344,4 +344,7 @@ def test_every_kernel_convolution_of_the_full_model_builds_for_hopper_without_sp
     assert {(dict(p.template)["BM"], p.name) for p in convs} == {(r, n) for r in (64, 128) for n in names}
     for program in convs:
         used = compiled_cuda.resources(program)
-        assert used.spill_bytes == 0 and used.shared_bytes <= compiled_cuda.STATIC_SHARED_LIMIT, (program, used)
+        assert used.spill_bytes == 0 and used.shared_bytes <= compiled_cuda.STATIC_SHARED_LIMIT, (
+            program,
+            used,
+        )

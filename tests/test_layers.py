@@ -224,7 +224,9 @@ def test_the_first_kernel_convolution_compiles_all_of_hifts(emulated, monkeypatc
     conv = _kernel_layers(16, 24, 3, 1, 1, True, seed=0)
     x, m, a = _kernel_inputs(16, 24, 2, 30, 30, True, True, seed=0)
     np.testing.assert_allclose(np.array(conv(x)), np.array(_composed(conv, x)), atol=2e-5, rtol=1e-5)
-    every = {(rows, (True, mask, add)) for rows in (64, 128) for mask in (False, True) for add in (False, True)}
+    every = {
+        (rows, (True, mask, add)) for rows in (64, 128) for mask in (False, True) for add in (False, True)
+    }
     assert set(layers._conv_kernels) == every
     wider = _kernel_layers(32, 80, 7, 3, 9, True, seed=1)
     x32 = mx.random.normal((2, 50, 32), key=mx.random.key(2))

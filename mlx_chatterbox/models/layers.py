@@ -153,7 +153,8 @@ def _phases_out(y: mx.array, shape: tuple[int, int, int], t: int, stride: int, p
 # (tile rows, bias, mask, sum), and HiFT's 8 are compiled together at a process's first kernel convolution.
 KERNEL_CONVS = False
 
-_CONV_BN = 64  # a block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64
+# A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
+_CONV_BN = 64
 _conv_kernels: dict[tuple, object] = {}
 
 # An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in, C_in)
@@ -305,7 +306,9 @@ def conv1d_kernel(
     c_out, dilation, padding = weight.c_out, weight.dilation, weight.padding
     t_out = t + 2 * padding - dilation * (weight.rows.shape[0] // c_in - 1)
     if t_out < 1:
-        raise ValueError(f"the convolution (dilation {dilation}, padding {padding}) needs more than {t} frames")
+        raise ValueError(
+            f"the convolution (dilation {dilation}, padding {padding}) needs more than {t} frames"
+        )
     if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (b, t, 1)):
         raise ValueError(f"mask must be bool of shape {(b, t, 1)}, got {mask.dtype} {mask.shape}")
     if add is not None and add.shape != (b, t_out, c_out):
@@ -346,7 +349,12 @@ def _compile_kernel_convs() -> None:
     weight = kernel_weight(mx.zeros((_CONV_BN, 1, 16)))
     mask, add = mx.ones((1, 1, 1), mx.bool_), mx.zeros((1, 1, _CONV_BN))
     mx.eval(
-        [conv1d_kernel(x, weight, bias, m, a, rows) for rows in (64, 128) for m in (None, mask) for a in (None, add)]
+        [
+            conv1d_kernel(x, weight, bias, m, a, rows)
+            for rows in (64, 128)
+            for m in (None, mask)
+            for a in (None, add)
+        ]
     )
 
 
