@@ -3,7 +3,8 @@ products as taps (``layers.PRODUCT_CONVS_OFF_CPU``), our kernel (``layers.KERNEL
 lengths (``hift.LENGTH_RUNGS``). Full-size HiFT, random weights, ``decode`` of a source made once. Per way:
 one row of 500 frames (10 s) warm, the first call at each of 6 lengths that way has not met (what a served
 request of a new length pays), 4 rows of different lengths in one call (a vocoding batch), and the primitives of
-a 10 s call. Prints a short table; ``--out`` appends a JSON line per way.
+a 10 s call. Prints a short table; ``--out`` appends a JSON line per way. (``--frames`` and ``--base-channels``
+shrink it for the tests' smoke run on a CPU.)
 
     python benchmarks/probe_hift.py --ways shipped,taps,kernel,rungs --out hift.jsonl
 """
@@ -50,9 +51,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ways", default=",".join(SWITCHES))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--frames", type=int, default=500, help="mel frames of the warm call (500: 10 s)")
+    p.add_argument("--base-channels", type=int, default=HiFTConfig().base_channels)
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
-    model = HiFT(HiFTConfig())
+    model = HiFT(HiFTConfig(base_channels=args.base_channels))
     mx.eval(model.parameters())
     spf = model.config.samples_per_frame
 
@@ -61,21 +64,23 @@ def main() -> None:
         mel = mx.random.normal((rows, frames, 80), key=key)
         return mel, mx.tanh(mx.random.normal((rows, frames * spf, 1), key=mx.random.split(key)[0]))
 
-    print(f"{'way':8} {'10 s warm ms':>13} {'new length ms':>14} {'4 rows ms':>10} {'primitives':>11}")
+    n = args.frames
+    print(f"{'way':8} {f'{n} frames ms':>13} {'new length ms':>14} {'4 rows ms':>10} {'primitives':>11}")
     for i, way in enumerate(args.ways.split(",")):
         layers.PRODUCT_CONVS_OFF_CPU, layers.KERNEL_CONVS, hift_module.LENGTH_RUNGS = SWITCHES[way]
-        mel, source = inputs(1, 500, 0)
-        timed(model, mel, source)  # compiles and plans what 10 s needs
+        mel, source = inputs(1, n, 0)
+        timed(model, mel, source)  # compiles and plans what this length needs
         warm = statistics.median(timed(model, mel, source) for _ in range(args.repeats))
-        # Lengths no earlier way met (a rung's width may recur across ways: rungs' advantage, as served).
-        new = [timed(model, *inputs(1, 157 + 61 * j + 7 * i, j)) for j in range(6)]
-        lengths = [480, 411, 303, 250]
-        mel4, source4 = inputs(4, 480, 1)
+        # Lengths no earlier way met (a rung's width may recur across ways: rungs' advantage, as served); at
+        # 500 frames 157-476 and up.
+        new = [timed(model, *inputs(1, (157 + 61 * j + 7 * i) * n // 500, j)) for j in range(6)]
+        lengths = [n * f // 500 for f in (480, 411, 303, 250)]
+        mel4, source4 = inputs(4, max(lengths), 1)
         rows = mx.array(lengths, dtype=mx.int32)
         timed(model, mel4, source4, rows)
         four = statistics.median(timed(model, mel4, source4, rows) for _ in range(args.repeats))
         count = sum(primitives(model.decode(mel, source)).values())
-        line = dict(way=way, warm_ms=warm, new_length_ms=new, four_rows_ms=four, primitives=count,
+        line = dict(way=way, frames=n, warm_ms=warm, new_length_ms=new, four_rows_ms=four, primitives=count,
                     peak_mib=mx.get_peak_memory() / 2**20)  # fmt: skip
         print(f"{way:8} {warm:13.1f} {statistics.mean(new):14.1f} {four:10.1f} {count:11d}")
         if args.out:

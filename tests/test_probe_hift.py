@@ -1,0 +1,27 @@
+"""benchmarks/probe_hift.py: a smoke run on a small HiFT, every way (on the CPU the convolutions are our
+products whatever the switches; the rungs still pad)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_probe_writes_a_line_per_way(tmp_path):
+    out = tmp_path / "hift.jsonl"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probe_hift.py"), "--repeats", "1", "--frames", "25",
+         "--base-channels", "32", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["way"] for line in lines] == ["shipped", "taps", "kernel", "rungs"]
+    for line in lines:
+        assert line["frames"] == 25 and line["warm_ms"] > 0 and line["four_rows_ms"] > 0
+        assert len(line["new_length_ms"]) == 6 and min(line["new_length_ms"]) > 0 and line["primitives"] > 100
+    assert "25 frames ms" in run.stdout
