@@ -216,6 +216,24 @@ def test_conv_kernel_upsamples_as_the_transposed_convolution(
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "k, padding, dilation, left, right", [(3, 0, 1, 2, 0), (4, 0, 1, 0, 3), (5, 1, 2, 4, 1)]
+)
+def test_conv_kernel_pads_as_the_padded_convolution(
+    emulated, launched_alone, monkeypatch, k, padding, dilation, left, right
+):
+    """``Conv1d.padded`` (the estimator's causal convolutions, the flow's look-ahead ones) through the kernel,
+    against ``mx.pad`` then the convolution on the CPU."""
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    conv = _kernel_layers(32, 40, k, dilation, padding, True, seed=k)
+    x = mx.random.normal((2, 23, 32), key=mx.random.key(k))
+    got = conv.padded(x, left, right)
+    assert len(layers._conv_kernels) == 1
+    want = _composed(lambda *a: conv.padded(*a), x, left, right)
+    assert got.shape == want.shape == (2, 23 + 2 * padding + left + right - dilation * (k - 1), 40)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
+
+
 def test_the_first_kernel_convolution_compiles_all_of_hifts(emulated, monkeypatch):
     """A process's first kernel convolution launches HiFT's 8 kernels (tile heights 64 and 128, with and
     without the mask and the sum, with a bias), so that their compiles come together; later calls at other
@@ -247,14 +265,16 @@ def test_conv_kernel_takes_only_what_it_computes(emulated, launched_alone, monke
     assert not layers.kernel_conv_fits(x, conv.weight, stride=2)
     assert not layers.kernel_conv_fits(x[..., :12], conv.weight[..., :12])
     conv(x)
-    kept = conv["_kernel_weight"][1]
-    assert kept.geometry.tolist() == [8, 1, 1] and kept.rows.shape == (3 * 16, 64)
+    kept = conv["_kernel_form"][2]
+    assert kept.geometry.tolist() == [8, 1, 1, 1] and kept.rows.shape == (3 * 16, 64)
     conv(x)
-    assert conv["_kernel_weight"][1] is kept
+    assert conv["_kernel_form"][2] is kept
     assert not any(k.startswith("_") for k, _ in nn.utils.tree_flatten(conv.parameters()))
     conv.weight = conv.weight * 2
     conv(x)
-    assert conv["_kernel_weight"][1] is not kept
+    assert conv["_kernel_form"][2] is not kept
+    conv.padded(x, 2, 0)  # other padding: made anew
+    assert conv["_kernel_form"][2].geometry.tolist() == [8, 1, 3, 1]
     with pytest.raises(ValueError, match="mask must be bool"):
         conv(x, mx.ones((1, 20, 1)))
     with pytest.raises(ValueError, match="add must have the output's shape"):
@@ -276,6 +296,19 @@ def test_conv_kernel_on_cuda_matches_mlx(monkeypatch, c_in, c_out, k, dilation, 
     x, m, a = _kernel_inputs(c_in, c_out, rows, frames, t_out, True, True, seed=c_in)
     got, want = conv(x, m, a), _composed(conv, x, m, a)
     assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("c_in, c_out, k, left, right", [(320, 256, 3, 2, 0), (512, 512, 4, 0, 3)])
+def test_padded_conv_kernel_on_cuda_matches_mlx(monkeypatch, c_in, c_out, k, left, right):
+    """The float32 estimator's causal convolution and the flow's look-ahead one, 2 rows of 1,000 frames."""
+    monkeypatch.setattr(layers, "KERNEL_CONVS", True)
+    monkeypatch.setattr(layers, "_use_cuda_paths", lambda: True)
+    conv = _kernel_layers(c_in, c_out, k, 1, 0, True, seed=k)
+    x = mx.random.normal((2, 1000, c_in), key=mx.random.key(k))
+    got, want = conv.padded(x, left, right), _composed(lambda *a: conv.padded(*a), x, left, right)
+    assert got.shape == want.shape == (2, 1000 + left + right - k + 1, c_out)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
 
 

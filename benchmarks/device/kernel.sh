@@ -11,8 +11,9 @@
 # 2. probe_hift.py, shipped and kernel: a 10 s decode warm (its first call compiles), the first call at new
 #    lengths, 4 rows in one call, primitives.
 # 3. Served Turbo one stream at a time (first audio, and whole requests of 250 ± 100 tokens), 16 streams at a
-#    time (run AQ: TTFA p50 0.97 s shipped), text -> wav of 250 ± 100 tokens (bench_e2e, each stage's peak),
-#    served English one at a time: kernel and shipped each.
+#    time (run AQ: TTFA p50 0.97 s shipped), text -> wav of 250 ± 100 tokens (bench_e2e, each stage's peak;
+#    the estimator in bf16, then in fp32, whose causal convolutions take the kernel too), served English one at
+#    a time: kernel and shipped each.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
@@ -37,16 +38,18 @@ many() {  # way
   SERVE_PATH=$(path $1) bash "$here/named.sh" kernel_c16_$1 turbo "--first-chunk 15 --cfm-dtype bfloat16" \
       "--concurrency 16 --requests 48 --tokens 250 --tokens-spread 100 --formats streamed"
 }
-e2e() {  # way
-  echo "== bench_e2e $1 at $(date +%T)"
+e2e() {  # way, the estimator's dtype
+  echo "== bench_e2e $1 $2 at $(date +%T)"
   PYTHONPATH=$(path $1):$PYTHONPATH timeout 300 python3 benchmarks/bench_e2e.py --built full \
-      --cfm-dtype bfloat16 --tokens 250 --tokens-spread 100 --repeats 5 --out ~/res/e2e_kernel_$1.jsonl 2>&1 \
+      --cfm-dtype $2 --tokens 250 --tokens-spread 100 --repeats 5 --out ~/res/e2e_kernel_$1.jsonl 2>&1 \
       | grep -v "^{" | tail -2
 }
 for way in shipped kernel; do served turbo $way; done
 many kernel
 many shipped
-e2e kernel
-e2e shipped
+for dtype in bfloat16 float32; do  # float32: the estimator's causal convolutions take the kernel too
+  e2e kernel $dtype
+  e2e shipped $dtype
+done
 for way in shipped kernel; do served english $way; done
 echo "== done"

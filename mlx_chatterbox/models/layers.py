@@ -139,7 +139,7 @@ def _phases_out(y: mx.array, shape: tuple[int, int, int], t: int, stride: int, p
     return y[:, padding : padding + (t - 1) * stride + k - 2 * padding]
 
 
-# --- float32 convolutions (HiFT's) as our kernel on CUDA ---
+# --- float32 convolutions (HiFT's, the flow's, a float32 estimator's) as our kernel on CUDA ---
 
 # Off: a benchmark's switch until a GPU lease has weighed this version ("kernel" in device/kernel.sh) against
 # MLX's cuDNN convolutions, which plan a graph for every new shape and run HiFT's float32 convolutions at ~11
@@ -151,6 +151,8 @@ def _phases_out(y: mx.array, shape: tuple[int, int, int], t: int, stride: int, p
 # against 3,888); but a process compiled ~60 kernels at ~0.6 s each as it met them (37 s in its first call at a
 # short length, and served requests stalled). The convolution's sizes now come at run time: one kernel per
 # (tile rows, bias, mask, sum), and HiFT's 8 are compiled together at a process's first kernel convolution.
+# ``Conv1d.padded`` takes it too (the flow's look-ahead and upsampling convolutions, a float32 estimator's
+# causal ones), with its zero frames on each side.
 KERNEL_CONVS = False
 
 # A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
@@ -159,9 +161,9 @@ _conv_kernels: dict[tuple, object] = {}
 
 # An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in, C_in)
 # channels-last, the weight as rows (taps·C_in, NP): tap j's C_in rows, C_out columns zero-padded to NP, a
-# multiple of BN. ``geometry`` holds (C_out, dilation, padding). Output row m = b·T_out + t sums, over taps j and
-# channels c, x[b, t + j·dilation - padding, c] (0 outside the sequence, or where the mask is false) times row
-# j·C_in + c. A block of 256 threads takes BM rows and BN columns; each thread RM = BM / 16 adjacent rows and 4
+# multiple of BN. ``geometry`` holds (C_out, dilation, left, right): the zero frames before and after x. Output
+# row m = b·T_out + t sums, over taps j and channels c, x[b, t + j·dilation - left, c] (0 outside the sequence,
+# or where the mask is false) times row j·C_in + c. A block of 256 threads takes BM rows and BN columns; each thread RM = BM / 16 adjacent rows and 4
 # columns, as 16 x 16 groups. Slices of BK = 16 of the K = taps·C_in products (C_in a multiple of 16: a slice
 # lies in one tap) go through shared memory, x's transposed so that a thread's RM rows are one 16-byte read; the
 # next slice is in registers while this one is multiplied, and the two shared buffers take turns (one barrier a
@@ -172,8 +174,8 @@ _CONV_SOURCE = """
   __shared__ __align__(16) float xs[2][BK][LDA];
   __shared__ __align__(16) float ws[2][BK][BN];
   const int T_IN = x_shape[1], C_IN = x_shape[2], K = w_shape[0], NP = w_shape[1], SLICES = K / BK;
-  const int C_OUT = geometry[0], DIL = geometry[1], PAD = geometry[2];
-  const int T_OUT = T_IN + 2 * PAD - DIL * (K / C_IN - 1), M = x_shape[0] * T_OUT;
+  const int C_OUT = geometry[0], DIL = geometry[1], LEFT = geometry[2];
+  const int T_OUT = T_IN + LEFT + geometry[3] - DIL * (K / C_IN - 1), M = x_shape[0] * T_OUT;
   const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   // Piece i: tile row (tid + i·THREADS) / 4, the slice's channels (tid %% 4)·4 on; its sequence's first row
   // in x, and its output frame (-1 past the last row).
@@ -189,7 +191,7 @@ _CONV_SOURCE = """
     const int k0 = s * BK, tap = k0 / C_IN, c = k0 - tap * C_IN + (tid %% 4) * 4;
     #pragma unroll
     for (int i = 0; i < XQ; ++i) {
-      const int t = frame[i] + tap * DIL - PAD;
+      const int t = frame[i] + tap * DIL - LEFT;
       const bool read = frame[i] >= 0 && t >= 0 && t < T_IN%(mask)s;
       xr[i] = read ? *reinterpret_cast<const float4*>(x + (size_t)(first[i] + t) * C_IN + c)
                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -265,23 +267,26 @@ _CONV_SOURCE = """
 
 class KernelWeight(NamedTuple):
     """A convolution's weight as ``conv1d_kernel`` takes it: ``rows`` (taps·C_in, NP), tap j's C_in rows, the
-    columns zero-padded to a multiple of the kernel's tile; ``geometry`` (C_out, dilation, padding) in device
-    memory, which the kernel reads, so that one compiled kernel serves every convolution."""
+    columns zero-padded to a multiple of the kernel's tile; ``geometry`` (C_out, dilation, left, right: the zero
+    frames before and after x) in device memory, which the kernel reads, so that one compiled kernel serves every
+    convolution."""
 
     rows: mx.array
     geometry: mx.array
     c_out: int
     dilation: int
-    padding: int
+    left: int
+    right: int
 
 
-def kernel_weight(weight: mx.array, dilation: int = 1, padding: int = 0) -> KernelWeight:
-    """``weight`` (C_out, k, C_in) as ``conv1d_kernel``'s ``KernelWeight``."""
+def kernel_weight(weight: mx.array, dilation: int = 1, left: int = 0, right: int = 0) -> KernelWeight:
+    """``weight`` (C_out, k, C_in), x padded by ``left`` and ``right`` zero frames, as ``conv1d_kernel``'s
+    ``KernelWeight``."""
     c_out, k, c_in = weight.shape
     rows = weight.transpose(1, 2, 0).reshape(k * c_in, c_out)
     rows = mx.contiguous(mx.pad(rows, [(0, 0), (0, -c_out % _CONV_BN)]))
-    geometry = mx.array([c_out, dilation, padding], dtype=mx.int32)
-    return KernelWeight(rows, geometry, c_out, dilation, padding)
+    geometry = mx.array([c_out, dilation, left, right], dtype=mx.int32)
+    return KernelWeight(rows, geometry, c_out, dilation, left, right)
 
 
 def kernel_conv_fits(x: mx.array, weight: mx.array, stride: int = 1) -> bool:
@@ -299,16 +304,15 @@ def conv1d_kernel(
     add: mx.array | None = None,
     tile_rows: int | None = None,
 ) -> mx.array:
-    """``conv1d(x * mask, weight, padding, dilation, bias=bias) + add`` (stride 1) by our CUDA kernel: x (B,
-    T, C_in) float32, ``weight`` from ``kernel_weight``, mask (B, T, 1) bool or None, add (B, T_out, C_out)
-    or None. ``tile_rows``: a block's rows, 64 or 128 (None: by the number of blocks)."""
+    """The stride-1 convolution of ``x * mask`` padded by the weight's ``left`` and ``right`` zero frames, plus
+    ``bias`` and ``add``, by our CUDA kernel: x (B, T, C_in) float32, ``weight`` from ``kernel_weight``, mask
+    (B, T, 1) bool or None, add (B, T_out, C_out) or None. ``tile_rows``: a block's rows, 64 or 128 (None: by
+    the number of blocks)."""
     b, t, c_in = x.shape
-    c_out, dilation, padding = weight.c_out, weight.dilation, weight.padding
-    t_out = t + 2 * padding - dilation * (weight.rows.shape[0] // c_in - 1)
+    c_out, dilation = weight.c_out, weight.dilation
+    t_out = t + weight.left + weight.right - dilation * (weight.rows.shape[0] // c_in - 1)
     if t_out < 1:
-        raise ValueError(
-            f"the convolution (dilation {dilation}, padding {padding}) needs more than {t} frames"
-        )
+        raise ValueError(f"the convolution (dilation {dilation}) needs more than {t} frames and its padding")
     if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (b, t, 1)):
         raise ValueError(f"mask must be bool of shape {(b, t, 1)}, got {mask.dtype} {mask.shape}")
     if add is not None and add.shape != (b, t_out, c_out):
@@ -403,8 +407,7 @@ class Conv1d(nn.Conv1d):
         """The convolution of ``x * mask`` (mask (B, T, 1) bool: zero beyond each row's frames), plus ``add``
         (B, T_out, C_out), each where given."""
         if kernel_conv_fits(x, self.weight, self.stride):
-            weight = _cached(self, lambda w: kernel_weight(w, self.dilation, self.padding))
-            return conv1d_kernel(x, weight, self.get("bias"), mask, add)
+            return conv1d_kernel(x, self._kernel_weight(0, 0), self.get("bias"), mask, add)
         x = x if mask is None else x * mask  # bool promotes to x's dtype
         if not _products():
             y = super().__call__(x)
@@ -416,6 +419,8 @@ class Conv1d(nn.Conv1d):
         """The convolution of x (B, T, C_in) with ``left`` and ``right`` more zero frames on its ends (causal
         and look-ahead convolutions). Off the CPU the convolution pads itself: ``mx.pad`` would be two more
         primitives (a fill and a copy), and S3Gen's host-bound estimator has 31 such convolutions a call."""
+        if kernel_conv_fits(x, self.weight, self.stride):
+            return conv1d_kernel(x, self._kernel_weight(left, right), self.get("bias"))
         if _products():  # Conv1d's own call: a subclass's (CausalConv1d) pads through this method
             return Conv1d.__call__(self, mx.pad(x, [(0, 0), (left, right), (0, 0)]))
         pad = self.padding
@@ -423,6 +428,11 @@ class Conv1d(nn.Conv1d):
             x, self.weight, padding=([pad + left], [pad + right]), kernel_dilation=self.dilation
         )
         return y + self.bias if "bias" in self else y
+
+    def _kernel_weight(self, left: int, right: int) -> KernelWeight:
+        """The weight as ``conv1d_kernel``'s, x padded by ``left`` and ``right`` more frames than ``padding``."""
+        pad, dilation = self.padding, self.dilation
+        return _cached(self, lambda w: kernel_weight(w, dilation, pad + left, pad + right), (left, right))
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
@@ -439,7 +449,8 @@ class ConvTranspose1d(nn.ConvTranspose1d):
 
             def as_conv(w: mx.array) -> tuple[KernelWeight, mx.array]:
                 taps = _transposed_taps(w, stride)
-                return kernel_weight(taps, padding=taps.shape[1] - 1), mx.tile(self.bias, stride)
+                blocks = taps.shape[1]
+                return kernel_weight(taps, 1, blocks - 1, blocks - 1), mx.tile(self.bias, stride)
 
             weight, bias = _cached(self, as_conv)
             y = conv1d_kernel(x, weight, bias, mask)
@@ -453,15 +464,16 @@ class ConvTranspose1d(nn.ConvTranspose1d):
 _Made = TypeVar("_Made")
 
 
-def _cached(module: nn.Module, make: Callable[[mx.array], _Made]) -> _Made:
+def _cached(module: nn.Module, make: Callable[[mx.array], _Made], key: tuple = ()) -> _Made:
     """``make(module.weight)`` (the kernel's form of the weight), kept on the module under a private key (no
-    parameter) while its weight and bias are the same arrays: made once, not at every call."""
+    parameter) while its weight and bias are the same arrays and ``key`` (what else ``make`` reads) is equal:
+    made once, not at every call."""
     sources = (module.weight, module.get("bias"))
-    kept = module.get("_kernel_weight")
-    if kept is None or any(a is not b for a, b in zip(kept[0], sources)):
-        kept = (sources, make(module.weight))
-        module["_kernel_weight"] = kept
-    return kept[1]
+    kept = module.get("_kernel_form")
+    if kept is None or any(a is not b for a, b in zip(kept[0], sources)) or kept[1] != key:
+        kept = (sources, key, make(module.weight))
+        module["_kernel_form"] = kept
+    return kept[2]
 
 
 # --- elementwise functions ---
