@@ -132,7 +132,7 @@ def test_a_padded_convolution_is_the_same_off_the_cpu(k, padding, dilation, left
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
 
 
-# --- HiFT's float32 convolutions as our CUDA kernel (layers.KERNEL_CONVS) ---
+# --- float32 convolutions (HiFT's, the flow's) as our CUDA kernel (layers.KERNEL_CONVS) ---
 
 # (C_in, C_out, k, dilation, padding, rows, frames), then Conv1d's bias, mask and add: a "same" dilated one with
 # all three, output columns past a tile's 64 and rows past a tile's; a wide kernel, no bias, one row; a
