@@ -266,7 +266,7 @@ def test_kept_weights_are_not_parameters_and_follow_weight_changes(tmp_path):
 
     first = run(model)
     attn = model.mid_blocks[0][1][0].attn1
-    assert isinstance(attn.__dict__.get("_qkv"), cfm._Kept)  # the call kept it ...
+    assert isinstance(attn.__dict__.get("_qkv"), layers.Kept)  # the call kept it ...
     keys = set(Estimator.checkpoint_table(TINY))
     assert {k for k, _ in tree_flatten(model.parameters())} == keys  # ... outside the parameters
     path = str(tmp_path / "w.safetensors")

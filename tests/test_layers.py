@@ -265,16 +265,16 @@ def test_conv_kernel_takes_only_what_it_computes(emulated, launched_alone, monke
     assert not layers.kernel_conv_fits(x, conv.weight, stride=2)
     assert not layers.kernel_conv_fits(x[..., :12], conv.weight[..., :12])
     conv(x)
-    kept = conv["_kernel_form"][2]
+    kept = conv.__dict__["_kernel_weight_0_0"].value
     assert kept.geometry.tolist() == [8, 1, 1, 1] and kept.rows.shape == (3 * 16, 64)
     conv(x)
-    assert conv["_kernel_form"][2] is kept
-    assert not any(k.startswith("_") for k, _ in nn.utils.tree_flatten(conv.parameters()))
+    assert conv.__dict__["_kernel_weight_0_0"].value is kept
+    assert [k for k, _ in nn.utils.tree_flatten(conv.parameters())] == ["weight", "bias"]
     conv.weight = conv.weight * 2
     conv(x)
-    assert conv["_kernel_form"][2] is not kept
-    conv.padded(x, 2, 0)  # other padding: made anew
-    assert conv["_kernel_form"][2].geometry.tolist() == [8, 1, 3, 1]
+    assert conv.__dict__["_kernel_weight_0_0"].value is not kept
+    conv.padded(x, 2, 0)  # other padding: kept apart
+    assert conv.__dict__["_kernel_weight_2_0"].value.geometry.tolist() == [8, 1, 3, 1]
     with pytest.raises(ValueError, match="mask must be bool"):
         conv(x, mx.ones((1, 20, 1)))
     with pytest.raises(ValueError, match="add must have the output's shape"):

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import layers
-from .layers import Conv1d, attention, gelu_linear, mish
+from .layers import Conv1d, Kept, attention, gelu_linear, kept, mish
 
 FF_MULT = 4  # diffusers FeedForward's default, which BasicTransformerBlock keeps
 TIME_SCALE = 1000.0  # SinusoidalPosEmb.forward(scale=1000): t in [0, 1] is stretched before the sinusoids
@@ -108,34 +108,6 @@ def timestep_embedding(t: mx.array, dim: int) -> mx.array:
     return mx.concatenate([mx.sin(arg), mx.cos(arg)], axis=-1)
 
 
-class _Kept:
-    """A value computed from parameters (``kept``), with the arrays it was computed from. A plain object: MLX
-    takes a module's array, list, tuple and dict attributes for parameters or children, and this one must stay
-    out of ``parameters()``, ``load_weights(strict=True)`` and saved weights."""
-
-    __slots__ = ("sources", "value")
-
-    def __init__(self, sources: tuple[mx.array, ...], value: mx.array):
-        self.sources, self.value = sources, value
-
-
-def kept(
-    module: nn.Module, name: str, sources: tuple[mx.array, ...], build: Callable[..., mx.array]
-) -> mx.array:
-    """``build(*sources)``, computed once and kept on ``module`` under ``name`` until one of the source arrays
-    is replaced (``load_weights``, ``update`` and ``set_dtype`` put new arrays in place; the sources are held,
-    so a new array cannot reuse an old one's identity). Evaluated when built: later calls find a leaf of their
-    graphs, and a server's other thread never reads an array queued on the stream of the thread that built it
-    (ADR 10)."""
-    cache = module.__dict__.get(name)  # a plain lookup: this runs for every linear of every call
-    if cache is None or not all(map(operator.is_, cache.sources, sources)):
-        value = build(*sources)
-        mx.eval(value)
-        cache = _Kept(sources, value)
-        object.__setattr__(module, name, cache)
-    return cache.value
-
-
 def stacked(module: nn.Module, name: str, linears: list[nn.Module]) -> mx.array:
     """The ``linears``' weights stacked, (sum of their outputs, inputs), kept on ``module`` under ``name`` as
     ``kept`` keeps values. Each linear's weight is then a view of the stack (MLX's slices of whole rows share
@@ -149,7 +121,7 @@ def stacked(module: nn.Module, name: str, linears: list[nn.Module]) -> mx.array:
         mx.eval(stack, views)
         for lin, view in zip(linears, views):
             lin["weight"] = view
-        cache = _Kept(tuple(views), stack)
+        cache = Kept(tuple(views), stack)
         object.__setattr__(module, name, cache)
     return cache.value
 

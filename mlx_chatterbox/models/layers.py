@@ -17,6 +17,7 @@ functions, which are fast on GPUs.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from collections.abc import Callable
 from functools import cache, partial
@@ -137,6 +138,39 @@ def _phases_out(y: mx.array, shape: tuple[int, int, int], t: int, stride: int, p
     c_out, k, _ = shape
     y = y.reshape(y.shape[0], -1, c_out)
     return y[:, padding : padding + (t - 1) * stride + k - 2 * padding]
+
+
+# --- values kept with the parameters they are made from ---
+
+_Made = TypeVar("_Made")
+
+
+class Kept:
+    """A value computed from parameters (``kept``), with the arrays it was computed from. A plain object: MLX
+    takes a module's array, list, tuple and dict attributes for parameters or children, and this one must stay
+    out of ``parameters()``, ``load_weights(strict=True)`` and saved weights."""
+
+    __slots__ = ("sources", "value")
+
+    def __init__(self, sources: tuple[mx.array | None, ...], value: object):
+        self.sources, self.value = sources, value
+
+
+def kept(
+    module: nn.Module, name: str, sources: tuple[mx.array | None, ...], build: Callable[..., _Made]
+) -> _Made:
+    """``build(*sources)``, computed once and kept on ``module`` under ``name`` until one of the source arrays
+    is replaced (``load_weights``, ``update`` and ``set_dtype`` put new arrays in place; the sources are held,
+    so a new array cannot reuse an old one's identity). Evaluated when built: later calls find a leaf of their
+    graphs, and a server's other thread never reads an array queued on the stream of the thread that built it
+    (ADR 10)."""
+    cache = module.__dict__.get(name)  # a plain lookup: this runs for every linear of every call
+    if cache is None or not all(map(operator.is_, cache.sources, sources)):
+        value = build(*sources)
+        mx.eval(value)
+        cache = Kept(sources, value)
+        object.__setattr__(module, name, cache)
+    return cache.value
 
 
 # --- float32 convolutions (HiFT's, the flow's, a float32 estimator's) as our kernel on CUDA ---
@@ -432,7 +466,8 @@ class Conv1d(nn.Conv1d):
     def _kernel_weight(self, left: int, right: int) -> KernelWeight:
         """The weight as ``conv1d_kernel``'s, x padded by ``left`` and ``right`` more frames than ``padding``."""
         pad, dilation = self.padding, self.dilation
-        return _cached(self, lambda w: kernel_weight(w, dilation, pad + left, pad + right), (left, right))
+        build = partial(kernel_weight, dilation=dilation, left=pad + left, right=pad + right)
+        return kept(self, f"_kernel_weight_{left}_{right}", (self.weight,), build)
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
@@ -447,33 +482,18 @@ class ConvTranspose1d(nn.ConvTranspose1d):
         if kernel_conv_fits(x, self.weight):
             stride = self.stride
 
-            def as_conv(w: mx.array) -> tuple[KernelWeight, mx.array]:
+            def as_conv(w: mx.array, b: mx.array) -> tuple[KernelWeight, mx.array]:
                 taps = _transposed_taps(w, stride)
                 blocks = taps.shape[1]
-                return kernel_weight(taps, 1, blocks - 1, blocks - 1), mx.tile(self.bias, stride)
+                return kernel_weight(taps, 1, blocks - 1, blocks - 1), mx.tile(b, stride)
 
-            weight, bias = _cached(self, as_conv)
+            weight, bias = kept(self, "_kernel_weight", (self.weight, self.bias), as_conv)
             y = conv1d_kernel(x, weight, bias, mask)
             return _phases_out(y, self.weight.shape, x.shape[1], stride, self.padding)
         x = x if mask is None else x * mask
         if not _products():
             return super().__call__(x)
         return conv_transpose1d(x, self.weight, self.stride, self.padding, self.bias)
-
-
-_Made = TypeVar("_Made")
-
-
-def _cached(module: nn.Module, make: Callable[[mx.array], _Made], key: tuple = ()) -> _Made:
-    """``make(module.weight)`` (the kernel's form of the weight), kept on the module under a private key (no
-    parameter) while its weight and bias are the same arrays and ``key`` (what else ``make`` reads) is equal:
-    made once, not at every call."""
-    sources = (module.weight, module.get("bias"))
-    kept = module.get("_kernel_form")
-    if kept is None or any(a is not b for a, b in zip(kept[0], sources)) or kept[1] != key:
-        kept = (sources, key, make(module.weight))
-        module["_kernel_form"] = kept
-    return kept[2]
 
 
 # --- elementwise functions ---
