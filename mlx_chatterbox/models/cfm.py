@@ -18,7 +18,7 @@ import itertools
 import math
 import operator
 import string
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
 

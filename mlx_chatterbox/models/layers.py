@@ -197,11 +197,11 @@ _conv_kernels: dict[tuple, object] = {}
 # channels-last, the weight as rows (taps·C_in, NP): tap j's C_in rows, C_out columns zero-padded to NP, a
 # multiple of BN. ``geometry`` holds (C_out, dilation, left, right): the zero frames before and after x. Output
 # row m = b·T_out + t sums, over taps j and channels c, x[b, t + j·dilation - left, c] (0 outside the sequence,
-# or where the mask is false) times row j·C_in + c. A block of 256 threads takes BM rows and BN columns; each thread RM = BM / 16 adjacent rows and 4
-# columns, as 16 x 16 groups. Slices of BK = 16 of the K = taps·C_in products (C_in a multiple of 16: a slice
-# lies in one tap) go through shared memory, x's transposed so that a thread's RM rows are one 16-byte read; the
-# next slice is in registers while this one is multiplied, and the two shared buffers take turns (one barrier a
-# slice).
+# or where the mask is false) times row j·C_in + c. A block of 256 threads takes BM rows and BN columns; each
+# thread RM = BM / 16 adjacent rows and 4 columns, as 16 x 16 groups. Slices of BK = 16 of the K = taps·C_in
+# products (C_in a multiple of 16: a slice lies in one tap) go through shared memory, x's transposed so that a
+# thread's RM rows are one 16-byte read; the next slice is in registers while this one is multiplied, and the
+# two shared buffers take turns (one barrier a slice).
 _CONV_SOURCE = """
   constexpr int BN = %(bn)d, BK = 16, THREADS = 256, RM = BM / 16, LDA = BM + 4;
   constexpr int XQ = BM * BK / 4 / THREADS;  // x's 16-byte pieces a thread moves a slice
