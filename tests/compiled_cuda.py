@@ -79,7 +79,9 @@ def _constant(name: str, value: object) -> str:
 
 def resources(program: Program) -> Resources:
     """Compile ``program`` with nvcc for sm_90a and read ptxas's report; a failed build raises with its log."""
-    params = [f"const {_TYPES[d]}* __restrict__ {n}, const int* {n}_shape" for n, d in program.inputs]
+    params = [
+        f"const {_TYPES[d]}* __restrict__ {n}, const int* {n}_shape, int {n}_ndim" for n, d in program.inputs
+    ]
     params += [f"{_TYPES[d]}* __restrict__ {n}" for n, d in program.outputs]
     text = "\n".join(
         [

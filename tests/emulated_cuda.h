@@ -155,12 +155,11 @@ inline void mma_emul(float& d0, float& d1, float& d2, float& d3, unsigned a0, un
 }
 
 // Reads an input file (int32 ndim, int32 shape..., the values) into shape and a buffer.
-inline std::vector<char> read_input(const char* path, int* shape, size_t item) {
+inline std::vector<char> read_input(const char* path, int* shape, int* ndim, size_t item) {
   FILE* f = fopen(path, "rb");
-  int ndim = 0;
   size_t size = 1;
-  if (!f || fread(&ndim, 4, 1, f) != 1) exit(2);
-  for (int d = 0; d < ndim; ++d) {
+  if (!f || fread(ndim, 4, 1, f) != 1) exit(2);
+  for (int d = 0; d < *ndim; ++d) {
     if (fread(&shape[d], 4, 1, f) != 1) exit(2);
     size *= shape[d];
   }

@@ -88,9 +88,9 @@ def _program(header, source, input_names, inputs, output_names, output_dtypes, t
             constants.append(f"  using {name} = {_type(value)};")
     params = [f"const {_type(a.dtype)}* {n}" for n, a in zip(input_names, inputs)]
     params += [f"{_type(d)}* {n}" for n, d in zip(output_names, output_dtypes)]
-    shapes = "".join(f"int {n}_shape[8];\n" for n in input_names)
+    shapes = "".join(f"int {n}_shape[8], {n}_ndim;\n" for n in input_names)
     reads = "".join(
-        f"  auto in{i} = read_input(argv[4 + {i}], {n}_shape, sizeof({_type(a.dtype)}));\n"
+        f"  auto in{i} = read_input(argv[4 + {i}], {n}_shape, &{n}_ndim, sizeof({_type(a.dtype)}));\n"
         for i, (n, a) in enumerate(zip(input_names, inputs))
     )
     n_in = len(inputs)

@@ -183,22 +183,25 @@ def kept(
 # kernel per convolution shape): a 10 s decode 12.6 ms against 16.1, the first call at a new length 12-15 ms
 # against 57-60, text -> wav of 250 ± 100 tokens 0.474 s against 0.502 (S3Gen 142 ms against 198, peak 3,579 MiB
 # against 3,888); but a process compiled ~60 kernels at ~0.6 s each as it met them (37 s in its first call at a
-# short length, and served requests stalled). The convolution's sizes now come at run time: one kernel per
-# (tile rows, bias, mask, sum), and HiFT's 8 are compiled together at a process's first kernel convolution.
+# short length, and served requests stalled). The convolution's sizes now come at run time, and whether it has a
+# bias, a mask and a sum too: one kernel per tile height, both compiled at a process's first kernel convolution.
 # ``Conv1d.padded`` takes it too (the flow's look-ahead and upsampling convolutions, a float32 estimator's
 # causal ones), with its zero frames on each side.
 KERNEL_CONVS = False
 
 # A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
 _CONV_BN = 64
-_conv_kernels: dict[tuple, object] = {}
+_conv_kernels: dict[int, object] = {}
+_absent_inputs: dict[mx.Dtype, mx.array] = {}
 
 # An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in, C_in)
 # channels-last, the weight as rows (taps·C_in, NP): tap j's C_in rows, C_out columns zero-padded to NP, a
 # multiple of BN. ``geometry`` holds (C_out, dilation, left, right): the zero frames before and after x. Output
 # row m = b·T_out + t sums, over taps j and channels c, x[b, t + j·dilation - left, c] (0 outside the sequence,
-# or where the mask is false) times row j·C_in + c. A block of 256 threads takes BM rows and BN columns; each
-# thread RM = BM / 16 adjacent rows and 4 columns, as 16 x 16 groups. Slices of BK = 16 of the K = taps·C_in
+# or where the mask is false) times row j·C_in + c. The bias (C_out), the mask (B, T_in, 1) and the sum (B,
+# T_out, C_out) are each read only if given: a missing one comes as a (1, 1) stand-in, told apart by its ndim,
+# so that their 8 combinations share one compiled kernel. A block of 256 threads takes BM rows and BN columns;
+# each thread RM = BM / 16 adjacent rows and 4 columns, as 16 x 16 groups. Slices of BK = 16 of the K = taps·C_in
 # products (C_in a multiple of 16: a slice lies in one tap) go through shared memory, x's transposed so that a
 # thread's RM rows are one 16-byte read; the next slice is in registers while this one is multiplied, and the
 # two shared buffers take turns (one barrier a slice).
@@ -210,6 +213,7 @@ _CONV_SOURCE = """
   const int T_IN = x_shape[1], C_IN = x_shape[2], K = w_shape[0], NP = w_shape[1], SLICES = K / BK;
   const int C_OUT = geometry[0], DIL = geometry[1], LEFT = geometry[2];
   const int T_OUT = T_IN + LEFT + geometry[3] - DIL * (K / C_IN - 1), M = x_shape[0] * T_OUT;
+  const bool BIAS = bias_ndim == 1, MASK = mask_ndim == 3, ADD = add_ndim == 3;
   const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   // Piece i: tile row (tid + i·THREADS) / 4, the slice's channels (tid %% 4)·4 on; its sequence's first row
   // in x, and its output frame (-1 past the last row).
@@ -226,7 +230,7 @@ _CONV_SOURCE = """
     #pragma unroll
     for (int i = 0; i < XQ; ++i) {
       const int t = frame[i] + tap * DIL - LEFT;
-      const bool read = frame[i] >= 0 && t >= 0 && t < T_IN%(mask)s;
+      const bool read = frame[i] >= 0 && t >= 0 && t < T_IN && (!MASK || mask[first[i] + t]);
       xr[i] = read ? *reinterpret_cast<const float4*>(x + (size_t)(first[i] + t) * C_IN + c)
                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
@@ -289,10 +293,7 @@ _CONV_SOURCE = """
       const int n = n0 + tc * 4 + j;
       if (m < M && n < C_OUT) {
         const size_t at = (size_t)m * C_OUT + n;
-        float y = acc[i][j];
-        %(bias)s
-        %(add)s
-        out[at] = y;
+        out[at] = acc[i][j] + (BIAS ? bias[n] : 0.0f) + (ADD ? add[at] : 0.0f);
       }
     }
   }
@@ -347,6 +348,8 @@ def conv1d_kernel(
     t_out = t + weight.left + weight.right - dilation * (weight.rows.shape[0] // c_in - 1)
     if t_out < 1:
         raise ValueError(f"the convolution (dilation {dilation}) needs more than {t} frames and its padding")
+    if bias is not None and bias.shape != (c_out,):
+        raise ValueError(f"bias must have shape {(c_out,)}, got {bias.shape}")
     if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (b, t, 1)):
         raise ValueError(f"mask must be bool of shape {(b, t, 1)}, got {mask.dtype} {mask.shape}")
     if add is not None and add.shape != (b, t_out, c_out):
@@ -357,18 +360,15 @@ def conv1d_kernel(
         tile_rows = 128 if -(-m // 128) * blocks >= 2 * _sm_count() else 64
         if not _conv_kernels:
             _compile_kernel_convs()
-    flags = (bias is not None, mask is not None, add is not None)
-    if (tile_rows, flags) not in _conv_kernels:
-        source = _CONV_SOURCE % dict(
-            bn=_CONV_BN,
-            mask=" && mask[first[i] + t]" if mask is not None else "",
-            bias="y += bias[n];" if bias is not None else "",
-            add="y += add[at];" if add is not None else "",
+    if tile_rows not in _conv_kernels:
+        source = _CONV_SOURCE % dict(bn=_CONV_BN)
+        _conv_kernels[tile_rows] = cuda_kernel(
+            "conv", ["x", "w", "geometry", "bias", "mask", "add"], ["out"], source
         )
-        names = ["x", "w", "geometry"] + [n for n, on in zip(("bias", "mask", "add"), flags) if on]
-        _conv_kernels[tile_rows, flags] = cuda_kernel("_".join(["conv"] + names[3:]), names, ["out"], source)
-    (out,) = _conv_kernels[tile_rows, flags](
-        inputs=[x, weight.rows, weight.geometry] + [a for a in (bias, mask, add) if a is not None],
+    optional = ((bias, mx.float32), (mask, mx.bool_), (add, mx.float32))
+    given = [a if a is not None else _absent(dtype) for a, dtype in optional]
+    (out,) = _conv_kernels[tile_rows](
+        inputs=[x, weight.rows, weight.geometry, *given],
         template=[("BM", tile_rows)],
         grid=(blocks * 256, -(-m // tile_rows), 1),
         threadgroup=(256, 1, 1),
@@ -378,22 +378,20 @@ def conv1d_kernel(
     return out
 
 
+def _absent(dtype: mx.Dtype) -> mx.array:
+    """The (1, 1) stand-in for a missing bias, mask or sum of ``conv1d_kernel``, made and evaluated once."""
+    if dtype not in _absent_inputs:
+        _absent_inputs[dtype] = mx.zeros((1, 1), dtype)
+        mx.eval(_absent_inputs[dtype])
+    return _absent_inputs[dtype]
+
+
 def _compile_kernel_convs() -> None:
-    """Launch each of HiFT's 8 convolution kernels (two tile heights, with and without the mask and the sum,
-    all with a bias) once on a few zeros: ``conv1d_kernel`` does at a process's first call, so that the process
-    compiles them together (NVRTC, ~0.6 s each), not as later calls meet them (run AQ's served requests
-    stalled on such compiles)."""
-    x, bias = mx.zeros((1, 1, 16)), mx.zeros((_CONV_BN,))
-    weight = kernel_weight(mx.zeros((_CONV_BN, 1, 16)))
-    mask, add = mx.ones((1, 1, 1), mx.bool_), mx.zeros((1, 1, _CONV_BN))
-    mx.eval(
-        [
-            conv1d_kernel(x, weight, bias, m, a, rows)
-            for rows in (64, 128)
-            for m in (None, mask)
-            for a in (None, add)
-        ]
-    )
+    """Launch the convolution kernel at both tile heights once on a few zeros: ``conv1d_kernel`` does at a
+    process's first call, so that the process compiles them together (NVRTC, ~0.6 s each), not as later calls
+    meet them (run AQ's served requests stalled on such compiles)."""
+    x, weight = mx.zeros((1, 1, 16)), kernel_weight(mx.zeros((_CONV_BN, 1, 16)))
+    mx.eval([conv1d_kernel(x, weight, tile_rows=rows) for rows in (64, 128)])
 
 
 def _on_cpu() -> bool:
