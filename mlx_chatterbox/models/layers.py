@@ -175,18 +175,19 @@ def kept(
 
 # --- float32 convolutions (HiFT's, the flow's, a float32 estimator's) as our kernel on CUDA ---
 
-# Off: a benchmark's switch until a GPU lease has weighed this version ("kernel" in device/kernel.sh) against
-# MLX's cuDNN convolutions, which plan a graph for every new shape and run HiFT's float32 convolutions at ~11
-# TFLOPs with a layout transpose on each side (run AJ's Nsight: 77 implicit GEMMs, ~19 ms, and 257 transposes,
-# 4.2 ms, in S3Gen.batch at 10 s). Ours plans nothing, reads channels-last as it is, and takes the mask of the
-# padded frames, the bias and a residual sum into the same launch. Run AQ (H100, a first version that compiled a
-# kernel per convolution shape): a 10 s decode 12.6 ms against 16.1, the first call at a new length 12-15 ms
-# against 57-60, text -> wav of 250 ± 100 tokens 0.474 s against 0.502 (S3Gen 142 ms against 198, peak 3,579 MiB
-# against 3,888); but a process compiled ~60 kernels at ~0.6 s each as it met them (37 s in its first call at a
-# short length, and served requests stalled). The convolution's sizes now come at run time, and whether it has a
-# bias, a mask and a sum too: one kernel per tile height, both compiled at a process's first kernel convolution.
-# ``Conv1d.padded`` takes it too (the flow's look-ahead and upsampling convolutions, a float32 estimator's
-# causal ones), with its zero frames on each side.
+# Off: a benchmark's switch ("kernel" in device/kernel.sh) until it holds at 16 served streams. MLX's cuDNN
+# convolutions plan a graph for every new shape and run HiFT's float32 convolutions at ~11 TFLOPs with a layout
+# transpose on each side (run AJ's Nsight: 77 implicit GEMMs, ~19 ms, and 257 transposes, 4.2 ms, in
+# S3Gen.batch at 10 s). Ours plans nothing, reads channels-last as it is, and takes the mask of the padded
+# frames, the bias and a residual sum into the same launch. Its sizes come at run time, and whether it has a
+# bias, a mask and a sum too: one kernel per tile height, both compiled at a process's first kernel convolution
+# (a first version compiled ~60, one per shape, 0.6 s each, as a process met them: run AQ). ``Conv1d.padded``
+# takes it too (the flow's look-ahead and upsampling convolutions, a float32 estimator's causal ones), with its
+# zero frames on each side. Run AR (H100): alone it wins everywhere (a 10 s decode 12.8 ms against 17.0, a new
+# length 14-16 ms against 58-89, text -> wav 0.511 s against 0.554 with S3Gen's peak 3,580 MiB against 3,888,
+# a served English stream's first audio 239 ms against 271); but 16 served Turbo streams ran at 9.8x real time
+# against 36.3x, the vocoding process's batched decodes 1.8 s a call against 0.45 s, for a cause not yet found
+# (benchmarks/probe_stream_decode.py replays those decodes in one process).
 KERNEL_CONVS = False
 
 # A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
