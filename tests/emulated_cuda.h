@@ -154,7 +154,7 @@ inline void mma_emul(float& d0, float& d1, float& d2, float& d3, unsigned a0, un
   warp_sync();
 }
 
-// Reads an input file (int32 ndim, int32 shape..., the values) into shape and a buffer.
+// Reads an input file (int32 ndim, int32 shape..., the values) into ndim, shape and a buffer.
 inline std::vector<char> read_input(const char* path, int* shape, int* ndim, size_t item) {
   FILE* f = fopen(path, "rb");
   size_t size = 1;

@@ -149,6 +149,10 @@ def cuda_kernel(
             raise NotImplementedError(
                 "the emulation runs 1-D blocks of whole warps on a 2-D grid, no init_value"
             )
+        for name, a in zip(input_names, inputs):
+            if a.ndim == 0 and re.search(rf"\b{name}_(shape|strides|ndim)\b", source):
+                # MLX's kernel then has no such parameter, though it still passes one: a silent misread.
+                raise ValueError(f"{name} is 0-d, but the source reads its shape, strides or ndim")
         program = _program(
             header, source, input_names, inputs, output_names, output_dtypes, template, shared_memory
         )

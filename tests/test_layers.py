@@ -249,6 +249,18 @@ def test_the_first_kernel_convolution_compiles_the_kernel_at_both_tile_heights(e
     assert set(layers._conv_kernels) == {64, 128}
 
 
+def test_the_emulation_refuses_a_0d_input_whose_ndim_the_source_reads():
+    """MLX gives a 0-d input no shape or ndim parameter, yet passes one (a silent misread on a GPU): the
+    kernel's stand-ins for a missing bias, mask or sum are (1, 1) for this, and the emulation refuses a 0-d one.
+    """
+    from tests import emulated_cuda
+
+    kernel = emulated_cuda.cuda_kernel("probe", ["a"], ["out"], "out[0] = float(a_ndim);")
+    with pytest.raises(ValueError, match="a is 0-d, but the source reads its shape, strides or ndim"):
+        kernel(inputs=[mx.array(1.0)], template=[], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+               output_shapes=[(1,)], output_dtypes=[mx.float32])  # fmt: skip
+
+
 def test_conv_kernel_takes_only_what_it_computes(emulated, launched_alone, monkeypatch):
     """Off the switch, or for bfloat16, a stride, or C_in not a multiple of 16, the composed path runs; the
     kernel's weight is made once per weight array, and is no parameter; a bad bias, mask or add is refused
