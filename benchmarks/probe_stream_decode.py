@@ -1,10 +1,11 @@
 """Streams' batched decodes in one process, way by way (issue 25): HiFT's convolutions by MLX (cuDNN) or by our
 kernel (``layers.KERNEL_CONVS``). Run AR's served Turbo at 16 streams took 1.8 s a vocoding call with the kernel
 against 0.45 s without (vocoding process beside T3's), while one stream, a 10 s decode and 4 rows in one call
-were faster with it. This replays what that process does, alone: ``--streams`` StreamVocoders (full-size S3Gen,
-random weights, the estimator in ``--cfm-dtype``) take ``--pace`` tokens a round each, up to 250 ± 100, and the
-due decodes of a round run together (``decode_together_steps``), each part timed apart (S3Gen's parts, then
-HiFT's with the samples settled). The ways alternate, ``--rounds`` times each, in one process. Prints a table;
+were faster with it. This replays what that process does, alone: ``--streams`` StreamVocoders (full-size
+English S3Gen, random weights, the estimator in ``--cfm-dtype``, ``--cfm-steps`` Euler steps: 2 stands in for
+Turbo's meanflow) take ``--pace`` tokens a round each, up to 250 ± 100, and the due decodes of a round run
+together (``decode_together_steps``, rows padded to the server's bucket), each part timed apart (S3Gen's parts,
+then HiFT's with the samples settled). The ways alternate, ``--rounds`` times each, in one process. Prints a table;
 ``--out`` appends a JSON line per way and round.
 
     python benchmarks/probe_stream_decode.py --streams 16 --out stream_decode.jsonl
@@ -30,31 +31,34 @@ from bench_stream import build
 
 from mlx_chatterbox.generation.stream import StreamVocoder, decode_together_steps
 from mlx_chatterbox.models import layers
+from mlx_chatterbox.server.worker import VOCODE_BUCKET
 
 
-def replay(s3gen, voice, streams: int, pace: int, first_chunk: int, seed: int) -> dict:
+def replay(s3gen, voice, args: argparse.Namespace, seed: int) -> dict:
     """One replay: per call its rows, S3Gen's ms and HiFT's ms (each part evaluated before the next)."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(150, 351, streams)
+    lengths = rng.integers(150, 351, args.streams)
     vocoders = [
-        StreamVocoder(s3gen, voice, key=mx.random.key(seed + i), first_chunk=first_chunk)
-        for i in range(streams)
+        StreamVocoder(
+            s3gen, voice, cfm_steps=args.cfm_steps, key=mx.random.key(seed + i), first_chunk=args.first_chunk
+        )
+        for i in range(args.streams)
     ]
-    given = [0] * streams
+    given = [0] * args.streams
     calls = []
     start = time.perf_counter()
     while any(not v._finished or v.due for v in vocoders):
         for i, v in enumerate(vocoders):
             if v._finished or v.due:
                 continue
-            n = min(pace, lengths[i] - given[i])
+            n = min(args.pace, lengths[i] - given[i])
             tokens = rng.integers(0, 6561, n).tolist()
             given[i] += n
             v.end(tokens) if given[i] == lengths[i] else v.take(tokens)
         due = [v for v in vocoders if v.due]
         if not due:
             continue
-        parts, steps = [], decode_together_steps(due)
+        parts, steps = [], decode_together_steps(due, bucket=args.bucket)
         while True:
             began = time.perf_counter()
             try:
@@ -85,7 +89,11 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--pace", type=int, default=10, help="tokens a stream takes a round")
     p.add_argument("--first-chunk", type=int, default=15)
+    p.add_argument(
+        "--bucket", type=int, default=VOCODE_BUCKET, help="rows padded to a multiple (tokens), as served"
+    )
     p.add_argument("--cfm-dtype", default="bfloat16")
+    p.add_argument("--cfm-steps", type=int, help="Euler steps (default: English's 10)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="the tests' tiny networks (a smoke run on a CPU)")
     p.add_argument("--out", help="append JSON lines here")
@@ -99,7 +107,7 @@ def main() -> None:
     for r in range(args.rounds):
         for way in ways:
             layers.KERNEL_CONVS = way == "kernel"
-            row = replay(s3gen, voice, args.streams, args.pace, args.first_chunk, seed=r)
+            row = replay(s3gen, voice, args, seed=r)
             print(
                 f"| {way} | {r} | {row['calls']} | {row['rows_per_call']:.1f} | {row['s3gen_ms']:.1f} | "
                 f"{row['hift_ms']:.1f} ({row['hift_ms_max']:.0f}) | {row['hift_total_s']:.2f} | "

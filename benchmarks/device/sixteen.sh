@@ -37,11 +37,11 @@ path() {  # a way's sitecustomize folder (none for shipped)
   [ "$1" = shipped ] || echo $ways/$1
 }
 echo "== probe_stream_decode at $(date +%T)"
-timeout 300 python3 benchmarks/probe_stream_decode.py --streams 16 --rounds 2 --out ~/res/stream_decode.jsonl \
-    2>&1 | tail -6
+timeout 300 python3 benchmarks/probe_stream_decode.py --streams 16 --rounds 2 --cfm-steps 2 \
+    --out ~/res/stream_decode.jsonl 2>&1 | tail -6
 echo "== probe_stream_decode, kernel-device at $(date +%T)"
 PYTHONPATH=$(path kernel-device):$PYTHONPATH timeout 200 python3 benchmarks/probe_stream_decode.py --streams 16 \
-    --rounds 1 --ways kernel --out ~/res/stream_decode_device.jsonl 2>&1 | tail -3
+    --rounds 1 --cfm-steps 2 --ways kernel --out ~/res/stream_decode_device.jsonl 2>&1 | tail -3
 for way in kernel-device kernel shipped; do
   echo "== served turbo, 16 at a time, $way at $(date +%T)"
   SERVE_PATH=$(path $way) bash "$here/named.sh" sixteen_$way turbo "--first-chunk 15 --cfm-dtype bfloat16" \
