@@ -326,8 +326,8 @@ def test_kernel_convolutions_give_the_composed_f0_and_samples(model, emulated, m
 @pytest.mark.skipif(compiled_cuda.NVCC is None, reason="needs nvcc (CUDA's toolkit; no GPU)")
 def test_every_kernel_convolution_of_the_full_model_builds_for_hopper_without_spills(monkeypatch):
     """Each convolution kernel a full-size HiFT launches (two rows of 20 frames, the second shorter; both tile
-    heights at its first convolution), built by nvcc for sm_90a (tests/compiled_cuda.py): no spills, static shared memory
-    within 48 KB. (Registers when written, a thread: 67 with 64-row tiles, 95 with 128.)"""
+    heights at its first convolution), built by nvcc for sm_90a (tests/compiled_cuda.py): no spills, static
+    shared memory within 48 KB. (Registers when written, a thread: 67 with 64-row tiles, 95 with 128.)"""
     from mlx_chatterbox.models import layers
 
     programs = compiled_cuda.record(monkeypatch)

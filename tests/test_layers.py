@@ -250,9 +250,8 @@ def test_the_first_kernel_convolution_compiles_the_kernel_at_both_tile_heights(e
 
 
 def test_the_emulation_refuses_a_0d_input_whose_ndim_the_source_reads():
-    """MLX gives a 0-d input no shape or ndim parameter, yet passes one (a silent misread on a GPU): the
-    kernel's stand-ins for a missing bias, mask or sum are (1, 1) for this, and the emulation refuses a 0-d one.
-    """
+    """MLX gives a 0-d input no shape or ndim parameter, yet passes one (a silent misread on a GPU): so the
+    stand-ins for a missing bias, mask or sum are (1, 1), and the emulation refuses a 0-d input."""
     from tests import emulated_cuda
 
     kernel = emulated_cuda.cuda_kernel("probe", ["a"], ["out"], "out[0] = float(a_ndim);")
