@@ -321,7 +321,11 @@ def kernel_weight(weight: mx.array, dilation: int = 1, left: int = 0, right: int
     c_out, k, c_in = weight.shape
     rows = weight.transpose(1, 2, 0).reshape(k * c_in, c_out)
     rows = mx.contiguous(mx.pad(rows, [(0, 0), (0, -c_out % _CONV_BN)]))
-    geometry = mx.array([c_out, dilation, left, right], dtype=mx.int32)
+    # Every thread reads the geometry: a copy made on the device, as ``DEVICE_SCALARS`` does for T3's scalars
+    # (runs AE), since MLX keeps arrays made from host data in managed memory, whose pages a busy host's writes
+    # to other small arrays move back and forth. Run AR served 16 streams 3.7x slower with the host-made array
+    # (device/sixteen.sh tests whether this is why).
+    geometry = _in_device_memory(mx.array([c_out, dilation, left, right], dtype=mx.int32))
     return KernelWeight(rows, geometry, c_out, dilation, left, right)
 
 
