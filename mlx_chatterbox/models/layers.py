@@ -186,8 +186,9 @@ def kept(
 # zero frames on each side. Run AR (H100): alone it wins everywhere (a 10 s decode 12.8 ms against 17.0, a new
 # length 14-16 ms against 58-89, text -> wav 0.511 s against 0.554 with S3Gen's peak 3,580 MiB against 3,888,
 # a served English stream's first audio 239 ms against 271); but 16 served Turbo streams ran at 9.8x real time
-# against 36.3x, the vocoding process's batched decodes 1.8 s a call against 0.45 s, for a cause not yet found
-# (benchmarks/probe_stream_decode.py replays those decodes in one process).
+# against 36.3x, the vocoding process's batched decodes 1.8 s a call against 0.45 s. The likely cause, the
+# geometry array that every thread reads made on the host (see ``kernel_weight``), is now copied on the device;
+# device/sixteen.sh serves 16 streams with and without the copy.
 KERNEL_CONVS = False
 
 # A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
