@@ -194,7 +194,6 @@ KERNEL_CONVS = False
 # A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
 _CONV_BN = 64
 _conv_kernels: dict[int, object] = {}
-_absent_inputs: dict[mx.Dtype, mx.array] = {}
 
 # An implicit GEMM in float32 (no tensor cores: HiFT stays float32, as upstream's on a CPU), x (B, T_in, C_in)
 # channels-last, the weight as rows (taps·C_in, NP): tap j's C_in rows, C_out columns zero-padded to NP, a
@@ -333,8 +332,10 @@ def kernel_weight(weight: mx.array, dilation: int = 1, left: int = 0, right: int
 def kernel_conv_fits(x: mx.array, weight: mx.array, stride: int = 1) -> bool:
     """Whether x's convolution by ``weight`` (C_out, k, C_in) takes ``conv1d_kernel``: ``KERNEL_CONVS``, on
     CUDA, both float32, stride 1, C_in a multiple of 16."""
+    if not KERNEL_CONVS:  # first: every convolution of every call asks
+        return False
     fp32 = x.dtype == weight.dtype == mx.float32
-    return KERNEL_CONVS and _use_cuda_paths() and fp32 and stride == 1 and weight.shape[-1] % 16 == 0
+    return _use_cuda_paths() and fp32 and stride == 1 and weight.shape[-1] % 16 == 0
 
 
 def conv1d_kernel(
@@ -384,12 +385,12 @@ def conv1d_kernel(
     return out
 
 
+@cache
 def _absent(dtype: mx.Dtype) -> mx.array:
     """The (1, 1) stand-in for a missing bias, mask or sum of ``conv1d_kernel``, made and evaluated once."""
-    if dtype not in _absent_inputs:
-        _absent_inputs[dtype] = mx.zeros((1, 1), dtype)
-        mx.eval(_absent_inputs[dtype])
-    return _absent_inputs[dtype]
+    stand_in = mx.zeros((1, 1), dtype)
+    mx.eval(stand_in)
+    return stand_in
 
 
 def _compile_kernel_convs() -> None:
