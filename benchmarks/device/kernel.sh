@@ -18,12 +18,8 @@
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
-ways=/tmp/ways
-mkdir -p $ways/kernel
-printf 'from mlx_chatterbox.models import layers\n\nlayers.KERNEL_CONVS = True\n' > $ways/kernel/sitecustomize.py
-path() {  # a way's sitecustomize folder (none for shipped)
-  [ "$1" = shipped ] || echo $ways/$1
-}
+source "$here/ways.sh"
+way kernel "$kernel_switch"
 echo "== tests at $(date +%T)"
 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py -k cuda 2>&1 | tail -4
 echo "== probe_hift at $(date +%T)"
@@ -39,11 +35,6 @@ served() {  # variant, way
   SERVE_PATH=$(path $2) bash "$here/named.sh" kernel_$1_$2 $1 "--warm-batches off --first-chunk 15 \
 --cfm-dtype bfloat16" "$one --formats streamed" "$one --formats whole --tokens-spread 100"
 }
-many() {  # way
-  echo "== served turbo, 16 at a time, $1 at $(date +%T)"
-  SERVE_PATH=$(path $1) bash "$here/named.sh" kernel_c16_$1 turbo "--first-chunk 15 --cfm-dtype bfloat16" \
-      "--concurrency 16 --requests 48 --tokens 250 --tokens-spread 100 --formats streamed"
-}
 e2e() {  # way, the estimator's dtype
   echo "== bench_e2e $1 $2 at $(date +%T)"
   PYTHONPATH=$(path $1):$PYTHONPATH timeout 300 python3 benchmarks/bench_e2e.py --built full \
@@ -51,8 +42,8 @@ e2e() {  # way, the estimator's dtype
       | grep -v "^{" | tail -2
 }
 for way in shipped kernel; do served turbo $way; done
-many kernel
-many shipped
+many kernel_c16_kernel kernel
+many kernel_c16_shipped shipped
 e2e kernel bfloat16
 e2e shipped bfloat16
 for way in shipped kernel; do served english $way; done

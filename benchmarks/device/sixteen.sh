@@ -14,9 +14,9 @@
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
-ways=/tmp/ways
-mkdir -p $ways/kernel $ways/kernel-host
-printf 'from mlx_chatterbox.models import layers\n\nlayers.KERNEL_CONVS = True\n' > $ways/kernel/sitecustomize.py
+source "$here/ways.sh"
+way kernel "$kernel_switch"
+mkdir -p $ways/kernel-host
 cat > $ways/kernel-host/sitecustomize.py <<'EOF'
 import mlx.core as mx
 
@@ -33,18 +33,11 @@ def _host_geometry(weight, dilation=1, left=0, right=0):
 
 layers.kernel_weight = _host_geometry
 EOF
-path() {  # a way's sitecustomize folder (none for shipped)
-  [ "$1" = shipped ] || echo $ways/$1
-}
 echo "== probe_stream_decode at $(date +%T)"
 timeout 200 python3 benchmarks/probe_stream_decode.py --streams 16 --rounds 1 --cfm-steps 2 \
     --out ~/res/stream_decode.jsonl 2>&1 | tail -4
 echo "== probe_stream_decode, kernel-host at $(date +%T)"
 PYTHONPATH=$(path kernel-host):$PYTHONPATH timeout 150 python3 benchmarks/probe_stream_decode.py \
     --streams 16 --rounds 1 --cfm-steps 2 --ways kernel --out ~/res/stream_decode_host.jsonl 2>&1 | tail -3
-for way in kernel kernel-host shipped; do
-  echo "== served turbo, 16 at a time, $way at $(date +%T)"
-  SERVE_PATH=$(path $way) bash "$here/named.sh" sixteen_$way turbo "--first-chunk 15 --cfm-dtype bfloat16" \
-      "--concurrency 16 --requests 48 --tokens 250 --tokens-spread 100 --formats streamed"
-done
+for way in kernel kernel-host shipped; do many sixteen_$way $way; done
 echo "== done"
