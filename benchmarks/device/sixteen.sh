@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Why HiFT's convolution kernel (layers.KERNEL_CONVS) lost 3.7x at 16 served Turbo streams in run AR while it won
-# alone, in ~13 minutes after the installs: bash benchmarks/device/start.sh sixteen 560 (then wait.sh 560 sixteen)
+# alone, in ~8 minutes after the installs: bash benchmarks/device/start.sh sixteen 560 [ROUNDS [WAY ...]] (then
+# wait.sh 560 sixteen)
 # 1. probe_stream_decode.py: 16 streams' batched decodes replayed in one process (no T3 beside it), cuDNN and
-#    the kernel; then "kernel-host" (below).
-# 2. Served Turbo, 16 streams at a time (run AR's scenario): the kernel, kernel-host, cuDNN.
+#    the kernel alternating, ROUNDS times (default 1); then "kernel-host" (below) once in a process of its own.
+# 2. Served Turbo, 16 streams at a time (run AR's scenario), each WAY in turn (default: kernel kernel-host
+#    shipped, run AS's order). Run AS found the first 16-stream server on a machine slow whatever its way (it
+#    compiles MLX's kernels for the batch shapes), so compare ways in alternation: 3 shipped kernel shipped kernel.
 # The hypothesis (runs AE found it for T3's 4-byte scalars): MLX-CUDA keeps arrays made from host data in CUDA
 # managed memory; if one shares a page with the small arrays a busy server keeps writing on the host, each host
 # write moves the page to the CPU and the next kernel reading it faults it back. That would scale with the
@@ -34,10 +37,13 @@ def _host_geometry(weight, dilation=1, left=0, right=0):
 layers.kernel_weight = _host_geometry
 EOF
 echo "== probe_stream_decode at $(date +%T)"
-timeout 200 python3 benchmarks/probe_stream_decode.py --streams 16 --rounds 1 --cfm-steps 2 \
+rounds=${1:-1}
+shift
+timeout 200 python3 benchmarks/probe_stream_decode.py --streams 16 --rounds $rounds --cfm-steps 2 \
     --out ~/res/stream_decode.jsonl 2>&1 | tail -4
 echo "== probe_stream_decode, kernel-host at $(date +%T)"
 PYTHONPATH=$(path kernel-host):$PYTHONPATH timeout 150 python3 benchmarks/probe_stream_decode.py \
     --streams 16 --rounds 1 --cfm-steps 2 --ways kernel --out ~/res/stream_decode_host.jsonl 2>&1 | tail -3
-for way in kernel kernel-host shipped; do many sixteen_$way $way; done
+n=0
+for way in ${@:-kernel kernel-host shipped}; do n=$((n + 1)); many sixteen_${n}_$way $way; done
 echo "== done"
