@@ -1,12 +1,12 @@
 """HiFT's convolutions on a GPU, way by way (issue 25): MLX's (cuDNN, a graph planned per new shape), our
-products as taps (``layers.PRODUCT_CONVS_OFF_CPU``), our kernel (``layers.KERNEL_CONVS``), and MLX's at rung
-lengths (``hift.LENGTH_RUNGS``). Full-size HiFT, random weights, ``decode`` of a source made once. Per way:
-one row of 500 frames (10 s) warm, the first call at each of 6 lengths that way has not met (what a served
-request of a new length pays), 4 rows of different lengths in one call (a vocoding batch), and the primitives of
-a 10 s call. Prints a short table; ``--out`` appends a JSON line per way. (``--frames`` and ``--base-channels``
-shrink it for the tests' smoke run on a CPU.)
+products as taps (``layers.PRODUCT_CONVS_OFF_CPU``), our kernel (``layers.KERNEL_CONVS``, the default), and
+MLX's at rung lengths (``hift.LENGTH_RUNGS``). Full-size HiFT, random weights, ``decode`` of a source made
+once. Per way: one row of 500 frames (10 s) warm, the first call at each of 6 lengths that way has not met
+(what a served request of a new length pays), 4 rows of different lengths in one call (a vocoding batch), and
+the primitives of a 10 s call. Prints a short table; ``--out`` appends a JSON line per way. (``--frames`` and
+``--base-channels`` shrink it for the tests' smoke run on a CPU.)
 
-    python benchmarks/probe_hift.py --ways shipped,taps,kernel,rungs --out hift.jsonl
+    python benchmarks/probe_hift.py --ways cudnn,taps,kernel,rungs --out hift.jsonl
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig
 
 SWITCHES = {  # (PRODUCT_CONVS_OFF_CPU, KERNEL_CONVS, LENGTH_RUNGS)
-    "shipped": (False, False, False),
+    "cudnn": (False, False, False),
     "taps": (True, False, False),
     "kernel": (False, True, False),
     "rungs": (False, False, True),

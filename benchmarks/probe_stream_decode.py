@@ -1,11 +1,12 @@
 """Streams' batched decodes in one process, way by way (issue 25): HiFT's convolutions by MLX (cuDNN) or by our
-kernel (``layers.KERNEL_CONVS``). Run AR's served Turbo at 16 streams took 1.8 s a vocoding call with the kernel
-against 0.45 s without (vocoding process beside T3's), while one stream, a 10 s decode and 4 rows in one call
-were faster with it. This replays what that process does, alone: ``--streams`` StreamVocoders (full-size
-English S3Gen, random weights, the estimator in ``--cfm-dtype``, ``--cfm-steps`` Euler steps: 2 stands in for
-Turbo's meanflow) take ``--pace`` tokens a round each, up to 250 ± 100, and the due decodes of a round run
-together (``decode_together_steps``, rows padded to the server's bucket), each part timed apart (S3Gen's parts,
-then HiFT's with the samples settled). The ways alternate, ``--rounds`` times each, in one process. Prints a table;
+kernel (``layers.KERNEL_CONVS``, the default). Run AR's served Turbo at 16 streams took 1.8 s a vocoding call
+with the kernel against 0.45 s without, while one stream, a 10 s decode and 4 rows in one call were faster
+with it; this replay found the kernel faster at 16 streams too (run AT), and the served loss a cold first
+server's. This replays what that process does, alone: ``--streams`` StreamVocoders (full-size English S3Gen,
+random weights, the estimator in ``--cfm-dtype``, ``--cfm-steps`` Euler steps: 2 stands in for Turbo's
+meanflow) take ``--pace`` tokens a round each, up to 250 ± 100, and the due decodes of a round run together
+(``decode_together_steps``, rows padded to the server's bucket), each part timed apart (S3Gen's parts, then
+HiFT's with the samples settled). The ways alternate, ``--rounds`` times each, in one process. Prints a table;
 ``--out`` appends a JSON line per way and round.
 
     python benchmarks/probe_stream_decode.py --streams 16 --out stream_decode.jsonl
@@ -91,7 +92,7 @@ def replay(s3gen, voice, args: argparse.Namespace, seed: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ways", default="shipped,kernel")
+    p.add_argument("--ways", default="cudnn,kernel")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--pace", type=int, default=10, help="tokens a stream takes a round")
     p.add_argument("--first-chunk", type=int, default=15)
@@ -108,6 +109,8 @@ def main() -> None:
     s3gen, voice = tts.s3gen, tts.builtin_voice
     s3gen.estimator.set_dtype(getattr(mx, args.cfm_dtype))
     ways = args.ways.split(",")
+    if set(ways) - {"cudnn", "kernel"}:
+        p.error(f"--ways takes cudnn and kernel, not {args.ways!r}")
     print(
         "| way | round | calls (of several rows) | rows a call | decodes s | S3Gen ms a call | HiFT ms a call (max) "
         "| HiFT s | wall s |"

@@ -266,9 +266,10 @@ def test_conv_kernel_takes_only_what_it_computes(emulated, launched_alone, monke
     by name (the kernel reads each only at its own ndim)."""
     x = mx.random.normal((1, 20, 16))
     conv = _kernel_layers(16, 8, 3, 1, 1, True, seed=0)
-    assert not layers.kernel_conv_fits(x, conv.weight)  # the switch is off
+    assert layers.kernel_conv_fits(x, conv.weight)  # on by default
+    monkeypatch.setattr(layers, "KERNEL_CONVS", False)
+    assert not layers.kernel_conv_fits(x, conv.weight)
     monkeypatch.setattr(layers, "KERNEL_CONVS", True)
-    assert layers.kernel_conv_fits(x, conv.weight)
     assert not layers.kernel_conv_fits(x.astype(mx.bfloat16), conv.weight)
     assert not layers.kernel_conv_fits(x, conv.weight, stride=2)
     assert not layers.kernel_conv_fits(x[..., :12], conv.weight[..., :12])

@@ -20,7 +20,7 @@ def test_the_probe_writes_a_line_per_way(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [line["way"] for line in lines] == ["shipped", "taps", "kernel", "rungs"]
+    assert [line["way"] for line in lines] == ["cudnn", "taps", "kernel", "rungs"]
     for line in lines:
         assert line["frames"] == 25 and line["warm_ms"] > 0 and line["four_rows_ms"] > 0
         assert len(line["new_length_ms"]) == 6 and min(line["new_length_ms"]) > 0 and line["primitives"] > 100
@@ -37,7 +37,7 @@ def test_the_stream_decode_replay_writes_a_line_per_way_and_round(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(line["way"], line["round"]) for line in lines] == [("shipped", 0), ("kernel", 0)]
+    assert [(line["way"], line["round"]) for line in lines] == [("cudnn", 0), ("kernel", 0)]
     for line in lines:
         # 150-350 tokens a stream, 10 a round: a first chunk, doubling chunks, and an end each.
         assert 6 <= line["audio_s"] <= 28 and line["calls"] >= 4 and 1 <= line["rows_per_call"] <= 2

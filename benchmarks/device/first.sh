@@ -8,7 +8,8 @@
 # (--vocoding thread); "graphcache", the process with MLX_CUDA_GRAPH_CACHE_SIZE=4000 (MLX's default 400: each
 # stream's CUDA graphs in an LRU cache keyed by the ops' topology; a server's many kinds of call may evict a first
 # decode's graphs, which are then instantiated anew; run AN: no gain, first audio 320 against 277 ms English,
-# 243 against 206 Turbo). (Run AM also served the first-audio hold of f3b03c4 each way: no first audio won.)
+# 243 against 206 Turbo); "chunk10", the process with --first-chunk 10 (5 fewer T3 steps before the first decode,
+# which then has 0.2 s of audio to give, not 0.48). (Run AM also served the first-audio hold of f3b03c4 each way: no first audio won.)
 # Turbo (fp32 estimator, as the default serves it) one stream at a time; English (bf16 estimator) one stream at a
 # time, then on the same server 16 streams at a time after bench_serve's unrecorded round of 16 short ones (run
 # AK's first 16-stream server met new decode shapes and compiled their kernels inside the measured round). Each
@@ -22,6 +23,7 @@ served() {  # name, way, variant, server flags, scenarios...; serve.sh's own "==
   local name=$1 way=$2 variant=$3 flags="$4 -v" env=()  # -v: the log says how the vocoding process runs MLX
   shift 4
   [ "$way" = thread ] && flags="$flags --vocoding thread"
+  [ "$way" = chunk10 ] && flags="${flags/--first-chunk 15/--first-chunk 10}"
   [ "$way" = nographs ] && env=(MLX_USE_CUDA_GRAPHS=0)  # T3's steps in the server's process without them too
   [ "$way" = graphcache ] && env=(MLX_CUDA_GRAPH_CACHE_SIZE=4000)  # the vocoding process inherits it
   env "${env[@]}" bash "$here/named.sh" "$name" "$variant" "$flags" "$@"

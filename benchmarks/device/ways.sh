@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Sourced by the jobs that serve or run one library in several ways (kernel.sh, sixteen.sh): a way is a folder
 # whose sitecustomize.py sets a library switch in every process it starts (the server's vocoding process too);
-# shipped is the library as it is, no folder.
+# shipped is the library as it is, no folder; cudnn turns HiFT's convolution kernel off (MLX's cuDNN convolutions,
+# the library's way on CUDA before run AT).
 ways=/tmp/ways
-kernel_switch='from mlx_chatterbox.models import layers
+cudnn_switch='from mlx_chatterbox.models import layers
 
-layers.KERNEL_CONVS = True'
+layers.KERNEL_CONVS = False'
 way() {  # name, the sitecustomize.py's source
   mkdir -p $ways/$1
   printf '%s\n' "$2" > $ways/$1/sitecustomize.py

@@ -26,8 +26,9 @@ PHASE_FRACTION_BITS = 40
 # AP: our products, which need no plan, took a lone Turbo request's text -> wav from 801 to 631 ms, but ran a
 # 16-stream server out of memory). With ``LENGTH_RUNGS`` on, ``predict_f0`` and ``decode`` run at the length
 # rounded up to a ``rung``, the padding masked as for rows of different lengths, so that lengths recur: the
-# samples are the row's alone up to float error, for fewer than max(8, frames / 8) frames more. Off until a
-# GPU measures it.
+# samples are the row's alone up to float error, for fewer than max(8, frames / 8) frames more. Off: run AQ
+# (H100) gained nothing with it one stream at a time, and on CUDA HiFT's convolutions take our kernel now
+# (``layers.KERNEL_CONVS``), which plans nothing.
 LENGTH_RUNGS = False
 
 

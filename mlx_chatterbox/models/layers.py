@@ -175,21 +175,21 @@ def kept(
 
 # --- float32 convolutions (HiFT's, the flow's, a float32 estimator's) as our kernel on CUDA ---
 
-# Off: a benchmark's switch ("kernel" in device/kernel.sh) until it holds at 16 served streams. MLX's cuDNN
-# convolutions plan a graph for every new shape and run HiFT's float32 convolutions at ~11 TFLOPs with a layout
-# transpose on each side (run AJ's Nsight: 77 implicit GEMMs, ~19 ms, and 257 transposes, 4.2 ms, in
-# S3Gen.batch at 10 s). Ours plans nothing, reads channels-last as it is, and takes the mask of the padded
-# frames, the bias and a residual sum into the same launch. Its sizes come at run time, and whether it has a
-# bias, a mask and a sum too: one kernel per tile height, both compiled at a process's first kernel convolution
-# (a first version compiled ~60, one per shape, 0.6 s each, as a process met them: run AQ). ``Conv1d.padded``
-# takes it too (the flow's look-ahead and upsampling convolutions, a float32 estimator's causal ones), with its
-# zero frames on each side. Run AR (H100): alone it wins everywhere (a 10 s decode 12.8 ms against 17.0, a new
-# length 14-16 ms against 58-89, text -> wav 0.511 s against 0.554 with S3Gen's peak 3,580 MiB against 3,888,
-# a served English stream's first audio 239 ms against 271); but 16 served Turbo streams ran at 9.8x real time
-# against 36.3x, the vocoding process's batched decodes 1.8 s a call against 0.45 s. The likely cause, the
-# geometry array that every thread reads made on the host (see ``kernel_weight``), is now copied on the device;
-# device/sixteen.sh serves 16 streams with and without the copy.
-KERNEL_CONVS = False
+# On (CUDA only; run AT, ADR 6). MLX's cuDNN convolutions plan a graph for every new shape and run HiFT's float32
+# convolutions at ~11 TFLOPs with a layout transpose on each side (run AJ's Nsight: 77 implicit GEMMs, ~19 ms,
+# and 257 transposes, 4.2 ms, in S3Gen.batch at 10 s). Ours plans nothing, reads channels-last as it is, and
+# takes the mask of the padded frames, the bias and a residual sum into the same launch. Its sizes come at run
+# time, and whether it has a bias, a mask and a sum too: one kernel per tile height, both compiled at a
+# process's first kernel convolution (a first version compiled ~60, one per shape, 0.6 s each, as a process met
+# them: run AQ). ``Conv1d.padded`` takes it too (the flow's look-ahead and upsampling convolutions, a float32
+# estimator's causal ones), with its zero frames on each side. Run AR (H100), alone: a 10 s decode 12.8 ms
+# against 17.0, a new length 14-16 ms against 58-89, text -> wav 0.511 s against 0.554 with S3Gen's peak 3,580
+# MiB against 3,888, a served English stream's first audio 239 ms against 271. Run AR's 16 served Turbo streams
+# ran 3.7x slower with it, but that server was the machine's first to meet 16 streams' shapes (run AS: the
+# first, whatever its way, compiles MLX's kernels for them); run AT alternated the ways on one machine: 16
+# streams' decodes replayed in one process 1.5-1.7 s against 3.4-5.0, served 20.1x and 18.5x real time against
+# 14.6x and 15.5x. Off: the benchmarks' "cudnn" way.
+KERNEL_CONVS = True
 
 # A block's columns (output channels); its rows: 128 where every SM still gets two blocks, else 64.
 _CONV_BN = 64
@@ -323,8 +323,8 @@ def kernel_weight(weight: mx.array, dilation: int = 1, left: int = 0, right: int
     rows = mx.contiguous(mx.pad(rows, [(0, 0), (0, -c_out % _CONV_BN)]))
     # Every thread reads the geometry: a copy made on the device, as ``DEVICE_SCALARS`` does for T3's scalars
     # (runs AE), since MLX keeps arrays made from host data in managed memory, whose pages a busy host's writes
-    # to other small arrays move back and forth. Run AR served 16 streams 3.7x slower with the host-made array
-    # (device/sixteen.sh tests whether this is why).
+    # to other small arrays move back and forth. Not what slowed run AR's 16 streams, as it turned out (run AS
+    # served them as fast with the host-made array), but every thread reads it, and the copy is made once a weight.
     geometry = _in_device_memory(mx.array([c_out, dilation, left, right], dtype=mx.int32))
     return KernelWeight(rows, geometry, c_out, dilation, left, right)
 
