@@ -8,10 +8,11 @@ the hand-over to the reader. A one-off probe for the H200; prints one table.
     python benchmarks/probe_first_audio.py --model /tmp/serve-turbo/mlx --voice /tmp/serve-turbo/voice.safetensors \
         --modes stream,worker-thread,worker-process
 
-Each mode runs the same request once untimed first (its traces and kernels), then ``--repeats`` times timed;
-the table gives the medians. The events are the library's own methods, wrapped here to note when they ran; the
-vocoding process's decodes are timed there and noted as ending when their answer reached the server (the pipe's
-time falls in "to the decode"), and that mode needs ``--model`` (the process loads S3Gen from the folder).
+Each mode runs the same request once untimed first (its traces and kernels; the Worker's modes after its
+``warm_up``, as ``serve`` runs it), then ``--repeats`` times timed; the table gives the medians. The events
+are the library's own methods, wrapped here to note when they ran; the vocoding process's decodes are timed
+there and noted as ending when their answer reached the server (the pipe's time falls in "to the decode"), and
+that mode needs ``--model`` (the process loads S3Gen from the folder).
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def main() -> None:
             worker.start()
             if vocoding == "process":
                 note_child_decodes(worker)
+            worker.warm_up(voice, first_chunk=args.first_chunk)  # as serve's: every marking thread marks once
             run, close = functools.partial(run_worker, worker, tts, voice), worker.close
         rows = []
         try:

@@ -315,6 +315,23 @@ def test_warm_up_traces_the_decode_step_and_leaves_the_worker_idle(tts):
     assert stream.first_chunk == 9 and stream.params.max_new_tokens > 9 and len(jobs) == 2
 
 
+def test_warm_up_marks_a_first_chunk_on_every_marking_thread(tts, monkeypatch):
+    """Jobs take the marking threads in turn, and each thread marks on an MLX stream of its own: the warm-up
+    streams once per thread, so that no request's first chunk is a thread's first mark."""
+    marked: set[str] = set()
+    mark = tts._mark_chunk
+
+    def noting(chunk):
+        marked.add(threading.current_thread().name)
+        return mark(chunk)
+
+    monkeypatch.setattr(tts, "_mark_chunk", noting)
+    with Worker(tts, vocode_thread=True, vocoding="thread", mark_threads=3) as worker:
+        worker.warm_up(random_voice(1), first_chunk=9)
+        assert worker.jobs == 0
+    assert marked == {f"mlx-chatterbox-marker-{i}" for i in range(3)}, marked
+
+
 @pytest.mark.parametrize("variant", ["english", "turbo"])
 def test_warm_batches_traces_each_batch_size_once(tts, tmp_path, variant):
     """``warm_batches`` steps T3's batch (English's CFG pairs, Turbo's single rows) at every ``batch_size`` up to
