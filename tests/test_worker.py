@@ -327,9 +327,17 @@ def test_warm_up_marks_a_first_chunk_on_every_marking_thread(tts, monkeypatch):
 
     monkeypatch.setattr(tts, "_mark_chunk", noting)
     with Worker(tts, vocode_thread=True, vocoding="thread", mark_threads=3) as worker:
+        submit, jobs = worker.submit, []
+        worker.submit = lambda job: jobs.append(job) or submit(job)
         worker.warm_up(random_voice(1), first_chunk=9)
         assert worker.jobs == 0
-    assert marked == {f"mlx-chatterbox-marker-{i}" for i in range(3)}, marked
+        assert marked == {f"mlx-chatterbox-marker-{i}" for i in range(3)}, marked
+        assert [job.stream for job in jobs] == [True, True, True, False]
+        # serve's second warm-up, at the first chunk --first-chunk auto chose: the streams alone
+        marked.clear()
+        worker.warm_up(random_voice(1), first_chunk=12, whole=False)
+        assert marked == {f"mlx-chatterbox-marker-{i}" for i in range(3)}, marked
+        assert [(job.stream, job.first_chunk) for job in jobs[4:]] == [(True, 12)] * 3
 
 
 @pytest.mark.parametrize("variant", ["english", "turbo"])

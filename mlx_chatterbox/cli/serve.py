@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> None:
                         file=sys.stderr,
                     )
                 if first_chunk != FIRST_CHUNK:  # a stream's first decode at the length it will have
-                    worker.warm_up(default, common.english(tts), first_chunk)
+                    worker.warm_up(default, common.english(tts), first_chunk, whole=False)
         app = create_app(
             worker,
             voices,

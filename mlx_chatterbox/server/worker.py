@@ -494,17 +494,20 @@ class Worker:
         self._inbox.put(_Job(job, ticket, plan, piece_ids, lane=lane))
         return ticket
 
-    def warm_up(self, voice: Voice, language: str | None = None, first_chunk: int = FIRST_CHUNK) -> None:
+    def warm_up(
+        self, voice: Voice, language: str | None = None, first_chunk: int = FIRST_CHUNK, whole: bool = True
+    ) -> None:
         """Run a short streamed request and a short whole one to the end, so that the first real request does
         not pay for compiling kernels and tracing steps (issue 24: 1.56 s to the first byte of a cold server,
         0.68 s warm, on the H200). ``serve`` calls it before it listens. ``language``: for the multilingual
         models. ``first_chunk``: the streams' (their first decode's length: with MLX-CUDA its convolution
-        graphs are then built, ~100 ms, run AP): the stream runs past it. The audio is dropped.
+        graphs are then built, ~100 ms, run AP): the stream runs past it. The audio is dropped. ``whole=False``
+        runs the streams alone (``serve`` warming streams again at another first chunk).
 
         The stream runs once for each marking thread (jobs take the threads in turn): each marks on an MLX stream
         of its own, whose CUDA graphs are its own, and a thread's first chunk took 17 ms to mark on an H100
         against 4 on a warm one (run AU)."""
-        for stream in [True] * max(1, self.mark_threads) + [False]:
+        for stream in [True] * max(1, self.mark_threads) + ([False] if whole else []):
             budget = WARM_UP_TOKENS + (first_chunk if stream else 0)
             params = self.tts.speech.params_type(max_new_tokens=budget)
             job = SpeechJob(
