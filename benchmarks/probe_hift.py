@@ -1,12 +1,13 @@
 """HiFT's convolutions on a GPU, way by way (issue 25): MLX's (cuDNN, a graph planned per new shape), our
-products as taps (``layers.PRODUCT_CONVS_OFF_CPU``), our kernel (``layers.KERNEL_CONVS``, the default), and
-MLX's at rung lengths (``hift.LENGTH_RUNGS``). Full-size HiFT, random weights, ``decode`` of a source made
-once. Per way: one row of 500 frames (10 s) warm, the first call at each of 6 lengths that way has not met
-(what a served request of a new length pays), 4 rows of different lengths in one call (a vocoding batch), and
-the primitives of a 10 s call. Prints a short table; ``--out`` appends a JSON line per way. (``--frames`` and
-``--base-channels`` shrink it for the tests' smoke run on a CPU.)
+products as taps (``layers.PRODUCT_CONVS_OFF_CPU``) and our kernel (``layers.KERNEL_CONVS``, the default).
+(Run AQ's "rungs", MLX's at lengths rounded up so that they recur, went with ``hift.LENGTH_RUNGS``.) Full-size
+HiFT, random weights, ``decode`` of a source made once. Per way: one row of 500 frames (10 s) warm, the first
+call at each of 6 lengths that way has not met (what a served request of a new length pays), 4 rows of
+different lengths in one call (a vocoding batch), and the primitives of a 10 s call. Prints a short table;
+``--out`` appends a JSON line per way. (``--frames`` and ``--base-channels`` shrink it for the tests' smoke
+run on a CPU.)
 
-    python benchmarks/probe_hift.py --ways cudnn,taps,kernel,rungs --out hift.jsonl
+    python benchmarks/probe_hift.py --ways cudnn,taps,kernel --out hift.jsonl
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ import time
 import mlx.core as mx
 from probe_step import primitives
 
-from mlx_chatterbox.models import hift as hift_module
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig
 
-SWITCHES = {  # (PRODUCT_CONVS_OFF_CPU, KERNEL_CONVS, LENGTH_RUNGS)
-    "cudnn": (False, False, False),
-    "taps": (True, False, False),
-    "kernel": (False, True, False),
-    "rungs": (False, False, True),
+SWITCHES = {  # (PRODUCT_CONVS_OFF_CPU, KERNEL_CONVS)
+    "cudnn": (False, False),
+    "taps": (True, False),
+    "kernel": (False, True),
 }
 
 
@@ -67,12 +66,11 @@ def main() -> None:
     n = args.frames
     print(f"{'way':8} {f'{n} frames ms':>13} {'new length ms':>14} {'4 rows ms':>10} {'primitives':>11}")
     for i, way in enumerate(args.ways.split(",")):
-        layers.PRODUCT_CONVS_OFF_CPU, layers.KERNEL_CONVS, hift_module.LENGTH_RUNGS = SWITCHES[way]
+        layers.PRODUCT_CONVS_OFF_CPU, layers.KERNEL_CONVS = SWITCHES[way]
         mel, source = inputs(1, n, 0)
         timed(model, mel, source)  # compiles and plans what this length needs
         warm = statistics.median(timed(model, mel, source) for _ in range(args.repeats))
-        # Lengths no earlier way met (a rung's width may recur across ways: rungs' advantage, as served); at
-        # 500 frames 157-476 and up.
+        # Lengths no earlier way met; at 500 frames 157-476 and up.
         new = [timed(model, *inputs(1, (157 + 61 * j + 7 * i) * n // 500, j)) for j in range(6)]
         lengths = [n * f // 500 for f in (480, 411, 303, 250)]
         mel4, source4 = inputs(4, max(lengths), 1)

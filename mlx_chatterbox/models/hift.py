@@ -21,22 +21,6 @@ from .layers import Conv1d, ConvTranspose1d, cos, exp, sin
 # The sine phase is summed in fixed point with this many fractional bits (see ``sine_phase``).
 PHASE_FRACTION_BITS = 40
 
-# MLX-CUDA builds a cuDNN graph for each convolution shape it meets (layers.py), and HiFT runs ~37 shapes at
-# each length, so a server's decodes and requests, of a new length nearly every call, plan ~100 ms each (run
-# AP: our products, which need no plan, took a lone Turbo request's text -> wav from 801 to 631 ms, but ran a
-# 16-stream server out of memory). With ``LENGTH_RUNGS`` on, ``predict_f0`` and ``decode`` run at the length
-# rounded up to a ``rung``, the padding masked as for rows of different lengths, so that lengths recur: the
-# samples are the row's alone up to float error, for fewer than max(8, frames / 8) frames more. Off: run AQ
-# (H100) gained nothing with it one stream at a time, and on CUDA HiFT's convolutions take our kernel now
-# (``layers.KERNEL_CONVS``), which plans nothing.
-LENGTH_RUNGS = False
-
-
-def rung(frames: int) -> int:
-    """``frames`` rounded up to a multiple of 2^(floor(log2 frames) - 3), and of 8: eight rungs a doubling."""
-    step = 1 << max(3, frames.bit_length() - 4)
-    return -(-frames // step) * step
-
 
 @dataclass(frozen=True)
 class HiFTConfig:
@@ -237,16 +221,6 @@ def _masked(x: mx.array, mask: mx.array | None) -> mx.array:
     return x if mask is None else x * mask  # bool promotes to x's dtype
 
 
-def _padded(x: mx.array, width: int) -> mx.array:
-    """(B, T, C) -> (B, width, C), zeros after."""
-    return mx.pad(x, [(0, 0), (0, width - x.shape[1]), (0, 0)])
-
-
-def _row_lengths(lengths: mx.array | None, batch: int, frames: int) -> mx.array:
-    """Each row's frames: ``lengths``, or all ``frames`` when None."""
-    return mx.full((batch,), frames, dtype=mx.int32) if lengths is None else lengths
-
-
 def _frame_mask(lengths: mx.array | None, width: int, scale: int = 1, extra: int = 0) -> mx.array | None:
     """(B, width, 1) bool, true on row b's first scale·lengths[b] + extra frames; None without lengths."""
     if lengths is None:
@@ -345,12 +319,7 @@ class HiFT(nn.Module):
     def predict_f0(self, mel: mx.array, lengths: mx.array | None = None) -> mx.array:
         """mel: (B, T, 80) log-mel. Returns f0 (B, T) in Hz (not negative). ``lengths`` (B,) int32: row b's
         frames, the rest padding; its first lengths[b] values are those of the row alone."""
-        b, t, _ = mel.shape
-        width = rung(t) if LENGTH_RUNGS else t
-        if width > t:
-            mel, lengths = _padded(mel, width), _row_lengths(lengths, b, t)
-        f0 = self.f0_predictor(mel, _frame_mask(lengths, width))
-        return f0 if width == t else f0[:, :t]
+        return self.f0_predictor(mel, _frame_mask(lengths, mel.shape[1]))
 
     def draw_source(self, batch: int, frames: int, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """The random inputs of ``source`` for (batch, frames) mel frames, from ``key`` (or MLX's global
@@ -411,11 +380,6 @@ class HiFT(nn.Module):
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
         if source.shape != (b, t * cfg.samples_per_frame, 1):
             raise ValueError(f"source has shape {source.shape}, expected {(b, t * cfg.samples_per_frame, 1)}")
-        wanted = t * cfg.samples_per_frame
-        width = rung(t) if LENGTH_RUNGS else t
-        if width > t:
-            lengths, t = _row_lengths(lengths, b, t), width
-            mel, source = _padded(mel, t), _padded(source, t * cfg.samples_per_frame)
         spectral = cfg.samples_per_frame // hop  # spectrogram frames per mel frame (120)
         samples = None if lengths is None else lengths * cfg.samples_per_frame
         re, im = stft(source[..., 0].astype(mx.float32), n_fft, hop, samples)
@@ -445,8 +409,7 @@ class HiFT(nn.Module):
         phase = sin(x[..., bins:])  # upstream applies sin here too ("actually, sin is redundancy")
         frames = None if lengths is None else lengths * spectral + 1
         wav = istft(magnitude * cos(phase), magnitude * sin(phase), n_fft, hop, frames)
-        wav = mx.clip(wav, -cfg.audio_limit, cfg.audio_limit)
-        return wav if wav.shape[1] == wanted else wav[:, :wanted]
+        return mx.clip(wav, -cfg.audio_limit, cfg.audio_limit)
 
     def __call__(
         self,
