@@ -1,13 +1,13 @@
-"""HiFT's convolutions on a GPU, way by way (issue 25): MLX's (cuDNN, a graph planned per new shape), our
-products as taps (``layers.PRODUCT_CONVS_OFF_CPU``) and our kernel (``layers.KERNEL_CONVS``, the default).
-(Run AQ's "rungs", MLX's at lengths rounded up so that they recur, went with ``hift.LENGTH_RUNGS``.) Full-size
-HiFT, random weights, ``decode`` of a source made once. Per way: one row of 500 frames (10 s) warm, the first
-call at each of 6 lengths that way has not met (what a served request of a new length pays), 4 rows of
-different lengths in one call (a vocoding batch), and the primitives of a 10 s call. Prints a short table;
-``--out`` appends a JSON line per way. (``--frames`` and ``--base-channels`` shrink it for the tests' smoke
-run on a CPU.)
+"""HiFT's convolutions on a GPU, way by way (issue 25): MLX's (cuDNN, a graph planned per new shape) and our
+kernel (``layers.KERNEL_CONVS``, the default). (Run AQ's "taps", our products off the CPU, went with
+``layers.PRODUCT_CONVS_OFF_CPU``, and its "rungs", MLX's at lengths rounded up so that they recur, with
+``hift.LENGTH_RUNGS``.) Full-size HiFT, random weights, ``decode`` of a source made once. Per way: one row of
+500 frames (10 s) warm, the first call at each of 6 lengths that way has not met (what a served request of a
+new length pays), 4 rows of different lengths in one call (a vocoding batch), and the primitives of a 10 s
+call. Prints a short table; ``--out`` appends a JSON line per way. (``--frames`` and ``--base-channels``
+shrink it for the tests' smoke run on a CPU.)
 
-    python benchmarks/probe_hift.py --ways cudnn,taps,kernel --out hift.jsonl
+    python benchmarks/probe_hift.py --ways cudnn,kernel --out hift.jsonl
 """
 
 from __future__ import annotations
@@ -30,11 +30,7 @@ from probe_step import primitives
 from mlx_chatterbox.models import layers
 from mlx_chatterbox.models.hift import HiFT, HiFTConfig
 
-SWITCHES = {  # (PRODUCT_CONVS_OFF_CPU, KERNEL_CONVS)
-    "cudnn": (False, False),
-    "taps": (True, False),
-    "kernel": (False, True),
-}
+WAYS = ("cudnn", "kernel")  # layers.KERNEL_CONVS off and on
 
 
 def timed(model: HiFT, mel: mx.array, source: mx.array, lengths: mx.array | None = None) -> float:
@@ -48,12 +44,14 @@ def timed(model: HiFT, mel: mx.array, source: mx.array, lengths: mx.array | None
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ways", default=",".join(SWITCHES))
+    p.add_argument("--ways", default=",".join(WAYS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--frames", type=int, default=500, help="mel frames of the warm call (500: 10 s)")
     p.add_argument("--base-channels", type=int, default=HiFTConfig().base_channels)
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
+    if set(args.ways.split(",")) - set(WAYS):
+        p.error(f"--ways takes {' and '.join(WAYS)}, not {args.ways!r}")
     model = HiFT(HiFTConfig(base_channels=args.base_channels))
     mx.eval(model.parameters())
     spf = model.config.samples_per_frame
@@ -66,7 +64,7 @@ def main() -> None:
     n = args.frames
     print(f"{'way':8} {f'{n} frames ms':>13} {'new length ms':>14} {'4 rows ms':>10} {'primitives':>11}")
     for i, way in enumerate(args.ways.split(",")):
-        layers.PRODUCT_CONVS_OFF_CPU, layers.KERNEL_CONVS = SWITCHES[way]
+        layers.KERNEL_CONVS = way == "kernel"
         mel, source = inputs(1, n, 0)
         timed(model, mel, source)  # compiles and plans what this length needs
         warm = statistics.median(timed(model, mel, source) for _ in range(args.repeats))

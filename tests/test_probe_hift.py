@@ -20,7 +20,7 @@ def test_the_probe_writes_a_line_per_way(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [line["way"] for line in lines] == ["cudnn", "taps", "kernel"]
+    assert [line["way"] for line in lines] == ["cudnn", "kernel"]
     for line in lines:
         assert line["frames"] == 25 and line["warm_ms"] > 0 and line["four_rows_ms"] > 0
         assert len(line["new_length_ms"]) == 6 and min(line["new_length_ms"]) > 0 and line["primitives"] > 100

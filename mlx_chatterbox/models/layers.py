@@ -405,22 +405,16 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-# Conv1d and ConvTranspose1d as the products above off the CPU too (on the CPU they always are). MLX-CUDA
-# (0.32.4) builds a cuDNN graph for every convolution shape it meets (S3Gen runs about 41 shapes a length, HiFT
-# 37), which products never do: run AP (H100) took whole served requests of varied length from 801 to 631 ms
-# with them, but a server of 16 streams ran out of GPU memory (an im2col held k times its input, and MLX keeps
-# a queued kernel's buffers until the GPU has run it). Since then long inputs (HiFT's) go as taps, without the
-# k copies; run AQ (H100) ran 16 streams out of memory with those too, and a warm 10 s decode took 18.6 ms
-# against cuDNN's 16.1. Off: a benchmark's switch (KERNEL_CONVS is the plan-free way on CUDA).
-PRODUCT_CONVS_OFF_CPU = False
-
-
-def _products() -> bool:
-    return PRODUCT_CONVS_OFF_CPU or _on_cpu()
+# Off the CPU, Conv1d and ConvTranspose1d are MLX's convolutions where our kernel does not take them. (Our
+# products there too, a benchmark's switch until 2026-12-06, were rejected: run AP (H100) took whole served
+# requests of varied length from 801 to 631 ms with them, since MLX-CUDA plans a cuDNN graph per shape and
+# products plan nothing, but 16 streams ran a server out of GPU memory, with the im2col's k copies (run AP)
+# and with taps (run AQ, where a warm 10 s decode took 18.6 ms against cuDNN's 16.1); the kernel plans
+# nothing either.)
 
 
 class Conv1d(nn.Conv1d):
-    """``nn.Conv1d`` (groups 1), computed by ``conv1d`` on the CPU (``PRODUCT_CONVS_OFF_CPU``: everywhere)."""
+    """``nn.Conv1d`` (groups 1), computed by ``conv1d`` on the CPU, by ``conv1d_kernel`` where it fits."""
 
     def __init__(
         self,
@@ -448,7 +442,7 @@ class Conv1d(nn.Conv1d):
         if kernel_conv_fits(x, self.weight, self.stride):
             return conv1d_kernel(x, self._kernel_weight(0, 0), self.get("bias"), mask, add)
         x = x if mask is None else x * mask  # bool promotes to x's dtype
-        if not _products():
+        if not _on_cpu():
             y = super().__call__(x)
         else:
             y = conv1d(x, self.weight, self.padding, self.dilation, self.stride, self.get("bias"))
@@ -460,7 +454,7 @@ class Conv1d(nn.Conv1d):
         primitives (a fill and a copy), and S3Gen's host-bound estimator has 31 such convolutions a call."""
         if kernel_conv_fits(x, self.weight, self.stride):
             return conv1d_kernel(x, self._kernel_weight(left, right), self.get("bias"))
-        if _products():  # Conv1d's own call: a subclass's (CausalConv1d) pads through this method
+        if _on_cpu():  # Conv1d's own call: a subclass's (CausalConv1d) pads through this method
             return Conv1d.__call__(self, mx.pad(x, [(0, 0), (left, right), (0, 0)]))
         pad = self.padding
         y = mx.conv_general(
@@ -476,8 +470,8 @@ class Conv1d(nn.Conv1d):
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
-    """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv_transpose1d`` on the CPU
-    (``PRODUCT_CONVS_OFF_CPU``: everywhere)."""
+    """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv_transpose1d`` on the CPU, by
+    ``conv1d_kernel`` where it fits."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, padding: int = 0):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
@@ -496,7 +490,7 @@ class ConvTranspose1d(nn.ConvTranspose1d):
             y = conv1d_kernel(x, weight, bias, mask)
             return _phases_out(y, self.weight.shape, x.shape[1], stride, self.padding)
         x = x if mask is None else x * mask
-        if not _products():
+        if not _on_cpu():
             return super().__call__(x)
         return conv_transpose1d(x, self.weight, self.stride, self.padding, self.bias)
 
