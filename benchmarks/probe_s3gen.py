@@ -369,19 +369,22 @@ def solve_time(s3gen: S3Gen, dtype: mx.Dtype, requests: int, frames: int, way: s
 # --- batch ---
 
 
-def batch(s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype, spread: int) -> dict:
-    """``S3Gen.batch`` of ``requests`` x 10 s with the estimator in ``dtype`` (``serve --cfm-dtype``), and its
-    stages evaluated one by one. ``spread``: the call's requests lose up to this many tokens each, at random,
-    as served ones differ; the stages are timed at 10 s each."""
+def batch(
+    s3gen: S3Gen, requests: int, budget, repeats: int, dtype: mx.Dtype, spread: int, tokens: int = TOKENS
+) -> dict:
+    """``S3Gen.batch`` of ``requests`` x ``tokens`` speech tokens (10 s; 15: a stream's first decode) after the
+    10 s prompt, with the estimator in ``dtype`` (``serve --cfm-dtype``), and its stages evaluated one by one.
+    ``spread``: the call's requests lose up to this many tokens each, at random, as served ones differ; the
+    stages are timed at ``tokens`` each."""
     s3gen.estimator.set_dtype(dtype)
     mx.eval(s3gen.estimator.parameters())
     v = voice()
     rng = np.random.default_rng(1)
-    ids = [mx.array(rng.integers(0, 6561, (1, TOKENS)).astype(np.int32)) for _ in range(requests)]
-    cut = [row[:, : TOKENS - int(rng.integers(0, spread + 1))] for row in ids]
+    ids = [mx.array(rng.integers(0, 6561, (1, tokens)).astype(np.int32)) for _ in range(requests)]
+    cut = [row[:, : tokens - int(rng.integers(0, spread + 1))] for row in ids]
     keys = [mx.random.key(i) for i in range(requests)]
     s3gen.memory_budget = budget
-    lengths = mx.array([2 * TOKENS] * requests, dtype=mx.int32)
+    lengths = mx.array([TOKENS + tokens] * requests, dtype=mx.int32)  # the prompt's 250 and the request's
     everything = mx.concatenate([mx.concatenate([v.s3gen_prompt_tokens, t], axis=1) for t in ids])
     runs = []
     for _ in range(repeats + 1):
@@ -452,6 +455,12 @@ def main() -> None:
     )
     p.add_argument("--spread", type=int, default=0, help="batch: requests up to this many tokens shorter")
     p.add_argument(
+        "--tokens",
+        type=int,
+        default=TOKENS,
+        help="batch: speech tokens a request (15: a stream's first decode)",
+    )
+    p.add_argument(
         "--hift",
         default="one",
         help="batch: HiFT over the call's rows in one masked call (one), or once per distinct length (per-length, "
@@ -470,6 +479,8 @@ def main() -> None:
     p.add_argument("--device", default="gpu", help="cpu: a smoke test of the script")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
+    if not 0 <= args.spread < args.tokens:
+        p.error(f"--tokens {args.tokens} and --spread {args.spread}: a request keeps at least one token")
     mx.set_default_device(getattr(mx, args.device))
     parts, dtypes = args.part.split(","), [getattr(mx, d) for d in args.dtypes.split(",")]
     requests = [int(r) for r in args.rows.split(",")]
@@ -570,8 +581,8 @@ def main() -> None:
         ):
             vocode.vocode_rows = {"one": one, "per-length": _per_length(one)}[hift]
             value = budget if budget == "auto" else None if budget == "none" else int(budget) * 2**20
-            row = batch(s3gen, r, value, args.repeats, d, args.spread)
-            emit(dict(part="batch", hift=hift, **row))
+            row = batch(s3gen, r, value, args.repeats, d, args.spread, args.tokens)
+            emit(dict(part="batch", hift=hift, tokens=args.tokens, **row))
             print(
                 f"| {row['dtype']} | {hift} | {r} ({args.spread}) | {budget} | {row['total_ms']:.0f} | {row['rtf']:.4f} | {row['encoder_ms']:.0f} | "
                 f"{row['cfm_ms']:.0f} | {row['hift_ms']:.0f} | {row['peak_mib']:.0f} |",
