@@ -25,9 +25,9 @@
    server's stream, whose decodes each meet a new length, evicted the first chunk's graphs within 3-4 decodes,
    and every first decode paid ~100 ms of planning again. We set ``MLX_CUDA_CONV_CACHE_SIZE=1024`` unless the
    user has set it (run AP, H100: a lone served Turbo stream's first audio 115 ms against 217, English 235
-   against 327). MLX reads it when a thread first runs a convolution. HiFT's and the flow's float32
-   convolutions take our kernel on CUDA since (``layers.KERNEL_CONVS``), which plans nothing; the cache still
-   serves the rest (the watermark's, and every convolution with the kernel turned off).
+   against 327). MLX reads it when a thread first runs a convolution. Since 2026-12-06 our kernel
+   takes the float32 convolutions on CUDA (``layers.KERNEL_CONVS``: HiFT's, the flow's, the watermark's), and
+   plans nothing; the cache serves the rest, and every convolution with the kernel turned off.
 
 What was done is logged and kept in ``STATUS``.
 """

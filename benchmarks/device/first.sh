@@ -8,8 +8,9 @@
 # (--vocoding thread); "graphcache", the process with MLX_CUDA_GRAPH_CACHE_SIZE=4000 (MLX's default 400: each
 # stream's CUDA graphs in an LRU cache keyed by the ops' topology; a server's many kinds of call may evict a first
 # decode's graphs, which are then instantiated anew; run AN: no gain, first audio 320 against 277 ms English,
-# 243 against 206 Turbo); "chunk10", the process with --first-chunk 10 (5 fewer T3 steps before the first decode,
-# which then has 0.2 s of audio to give, not 0.48). (Run AM also served the first-audio hold of f3b03c4 each way: no first audio won.)
+# 243 against 206 Turbo); "chunk10", the process with --first-chunk 10 (5 fewer T3 steps before the first
+# decode, whose audio is then 0.14 s long, not 0.34). (Run AM also served the first-audio hold of f3b03c4 each
+# way: no first audio won.)
 # Turbo (fp32 estimator, as the default serves it) one stream at a time; English (bf16 estimator) one stream at a
 # time, then on the same server 16 streams at a time after bench_serve's unrecorded round of 16 short ones (run
 # AK's first 16-stream server met new decode shapes and compiled their kernels inside the measured round). Each

@@ -414,7 +414,8 @@ def _on_cpu() -> bool:
 
 
 class Conv1d(nn.Conv1d):
-    """``nn.Conv1d`` (groups 1), computed by ``conv1d`` on the CPU, by ``conv1d_kernel`` where it fits."""
+    """``nn.Conv1d`` (groups 1), computed by ``conv1d_kernel`` where it fits (CUDA), by ``conv1d`` on the CPU,
+    else by MLX."""
 
     def __init__(
         self,
@@ -470,8 +471,8 @@ class Conv1d(nn.Conv1d):
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
-    """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv_transpose1d`` on the CPU, by
-    ``conv1d_kernel`` where it fits."""
+    """``nn.ConvTranspose1d`` (dilation 1, groups 1), computed by ``conv1d_kernel`` where it fits (CUDA), by
+    ``conv_transpose1d`` on the CPU, else by MLX."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, padding: int = 0):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
