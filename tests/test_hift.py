@@ -284,6 +284,7 @@ def test_kernel_convolutions_give_the_composed_f0_and_samples(model, emulated, m
     mel = random_mel(2, 7, seed=5)
     phases, noise = model.draw_source(2, 7, mx.random.key(4))
     rows = None if lengths is None else mx.array(lengths, dtype=mx.int32)
+    monkeypatch.setattr(layers, "KERNEL_CONVS", False)  # the composed reference (the kernel is the default)
     f0 = model.predict_f0(mel, rows)
     source = model.source(f0, phases=phases, noise=noise)
     want = np.array(model.decode(mel, source, rows))
