@@ -14,8 +14,7 @@
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
-source "$here/ways.sh"
-way cudnn "$cudnn_switch"
+source "$here/ways.sh"  # the cudnn way
 echo "== tests at $(date +%T)"
 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py -k cuda 2>&1 | tail -4
 echo "== probe_hift at $(date +%T)"

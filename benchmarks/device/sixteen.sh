@@ -10,8 +10,7 @@
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"
-source "$here/ways.sh"
-way cudnn "$cudnn_switch"
+source "$here/ways.sh"  # the cudnn way
 echo "== probe_stream_decode at $(date +%T)"
 timeout 200 python3 benchmarks/probe_stream_decode.py --streams 16 --rounds ${1:-3} --cfm-steps 2 \
     --out ~/res/stream_decode.jsonl 2>&1 | tail -7
