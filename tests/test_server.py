@@ -894,10 +894,11 @@ def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, bu
     """``--vocode-memory`` is the budget of the server's S3Gen calls above the memory in use (auto: 1 GiB a
     request on a GPU, 256 MiB on a CPU; none: no bound of ours), reported by /health; a whole request is
     vocoded under it."""
+    from mlx_chatterbox import memory
     from mlx_chatterbox.generation import vocode
 
     seen, budgets = {}, []
-    real = vocode._raise_memory_limit
+    real = memory.raise_limit
 
     def raise_limit(limit):
         budgets.append(limit - mx.get_active_memory())  # on the calling thread, right after the call read it
@@ -911,7 +912,7 @@ def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, bu
             seen["speech"] = http.post("/v1/audio/speech", json={**body, "stream": False})
 
     monkeypatch.setattr(run_module, "serve", serve)
-    monkeypatch.setattr(vocode, "_raise_memory_limit", raise_limit)
+    monkeypatch.setattr(memory, "raise_limit", raise_limit)
     random_voice(seed=7).save(tmp_path / "mine.safetensors")
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main([*args, "--voice", str(tmp_path / "mine.safetensors"), "--vocode-thread", "off"]) == 0

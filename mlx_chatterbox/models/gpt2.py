@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import memory
 from .cache import KVCache
 from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
@@ -237,8 +238,11 @@ class T3Turbo(nn.Module):
                 f"the prefill is {embeds.shape[1]} positions long; the model has {self.config.n_positions}"
             )
         kv: list[mx.array] = []
-        h = self.tfmr(embeds, kv, pad)
-        return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
+        with memory.prefill_bound(embeds.shape[0]):
+            h = self.tfmr(embeds, kv, pad)
+            logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
+            mx.async_eval(logits, *cache.kv)
+        return logits, cache
 
     def decode(
         self, token: mx.array, position: mx.array, kv: list[mx.array], pad: mx.array | None = None
