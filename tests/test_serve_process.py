@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from openai import OpenAI
@@ -235,8 +236,8 @@ def test_api_keys_and_cors(serve):
 def test_vocoding_process_serves_streams(serve):
     """``--vocoding process`` through the CLI: S3Gen's work runs in a child process that keeps the server's
     MLX_USE_CUDA_GRAPHS (here none, so MLX's default, and the estimator's products ours where they apply; logged
-    with -v), a streamed request comes back whole, the health check reports where vocoding runs, and SIGTERM
-    stops both processes."""
+    with -v), a streamed request comes back whole, the health check reports where vocoding runs; killed, the
+    child is replaced when the next request needs it (counted in /metrics); SIGTERM stops both processes."""
     s = serve("-v", "--vocode-thread", "on", "--vocoding", "process", env={"MLX_USE_CUDA_GRAPHS": ""})
     assert httpx.get(f"{s.url}/health").json()["vocoding"] == "process"
     client = OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
@@ -245,7 +246,23 @@ def test_vocoding_process_serves_streams(serve):
     with client.audio.speech.with_streaming_response.create(**args) as r:
         streamed = b"".join(r.iter_bytes())
     assert 0 < len(streamed) <= 30 * 960 * 2
+    # The vocoding process is the server's child started by multiprocessing's spawn (not its resource tracker).
+    child = subprocess.run(
+        ["pgrep", "-P", str(s.proc.pid), "-f", "spawn_main"], capture_output=True, text=True
+    )
+    (pid,) = child.stdout.split()
+    os.kill(int(pid), signal.SIGKILL)
+    with client.audio.speech.with_streaming_response.create(**args) as r:
+        again = np.frombuffer(b"".join(r.iter_bytes()), np.int16)
+    # The same seed through the new process: the same audio, up to where its decodes fell (the stream's catch-up
+    # merges decodes by timing; the chunk seams then differ: 1.1e-2 seen).
+    first = np.frombuffer(streamed, np.int16).astype(float)
+    assert len(again) == len(first) and np.linalg.norm(again - first) / np.linalg.norm(first) < 5e-2
+    metrics = httpx.get(f"{s.url}/metrics").text
+    assert "\nmlx_chatterbox_vocoder_restarts_total 1\n" in metrics
     s.signal(signal.SIGTERM)
     code, err = s.wait(20)
     assert code == 0, err
-    assert "runs MLX with MLX_USE_CUDA_GRAPHS=, the estimator on our tiled products" in err
+    assert err.count("runs MLX with MLX_USE_CUDA_GRAPHS=, the estimator on our tiled products") == 2
+    assert "the vocoding process died: the vocoding process ended (exit code -9)" in err
+    assert "a new vocoding process runs (restart 1)" in err

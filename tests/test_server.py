@@ -614,6 +614,7 @@ def test_metrics(server):
         assert after[key] - before[key] == n, outcome
     for name in ("jobs", "jobs_waiting", "jobs_running", "vocode_pending"):
         assert after[f"mlx_chatterbox_{name}", frozenset()] == 0, name
+    assert after["mlx_chatterbox_vocoder_restarts_total", frozenset()] == 0  # restarts: test_serve_process.py
     traces = ("mlx_chatterbox_t3_traces_total", frozenset())  # counted exactly: test_batch.py
     assert after[traces] == speech_tokens.traces() > 0 and after[traces] >= before[traces]
 

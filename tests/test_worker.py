@@ -717,11 +717,12 @@ def test_vocoding_settings_are_checked(tts):
         Worker(tts, vocode_thread=True, vocoding="elsewhere")
 
 
-def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
+def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path, monkeypatch, caplog):
     """The vocoding process loads S3Gen from the model's folder: one it cannot read fails ``start`` with the
     cause, and leaves no thread running and MLX's memory limit as it was. While it runs, the server and the
-    process each have half the limit. If the process dies, the jobs it held fail with a clear error, so do
-    later ones that need S3Gen, T3 goes on, and the worker still stops cleanly."""
+    process each have half the limit. If the process dies, the jobs it held fail with a clear error, and a new
+    process serves the next job (not sooner than ``PROCESS_RESTART_S`` after the last start: within it, what
+    needs S3Gen fails); the worker still stops cleanly."""
 
     def memory_limit() -> int:
         limit = mx.set_memory_limit(0)
@@ -739,6 +740,8 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
     slow = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=300), cfm_steps=2, seed=1,
                      stream=True, first_chunk=8)  # fmt: skip
     whole = dataclasses.replace(slow, stream=False, params=SamplingParams(max_new_tokens=5))
+    caplog.set_level(logging.WARNING, logger=worker_module.__name__)
+    monkeypatch.setattr(worker_module, "PROCESS_RESTART_S", 3600.0)
     with Worker(tts, vocode_thread=True, vocoding="process") as worker:
         assert memory_limit() == limit // 2
         ticket = worker.submit(slow)
@@ -746,10 +749,16 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path):
         worker._process._process.kill()
         with pytest.raises(RuntimeError, match=r"the vocoding process ended \(exit code -9\)"):
             list(ticket)
+        assert len(np.concatenate(list(worker.submit(whole)))) > 0  # through a new process
+        assert worker.metrics()["vocoder_restarts"] == 1
+        assert "a new vocoding process runs (restart 1)" in caplog.text
+        worker._process._process.kill()  # again, within PROCESS_RESTART_S of the last start
+        wait_idle(worker)
         with pytest.raises(RuntimeError, match="the vocoding process ended"):
             list(worker.submit(whole))
         wait_idle(worker)
         assert worker.metrics()["requests"]["failed"] == 2
+        assert worker.metrics()["vocoder_restarts"] == 1
     assert memory_limit() == limit
 
 

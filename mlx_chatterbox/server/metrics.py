@@ -149,6 +149,12 @@ def prometheus(metrics: dict) -> str:
         [("", metrics["t3_traces"])],
     )
     family(
+        "mlx_chatterbox_vocoder_restarts_total",
+        "counter",
+        "New vocoding processes started after one died (serve --vocoding process).",
+        [("", metrics["vocoder_restarts"])],
+    )
+    family(
         "mlx_chatterbox_requests_total",
         "counter",
         "Speech jobs ended, by outcome.",

@@ -99,6 +99,9 @@ VOCODE_BUCKET = 25
 # Where the vocoding thread's S3Gen work runs (``Worker(vocoding=...)``, ``serve --vocoding``): on that thread,
 # in a process of its own, or on the worker thread a part of a call between two T3 steps.
 VOCODINGS = ("thread", "process", "interleaved")
+# After the vocoding process dies, a new one starts when S3Gen is next needed, but not sooner than this after
+# the last start: a process that dies again at once (a lost GPU) fails what needs it without a start each time.
+PROCESS_RESTART_S = 10.0
 # With vocoding="interleaved": T3 steps between two parts of an S3Gen call while T3 has rows to step. A stream
 # needs 25 tokens a second; on an H200 a 64-row T3 step took ~11 ms alone and a CFM step of 28 streams ~50 (an
 # estimate from run E's estimator cost), so one step a part would give T3 about 17 a second. On the H200 (run U,
@@ -348,7 +351,8 @@ class Worker:
         self._device = mx.default_device()  # MLX streams belong to a thread: the worker makes its own
         # S3Gen's side: on the worker thread (whole pieces; streams decode through their own vocoders there), on
         # the vocoding thread, or in the vocoding process (``_remote``: what was sent there and not answered, by
-        # serial; ``_lost``: the error that ended it). The worker's messages for it, oldest first, under _ready
+        # serial; ``_lost``: the error that ended it, until a new one starts; ``_failed``: the serials it held,
+        # whose later messages go nowhere). The worker's messages for it, oldest first, under _ready
         # (``Vocoding``'s: ("piece", _Piece, order), ("open", job, order), ("take"/"end", job, tokens), ("drop",
         # job)); ``_outbox``: those not yet sent (``_send``).
         one = None
@@ -370,6 +374,10 @@ class Worker:
         self._remote: dict[int, _Job | _Piece] = {}
         self._remote_lock = threading.Lock()
         self._lost: BaseException | None = None
+        self._failed: set[int] = set()
+        self._spec: ProcessSpec | None = None
+        self._next_start = 0.0  # time.monotonic() before which no new process starts
+        self._restarts = 0
         self._pieces_out = 0  # whole pieces sent to be vocoded, not yet back
         self._ready = threading.Condition()
         self._vocoder: threading.Thread | None = None
@@ -405,10 +413,11 @@ class Worker:
         """Where the worker's time went and what it holds now: ``Meter.snapshot()`` (wall seconds, calls and
         rows of each thread's phases since the worker was made, jobs ended by outcome) with ``jobs``
         (submitted, not ended), ``waiting`` (for T3), ``running`` (in T3's batch), ``vocode_pending`` (whole
-        pieces T3 has finished and S3Gen not yet: waiting or in its running call) and ``t3_traces``
-        (``speech_tokens.traces``: T3's compiled steps traced in this process). Read from any thread, without
-        waiting for the worker."""
+        pieces T3 has finished and S3Gen not yet: waiting or in its running call), ``t3_traces``
+        (``speech_tokens.traces``: T3's compiled steps traced in this process) and ``vocoder_restarts`` (new
+        vocoding processes after one died). Read from any thread, without waiting for the worker."""
         gauges = dict(jobs=self._jobs, waiting=self._waiting, running=self._running, t3_traces=traces())
+        gauges["vocoder_restarts"] = self._restarts
         return {**self._meter.snapshot(), **gauges, "vocode_pending": self._pieces_out}
 
     def start(self) -> None:
@@ -952,7 +961,7 @@ class Worker:
         self._memory_limit = mx.set_memory_limit(1 << 62)  # restored at close
         share = self._memory_limit // 2
         mx.set_memory_limit(share)
-        spec = ProcessSpec(
+        self._spec = spec = ProcessSpec(
             memory_limit=share,
             model=str(self.tts.path),
             cfm_dtype=cfm_dtype_name(self.tts.s3gen),
@@ -979,8 +988,12 @@ class Worker:
                 if self._vocoder_stop:
                     return
                 messages, self._messages = self._messages, []
+            if self._lost is not None:
+                self._restart_process()
             with self._remote_lock:
                 lost = self._lost
+                # a job the dead process held has failed: its later messages go nowhere
+                messages = [m for m in messages if m[1].serial not in self._failed]
                 for kind, key, _ in messages if lost is None else ():
                     if kind in ("piece", "open"):
                         self._remote[key.serial] = key
@@ -1026,19 +1039,38 @@ class Worker:
                 self._inbox.put(Streamed(chunks, answer.error))
 
     def _process_lost(self, error: BaseException) -> None:
-        """The vocoding process died: what it held fails with ``error``, and so does what needs it later."""
-        logger.error(
-            "the vocoding process died: %s; requests that need S3Gen fail until the server restarts", error
-        )
+        """The vocoding process died: what it held fails with ``error``; a new one starts when S3Gen is next
+        needed (``_restart_process``)."""
+        logger.error("the vocoding process died: %s; the requests it held fail, a new one starts", error)
         with self._remote_lock:
             self._lost = error
             held, self._remote = list(self._remote.values()), {}
+            self._failed.update(key.serial for key in held)
         pieces = [key for key in held if isinstance(key, _Piece)]
         jobs = [key for key in held if isinstance(key, _Job)]
         if pieces:
             self._inbox.put(Vocoded(pieces, None, error))
         if jobs:
             self._inbox.put(Streamed([(j, None, False, 0) for j in jobs], error))
+
+    def _restart_process(self) -> None:
+        """On the vocoding thread, after the process died: a new one from the same spec (seconds, while the
+        worker's messages wait; its first calls plan and compile as a fresh server's), unless the last start
+        was under ``PROCESS_RESTART_S`` ago or this one fails: then ``_lost`` stands, what needs S3Gen fails.
+        """
+        if time.monotonic() < self._next_start:
+            return
+        self._next_start = time.monotonic() + PROCESS_RESTART_S
+        try:
+            process = VocodingProcess(self._spec, self._answered, self._process_lost)
+        except Exception as error:
+            logger.error("a new vocoding process could not start: %s", error)
+            return
+        self._process.close()  # the dead one's reader and process have ended: nothing waits
+        with self._remote_lock:
+            self._process, self._lost = process, None
+        self._restarts += 1
+        logger.warning("a new vocoding process runs (restart %d)", self._restarts)
 
     def _stop_vocoder(self) -> list[_Job]:
         """Stop the vocoding thread (and process) after its running call; the jobs whose pieces or streams it
