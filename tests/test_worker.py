@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -489,9 +490,10 @@ def test_t3_steps_while_streams_decode_and_decodes_due_meanwhile_share_a_call(tt
     assert len(got[1]) == (1 if catch_up else len(alone(tts, b)))
 
 
-def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, monkeypatch):
-    """With a vocoding thread, a stream whose decode fails gets the error and leaves T3's batch; a stream whose
-    reader leaves while its decode runs is dropped; the other streams and the worker go on."""
+def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, monkeypatch, caplog):
+    """With a vocoding thread, a stream whose decode fails gets the error and leaves T3's batch (the log says
+    what the failed call held, for a replay); a stream whose reader leaves while its decode runs is dropped;
+    the other streams and the worker go on."""
     doomed = SpeechJob("Doomed.", random_voice(5), SamplingParams(max_new_tokens=400), cfm_steps=2, seed=30,
                        stream=True)  # fmt: skip
     left = dataclasses.replace(doomed, text="Left.", voice=random_voice(6), seed=31)
@@ -514,6 +516,7 @@ def test_a_failed_or_cancelled_stream_on_the_vocoding_thread_ends_alone(tts, mon
         bad = worker.submit(doomed)
         with pytest.raises(RuntimeError, match="no memory left"):
             list(bad)
+        assert re.search(r"streamed decodes failed; .* a stream: \[\(\d+, \d+, False\)\]", caplog.text)
         gone = worker.submit(left)
         assert running.wait(30)
         gone.cancel()

@@ -251,11 +251,13 @@ class Vocoding:
         """The due decodes that fit in one S3Gen call, run together; their samples. (A stream dropped while
         they ran is answered all the same: the worker skips what has ended.)"""
         chosen = group(due, [s.vocoder.due for s in due], [s.vocoder.cfm_steps for s in due], *self._limits())
+        # what a replay needs (probe_stream_decode), read before the call moves the vocoders on
+        rows = [(s.vocoder.due, s.vocoder.pushed, s.final) for s in chosen]
         try:
             steps = decode_together_steps([s.vocoder for s in chosen], bucket=self.bucket)
             outs = yield from self._timed_steps("stream_decode", len(chosen), steps)
         except Exception as error:  # the group is lost (e.g. out of memory): fail its jobs
-            logger.exception("streamed decodes failed")
+            logger.exception("streamed decodes failed; (row tokens, tokens pushed, final) a stream: %s", rows)
             for stream in chosen:
                 self.streams.pop(stream.key, None)
             return Streamed([(stream.key, None, False, 0) for stream in chosen], error)
