@@ -765,6 +765,27 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path, monkey
     assert memory_limit() == limit
 
 
+def test_a_job_sent_as_the_vocoding_process_dies_goes_to_the_next(folder, monkeypatch):
+    """A stream opened after the process died but before its reader noticed (here made slow) never reached it:
+    the send fails, and the job goes to the new process instead of failing with the dead one's."""
+    real = Worker._process_lost
+
+    def slow(self, error):
+        time.sleep(0.5)
+        real(self, error)
+
+    monkeypatch.setattr(Worker, "_process_lost", slow)
+    job = SpeechJob("Hello there.", random_voice(1), SamplingParams(max_new_tokens=8), cfm_steps=2, seed=1,
+                    stream=True)  # fmt: skip
+    with Worker(TTS.load(folder), vocode_thread=True, vocoding="process") as worker:
+        first = np.concatenate(list(worker.submit(job)))
+        worker._process._process.kill()
+        worker._process._process.join()
+        again = np.concatenate(list(worker.submit(job)))
+        assert worker.metrics()["vocoder_restarts"] == 1
+    assert len(again) == len(first)
+
+
 @pytest.mark.parametrize("preset", [None, "0", "1"])
 def test_the_vocoding_process_keeps_the_servers_cuda_graphs(tts, monkeypatch, caplog, preset):
     """The vocoding process runs MLX with the server's MLX_USE_CUDA_GRAPHS (none: MLX's default, graphs on);

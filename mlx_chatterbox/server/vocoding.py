@@ -410,6 +410,10 @@ class VocodingProcess:
         with self._send_lock:
             self._conn.send([_to_wire(m) for m in messages])
 
+    def wait_ended(self) -> None:
+        """Once a send has failed: return when the reader has seen the process end and told ``on_exit``."""
+        self._reader.join()
+
     def close(self) -> None:
         """Stop after the running call: its answers are still handed over."""
         self._closing = True

@@ -1003,7 +1003,14 @@ class Worker:
                 try:
                     self._process.send([(kind, key.serial, value) for kind, key, value in messages])
                     continue
-                except OSError:  # the process has died: _process_lost fails what was sent
+                except OSError:  # the process has died: these messages never reached it, so they wait
+                    with self._remote_lock:  # for the next one (unless _process_lost failed their jobs first)
+                        for kind, key, _ in messages:
+                            if kind in ("piece", "open"):
+                                self._remote.pop(key.serial, None)
+                    self._process.wait_ended()  # its reader has failed what it held (_process_lost)
+                    with self._ready:
+                        self._messages[:0] = messages
                     continue
                 except (
                     Exception
