@@ -237,7 +237,8 @@ def test_vocoding_process_serves_streams(serve):
     """``--vocoding process`` through the CLI: S3Gen's work runs in a child process that keeps the server's
     MLX_USE_CUDA_GRAPHS (here none, so MLX's default, and the estimator's products ours where they apply; logged
     with -v), a streamed request comes back whole, the health check reports where vocoding runs; killed, the
-    child is replaced when the next request needs it (counted in /metrics); SIGTERM stops both processes."""
+    child is replaced at once (/health degraded meanwhile; counted in /metrics) and serves the next request;
+    SIGTERM stops both processes."""
     s = serve("-v", "--vocode-thread", "on", "--vocoding", "process", env={"MLX_USE_CUDA_GRAPHS": ""})
     assert httpx.get(f"{s.url}/health").json()["vocoding"] == "process"
     client = OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
@@ -252,6 +253,14 @@ def test_vocoding_process_serves_streams(serve):
     )
     (pid,) = child.stdout.split()
     os.kill(int(pid), signal.SIGKILL)
+    # /health is a 503 until the new process runs (a balancer steps aside), then ok again, unasked
+    health, end = [], time.monotonic() + 60
+    while (not health or health[-1][0] != 200) and time.monotonic() < end:
+        r = httpx.get(f"{s.url}/health")
+        health.append((r.status_code, r.json()["status"], r.json().get("error")))
+        time.sleep(0.01)
+    assert (503, "degraded", "RuntimeError: the vocoding process ended (exit code -9)") in health, health
+    assert health[-1] == (200, "ok", None)
     with client.audio.speech.with_streaming_response.create(**args) as r:
         again = np.frombuffer(b"".join(r.iter_bytes()), np.int16)
     # The same seed through the new process: the same audio, up to where its decodes fell (the stream's catch-up

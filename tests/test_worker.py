@@ -724,8 +724,8 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path, monkey
     """The vocoding process loads S3Gen from the model's folder: one it cannot read fails ``start`` with the
     cause, and leaves no thread running and MLX's memory limit as it was. While it runs, the server and the
     process each have half the limit. If the process dies, the jobs it held fail with a clear error, and a new
-    process serves the next job (not sooner than ``PROCESS_RESTART_S`` after the last start: within it, what
-    needs S3Gen fails); the worker still stops cleanly."""
+    process starts at once and serves the next job; not sooner than ``PROCESS_RESTART_S`` after the last start,
+    and meanwhile what needs S3Gen fails and ``vocoder_error`` says why; the worker still stops cleanly."""
 
     def memory_limit() -> int:
         limit = mx.set_memory_limit(0)
@@ -755,10 +755,12 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path, monkey
         assert len(np.concatenate(list(worker.submit(whole)))) > 0  # through a new process
         assert worker.metrics()["vocoder_restarts"] == 1
         assert "a new vocoding process runs (restart 1)" in caplog.text
+        assert worker.vocoder_error is None
         worker._process._process.kill()  # again, within PROCESS_RESTART_S of the last start
         wait_idle(worker)
         with pytest.raises(RuntimeError, match="the vocoding process ended"):
             list(worker.submit(whole))
+        assert worker.vocoder_error == "RuntimeError: the vocoding process ended (exit code -9)"
         wait_idle(worker)
         assert worker.metrics()["requests"]["failed"] == 2
         assert worker.metrics()["vocoder_restarts"] == 1

@@ -117,11 +117,15 @@ def create_app(
             return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/health")
-    async def health(memory: bool = False) -> dict:
+    async def health(memory: bool = False) -> JSONResponse:
         # memory: asked for, not always, since it waits for the worker's current step (or vocoding) to end.
         extra = {"memory": await asyncio.wrap_future(worker.memory())} if memory else {}
-        return {
-            "status": "ok",
+        # 503 while S3Gen's side is down (its process died, a new one not yet running): a balancer steps aside
+        down = worker.vocoder_error
+        if down is not None:
+            extra["error"] = down
+        body = {
+            "status": "ok" if down is None else "degraded",
             "model": model_name,
             "queue": worker.jobs,
             "max_queue": worker.max_queue,
@@ -142,6 +146,7 @@ def create_app(
             "auth": bool(gate.api_keys),
             **extra,
         }
+        return JSONResponse(body, status_code=200 if down is None else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -99,8 +99,8 @@ VOCODE_BUCKET = 25
 # Where the vocoding thread's S3Gen work runs (``Worker(vocoding=...)``, ``serve --vocoding``): on that thread,
 # in a process of its own, or on the worker thread a part of a call between two T3 steps.
 VOCODINGS = ("thread", "process", "interleaved")
-# After the vocoding process dies, a new one starts when S3Gen is next needed, but not sooner than this after
-# the last start: a process that dies again at once (a lost GPU) fails what needs it without a start each time.
+# After the vocoding process dies, the vocoding thread starts a new one at once, but not sooner than this after
+# the last start: a process that dies again at once (a lost GPU) is retried this often, not in a loop.
 PROCESS_RESTART_S = 10.0
 # With vocoding="interleaved": T3 steps between two parts of an S3Gen call while T3 has rows to step. A stream
 # needs 25 tokens a second; on an H200 a 64-row T3 step took ~11 ms alone and a CFM step of 28 streams ~50 (an
@@ -403,6 +403,13 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def vocoder_error(self) -> str | None:
+        """Why S3Gen's side is down (``vocoding="process"``: its process died and no new one runs yet), or
+        None."""
+        lost = self._lost
+        return None if lost is None else f"{type(lost).__name__}: {lost}"
 
     @property
     def jobs(self) -> int:
@@ -983,13 +990,19 @@ class Worker:
         key as its serial (what the process answers by, ``_answered``)."""
         while True:
             with self._ready:
-                while not self._messages and not self._vocoder_stop:
-                    self._ready.wait()
+                # A dead process is replaced as soon as ``PROCESS_RESTART_S`` allows, messages or none.
+                while not (self._messages or self._vocoder_stop):
+                    wait = None if self._lost is None else self._next_start - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._ready.wait(wait)
                 if self._vocoder_stop:
                     return
                 messages, self._messages = self._messages, []
             if self._lost is not None:
                 self._restart_process()
+            if not messages:
+                continue
             with self._remote_lock:
                 lost = self._lost
                 # a job the dead process held has failed: its later messages go nowhere
@@ -1046,8 +1059,8 @@ class Worker:
                 self._inbox.put(Streamed(chunks, answer.error))
 
     def _process_lost(self, error: BaseException) -> None:
-        """The vocoding process died: what it held fails with ``error``; a new one starts when S3Gen is next
-        needed (``_restart_process``)."""
+        """The vocoding process died: what it held fails with ``error``, and the vocoding thread starts a new
+        one (``_restart_process``)."""
         logger.error("the vocoding process died: %s; the requests it held fail, a new one starts", error)
         with self._remote_lock:
             self._lost = error
@@ -1059,12 +1072,14 @@ class Worker:
             self._inbox.put(Vocoded(pieces, None, error))
         if jobs:
             self._inbox.put(Streamed([(j, None, False, 0) for j in jobs], error))
+        with self._ready:  # the vocoding thread starts a new one
+            self._ready.notify()
 
     def _restart_process(self) -> None:
         """On the vocoding thread, after the process died: a new one from the same spec (seconds, while the
         worker's messages wait; its first calls plan and compile as a fresh server's), unless the last start
-        was under ``PROCESS_RESTART_S`` ago or this one fails: then ``_lost`` stands, what needs S3Gen fails.
-        """
+        was under ``PROCESS_RESTART_S`` ago or this one fails: then ``_lost`` stands (``vocoder_error``), what
+        needs S3Gen fails, and the thread tries again once that time has passed."""
         if time.monotonic() < self._next_start:
             return
         self._next_start = time.monotonic() + PROCESS_RESTART_S
