@@ -1,4 +1,4 @@
-"""Bounds on queued work (mlx_chatterbox/memory.py): MLX's memory limit, raised and given back, and T3's
+"""Bounds on queued work (models/memory.py): MLX's memory limit, raised and given back, and T3's
 prefill under its bound. S3Gen's bounds: tests/test_vocode_batch.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_chatterbox import memory
+from mlx_chatterbox.models import memory
 from tests.test_gpt2 import TINY as TINY_TURBO
 from tests.test_gpt2 import load, upstream_weights
 

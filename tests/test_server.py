@@ -895,8 +895,8 @@ def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, bu
     """``--vocode-memory`` is the budget of the server's S3Gen calls above the memory in use (auto: 1 GiB a
     request on a GPU, 256 MiB on a CPU; none: no bound of ours), reported by /health; a whole request is
     vocoded under it."""
-    from mlx_chatterbox import memory
     from mlx_chatterbox.generation import vocode
+    from mlx_chatterbox.models import memory
 
     seen, budgets = {}, []
     real = memory.raise_limit

@@ -7,7 +7,7 @@
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 source "$here/ways.sh"
-way prefill128 'from mlx_chatterbox import memory
+way prefill128 'from mlx_chatterbox.models import memory
 
 memory.PREFILL_BUDGET_PER_ROW = 128 * 2**20'
 echo "== commit $BENCH_COMMIT"

@@ -16,8 +16,7 @@ from typing import Callable, Literal, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from .. import memory
-from ..models import cfm
+from ..models import cfm, memory
 from ..models.cfm import Estimator, Steps, drain, meanflow_steps, solve_steps
 from ..models.flow import Flow
 from ..models.hift import HiFT

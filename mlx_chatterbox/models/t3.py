@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import memory
+from . import memory
 from .cache import KVCache
 from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
