@@ -403,35 +403,6 @@ def test_attention_in_query_chunks_matches_one_piece(monkeypatch, mask_kind):
     np.testing.assert_allclose(chunked, whole, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "keys", "full"])
-def test_mlx_attention_in_pieces_of_query_rows(monkeypatch, mask_kind):
-    """Where MLX's attention runs (a GPU; here the CPU with our math off), ``FP32_ATTENTION_PIECE`` splits a
-    float32 attention's query rows (17 in pieces of 5, 5, 5 and 2): the same numbers up to float error, each
-    piece's rows of the mask with it; other dtypes stay whole."""
-    monkeypatch.setattr(layers, "FAST_CPU_MATH", False)
-    q, k, v = (mx.random.normal((2, 3, 17, 8), key=mx.random.key(i)) for i in range(3))
-    mask = {
-        "none": None,
-        "keys": mx.where(mx.arange(17) >= 12, -1.0e10, 0.0).reshape(1, 1, 1, 17),
-        "full": mx.random.normal((2, 3, 17, 17), key=mx.random.key(7)),
-    }[mask_kind]
-    pieces = []
-    real = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(
-        mx.fast,
-        "scaled_dot_product_attention",
-        lambda q, *a, **kw: pieces.append(q.shape[2]) or real(q, *a, **kw),
-    )
-    whole = _on_cpu(layers.attention, q, k, v, 8**-0.5, mask)
-    monkeypatch.setattr(layers, "FP32_ATTENTION_PIECE", 5 * 2 * 3 * 17)
-    split = _on_cpu(layers.attention, q, k, v, 8**-0.5, mask)
-    assert pieces == [17, 5, 5, 5, 2]
-    np.testing.assert_allclose(split, whole, atol=1e-6, rtol=1e-6)
-    half = [a.astype(mx.bfloat16) for a in (q, k, v)]
-    _on_cpu(layers.attention, *half, 8**-0.5, None if mask is None else mask.astype(mx.bfloat16))
-    assert pieces[-1] == 17
-
-
 def test_other_dtypes_and_the_switch_use_mlx_ops(monkeypatch):
     x = mx.random.normal((3, 5), key=mx.random.key(3))
     half = x.astype(mx.bfloat16)

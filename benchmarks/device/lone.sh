@@ -7,7 +7,7 @@
 #    its vocoding thread, with its vocoding process; S3Gen's "auto" memory budget, as shipped.
 # 2. The same without S3Gen's memory bound (the bound is MLX's process-wide limit, and T3's work beside the
 #    decode counts against it), and the Worker inline with a batch of 1 row.
-# 3. memory.sh (the prefill bound, S3Gen's budgets, FP32_ATTENTION_PIECE), its output in ~/res/memory.log.
+# 3. memory.sh as it was then (the prefill bound, S3Gen's budgets, fp32 attention in pieces), in ~/res/memory.log.
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 echo "== commit $BENCH_COMMIT"

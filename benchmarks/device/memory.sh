@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
-# Issue 25's peak memory, ours alone on a built full-size English model (no torch, ~6 minutes):
-#   bash benchmarks/device/start.sh memory 560
-# T3's prefill unbounded (the default), then under memory.PREFILL_BUDGET_PER_ROW = 128 MiB (run AX), with S3Gen's
-# "auto" budget; then S3Gen's budget at 256 MiB, and the fp32 estimator's attention in pieces of 2^22 scores
-# (layers.FP32_ATTENTION_PIECE) at 256 MiB and auto (text -> wav of 250 tokens, fp32 estimator, bench_e2e's
-# stage peaks: T3's prefill, its decode, S3Gen, the watermark).
+# Issue 25's peak memory against MLX-CUDA's graph sizes, ours alone on a built full-size English model (no
+# torch, ~6 minutes): bash benchmarks/device/start.sh memory 560
+# A kernel's inputs and each cuBLAS/cuDNN workspace stay allocated until the CUDA graph they belong to has run;
+# MLX closes a graph after MLX_MAX_OPS_PER_BUFFER kernels (100 on Hopper) or once its inputs pass
+# MLX_MAX_MB_PER_BUFFER (1,000 on Hopper; counted in elements by MLX 0.32's source, so ~4 GB of fp32), each read
+# once a process. Text -> wav of 250 tokens (fp32 estimator, S3Gen's "auto" budget, bench_e2e's stage peaks) at
+# each setting, the default first and last; then a lone stream's first audio (bf16 estimator) at the default and
+# the two smallest graphs. (Run AY measured T3's prefill bound and the fp32 attention in pieces here: neither
+# lowered the peak enough to pay, RESULTS.)
 export PYTHONPATH=/tmp/site:. MLX_PTX_CACHE_DIR=~/ptx PYTHONUNBUFFERED=1
-here=$(dirname "$0")
-source "$here/ways.sh"
-way prefill128 'from mlx_chatterbox.models import memory
-
-memory.PREFILL_BUDGET_PER_ROW = 128 * 2**20'
-way pieces 'from mlx_chatterbox.models import layers
-
-layers.FP32_ATTENTION_PIECE = 2**22'
 echo "== commit $BENCH_COMMIT"
-e2e() {  # way, S3Gen's budget
-  echo "== text -> wav, $1, S3Gen budget $2 at $(date +%T)"
-  PYTHONPATH=$(path $1)${PYTHONPATH:+:}$PYTHONPATH timeout 240 python3 benchmarks/bench_e2e.py --built full \
-      --systems ours --tokens 250 --repeats 3 --memory-budget $2 --out ~/res/memory_$1.jsonl 2>&1 \
-      | grep -v '^{' | tail -2
-}
-e2e shipped auto
-e2e prefill128 auto
-e2e shipped 256
-e2e pieces 256
-e2e pieces auto
+settings=(default "MLX_MAX_MB_PER_BUFFER=200" "MLX_MAX_MB_PER_BUFFER=50" "MLX_MAX_OPS_PER_BUFFER=50"
+  "MLX_MAX_OPS_PER_BUFFER=20" default)
+for s in "${settings[@]}"; do
+  echo "== text -> wav, $s at $(date +%T)"
+  [ "$s" = default ] && s=BENCH_SETTING=default  # env needs a NAME=VALUE
+  env "$s" timeout 240 python3 benchmarks/bench_e2e.py --built full --systems ours --tokens 250 --repeats 3 \
+      --out ~/res/memory_graphs.jsonl 2>&1 | grep -v '^{' | tail -2
+done
+for s in BENCH_SETTING=default MLX_MAX_MB_PER_BUFFER=50 MLX_MAX_OPS_PER_BUFFER=20; do
+  echo "== first audio, $s at $(date +%T)"
+  env "$s" timeout 200 python3 benchmarks/probe_first_audio.py --modes stream,stream --tokens 250 --repeats 5 \
+      --out ~/res/memory_first_audio.jsonl 2>&1 | grep '^| s'
+done
 echo "== done"

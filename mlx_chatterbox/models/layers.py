@@ -636,30 +636,14 @@ def _mish_then(masked: bool, added: bool) -> Callable[..., mx.array]:
 _CHUNK_SCORES = 2**22
 
 
-# Elsewhere (MLX's attention, as on a GPU), float32 attention in pieces of query rows of at most this many
-# scores; None: whole (the default, until measured). MLX-CUDA runs float32 attention as composed ops (cuDNN's
-# takes fp16 and bf16 only): all (B, H, T_q, T_k) scores and their softmax at once, 64 MiB each for the fp32
-# estimator at 2 rows x 8 heads x 1,000 frames, more than a 256 MiB memory budget can hold back (run AV's S3Gen
-# rose 800 MiB under it). Pieces would cap that, for a few more kernels a call (benchmarks/device/memory.sh).
-FP32_ATTENTION_PIECE: int | None = None
-
-
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` (q, k, v: (B, H, T, D); mask: an additive bias that broadcasts
     to (B, H, T_q, T_k), or None). On the CPU in float32 the softmax takes our exp (MLX's CPU attention spends
     most of its time in a scalar exp), and its row sums come out of the product with v, as a column of ones
     appended to v: two passes over the scores (max, exp) instead of four, 1.1-1.4x faster at 160-1000 frames.
-    Elsewhere in float32, in pieces of query rows where ``FP32_ATTENTION_PIECE`` says.
     """
     if not _fast_path(q):
-        piece = FP32_ATTENTION_PIECE if q.dtype == mx.float32 else None
-        if piece is None:
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-        out = [
-            mx.fast.scaled_dot_product_attention(rows, k, v, scale=scale, mask=rows_mask)
-            for rows, rows_mask in _query_pieces(q, k, mask, piece)
-        ]
-        return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     # k and v made contiguous once (v by the concatenation): a head-split view would be copied again for every
     # piece's product.
     k_t = mx.contiguous(k).swapaxes(-1, -2)
