@@ -28,6 +28,16 @@
    against 327). MLX reads it when a thread first runs a convolution. Since 2026-12-06 our kernel
    takes the float32 convolutions on CUDA (``layers.KERNEL_CONVS``: HiFT's, the flow's, the watermark's), and
    plans nothing; the cache serves the rest, and every convolution with the kernel turned off.
+6. Small CUDA graphs. MLX-CUDA records a stream's kernels as CUDA graphs of up to 100 kernels on Hopper
+   (``MLX_MAX_OPS_PER_BUFFER``), and a kernel's inputs and each cuBLAS/cuDNN workspace stay allocated until
+   its whole graph has run. A memory bound (``models/memory.py``) can wait only for graphs already closed, so
+   an open graph's kernels rose above any bound: S3Gen held 714-857 MiB above the memory in use at a budget of
+   0 or 256 MiB, against 219-355 MiB with graphs of 20 (H100, benchmarks/RESULTS.md run BA). With 20 and
+   S3Gen's budget of 256 MiB, text -> wav of 10 s peaked at 3,042-3,096 MiB against 3,521-3,897 (T3's prefill
+   306-399 MiB above the weights against 590-877) in 0.81-0.91 s against 0.78-0.82 with MLX's graphs at 1 GiB,
+   and a lone stream's first audio came as soon. We set ``MLX_MAX_OPS_PER_BUFFER=20`` on Linux unless the user
+   has set it; MLX reads it once a process, at its first GPU work. MLX's CPU backend does not read it; Metal
+   tunes it per chip, so macOS is left alone.
 
 What was done is logged and kept in ``STATUS``.
 """
@@ -45,6 +55,8 @@ TF32_VAR = "MLX_ENABLE_TF32"
 CACHE_CHECK_VAR = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 CONV_CACHE_VAR = "MLX_CUDA_CONV_CACHE_SIZE"
 CONV_CACHE_SIZE = "1024"
+GRAPH_OPS_VAR = "MLX_MAX_OPS_PER_BUFFER"
+GRAPH_OPS = "20"
 MALLOC_VAR = "MLX_CHATTERBOX_MALLOC"
 # glibc mallopt parameters (malloc.h) and the freed heap memory kept before trimming.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
@@ -178,6 +190,18 @@ def _conv_cache() -> str:
     )
 
 
+def _graph_ops() -> str:
+    if GRAPH_OPS_VAR in os.environ:
+        return f"{GRAPH_OPS_VAR}={os.environ[GRAPH_OPS_VAR]} (set by the user)"
+    if sys.platform != "linux":
+        return "MLX's own (the setting is for MLX-CUDA; Metal tunes it per chip)"
+    os.environ[GRAPH_OPS_VAR] = GRAPH_OPS
+    return (
+        f"{GRAPH_OPS_VAR}={GRAPH_OPS}: MLX-CUDA's CUDA graphs of at most {GRAPH_OPS} kernels, which hold "
+        f"their inputs until they have run, not 100 (set {GRAPH_OPS_VAR} to choose)"
+    )
+
+
 def _malloc() -> str:
     choice = os.environ.get(MALLOC_VAR, "auto").strip() or "auto"
     if choice not in ("auto", "off"):
@@ -208,6 +232,7 @@ def configure() -> dict[str, str]:
             malloc=_malloc(),
             mlx_caches=_cache_check(),
             conv_graphs=_conv_cache(),
+            cuda_graphs=_graph_ops(),
         )
         for key, value in STATUS.items():
             logger.info("%s: %s", key, value)

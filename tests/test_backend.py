@@ -52,12 +52,24 @@ def test_malloc_setting_is_applied_and_reported_on_linux(monkeypatch):
         ("MLX_ENABLE_CACHE_THRASHING_CHECK", "mlx_caches", "0", "MLX-CUDA's caches evict"),
         # 128 cuDNN convolution graphs a thread are 3-4 of a server's S3Gen decodes: 1,024.
         ("MLX_CUDA_CONV_CACHE_SIZE", "conv_graphs", "1024", "MLX-CUDA keeps that many convolution graphs"),
+        # A CUDA graph of 100 kernels holds their inputs past any memory bound: 20 (Linux; Metal has its own).
+        pytest.param(
+            "MLX_MAX_OPS_PER_BUFFER",
+            "cuda_graphs",
+            "20",
+            "MLX-CUDA's CUDA graphs of at most 20 kernels",
+            marks=pytest.mark.skipif(sys.platform != "linux", reason="set for MLX-CUDA, on Linux only"),
+        ),
     ],
 )
-def test_mlx_cuda_cache_settings_are_ours_unless_the_user_set_them(monkeypatch, var, key, ours, status):
+def test_mlx_cuda_settings_are_ours_unless_the_user_set_them(monkeypatch, var, key, ours, status):
     """The package sets MLX-CUDA's cache variables when it is imported, unless the user chose, and reports
     which."""
-    setting = {"mlx_caches": _backend._cache_check, "conv_graphs": _backend._conv_cache}[key]
+    setting = {
+        "mlx_caches": _backend._cache_check,
+        "conv_graphs": _backend._conv_cache,
+        "cuda_graphs": _backend._graph_ops,
+    }[key]
     monkeypatch.delenv(var, raising=False)
     done = run_python(
         f"import os, mlx_chatterbox; from mlx_chatterbox import _backend; "

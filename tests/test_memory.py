@@ -1,15 +1,12 @@
-"""Bounds on queued work (models/memory.py): MLX's memory limit, raised and given back, and T3's
-prefill under its bound. S3Gen's bounds: tests/test_vocode_batch.py."""
+"""Bounds on queued work (models/memory.py): MLX's memory limit, raised and given back. S3Gen's calls under
+their bounds: tests/test_vocode_batch.py."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from mlx_chatterbox.models import memory
-from tests.test_gpt2 import TINY as TINY_TURBO
-from tests.test_gpt2 import load, upstream_weights
 
 
 def test_interleaved_memory_bounds_restore_the_callers_limit():
@@ -40,30 +37,3 @@ def test_a_bound_is_given_back_when_its_call_fails():
             assert mx.get_memory_limit() < limit
             raise RuntimeError("failed inside")
     assert mx.get_memory_limit() == limit
-
-
-@pytest.mark.parametrize("turbo", [False, True])
-def test_prefill_runs_under_its_bound_and_changes_no_number(tiny_t3, monkeypatch, turbo):
-    """With ``PREFILL_BUDGET_PER_ROW`` set, T3's prefill (English and Turbo) is queued under rows x that above
-    the memory in use: the limit raised once by that much and given back, the logits and the key/value cache
-    the same bit for bit as unbounded (the default: no limit set)."""
-    model = load(TINY_TURBO, upstream_weights(TINY_TURBO)) if turbo else tiny_t3
-    width = model.config.hidden_size
-    embeds = mx.array(np.random.default_rng(0).standard_normal((3, 9, width)).astype(np.float32))
-    budgets, real = [], memory.raise_limit
-
-    def spy(limit: int) -> None:
-        budgets.append(limit - mx.get_active_memory())
-        real(limit)
-
-    monkeypatch.setattr(memory, "raise_limit", spy)
-    limit = mx.get_memory_limit()
-    free_logits, free_cache = model.prefill(embeds)
-    assert budgets == []  # unbounded by default: no limit set
-    monkeypatch.setattr(memory, "PREFILL_BUDGET_PER_ROW", 2**20)
-    logits, cache = model.prefill(embeds)
-    assert len(budgets) == 1 and abs(budgets[0] - 3 * 2**20) < 2**19, budgets
-    assert mx.get_memory_limit() == limit
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(free_logits))
-    for a, b in zip(cache.kv, free_cache.kv, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

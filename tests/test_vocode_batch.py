@@ -194,12 +194,19 @@ def test_memory_budget_changes_no_number_and_restores_the_limit(tts):
 
 
 def test_auto_budget_grows_with_the_requests_of_a_call(tts, monkeypatch):
-    """ "auto" gives every request of a batched call the single call's budget, up to AUTO_ROWS requests (a
-    fixed budget starved batches on the H200); a budget in bytes is the whole call's."""
-    one = vocode.resolve_memory_budget("auto")
+    """ "auto" gives every request of a batched call its budget a request, up to AUTO_ROWS requests (a fixed
+    budget starved batches on the H200), and a lone request its own (on a GPU 256 MiB against 1 GiB a request
+    of a batch: run BA); a budget in bytes is the whole call's."""
+    assert vocode.resolve_memory_budget("auto") == 256 * 2**20
+    one = vocode.MEMORY_BUDGETS["cpu"][1]
     assert vocode.resolve_memory_budget("auto", 3) == 3 * one
     assert vocode.resolve_memory_budget("auto", 50) == vocode.AUTO_ROWS * one
     assert vocode.resolve_memory_budget(2**20, 3) == 2**20
+    with monkeypatch.context() as gpu:
+        gpu.setattr(mx, "default_device", lambda: mx.gpu)
+        assert vocode.resolve_memory_budget("auto") == 256 * 2**20
+        assert vocode.resolve_memory_budget("auto", 2) == 2 * 2**30
+        assert vocode.resolve_memory_budget("auto", 50) == vocode.AUTO_ROWS * 2**30
     limits = []
     real = mx.set_memory_limit
     monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or real(n))

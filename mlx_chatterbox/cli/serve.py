@@ -140,7 +140,8 @@ def add_parser(sub) -> None:
         metavar="GB|auto|none",
         help="memory an S3Gen call may take above what is in use when it starts; beyond it MLX waits for the "
         "call's queued work before queueing more (MLX's limit is process-wide: T3's steps wait too). auto (the "
-        "default): 1 GB a request of the call, up to 8; none: MLX's own limit only (fastest, several times the "
+        "default): on a GPU 0.25 GB for a lone request and 1 GB a request of a batched call, up to 8 "
+        "(0.25 GB a request on a CPU); none: MLX's own limit only (fastest, several times the "
         "memory)",
     )
     p.add_argument(

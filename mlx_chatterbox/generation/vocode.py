@@ -45,14 +45,17 @@ class Draws:
     source_noise: mx.array
 
 
-# Bytes an S3Gen call may hold above the memory in use when it starts ("auto"; see bounded_memory), per request
-# it vocodes, for up to AUTO_ROWS requests. Measured at 10 s prompt + 10 s output, full size, fp32 (peak above
-# the weights; time). CPU, 2 cores: 695 -> 446 MiB at 256 MiB, no slower. H200: 5482 MiB, 308 ms unbounded;
-# 2089 MiB, 320 ms at 2 GiB; 1084 MiB, 312-338 ms at 1 GiB; 756 MiB, 508 ms at 512 MiB (too little work stays
-# queued to keep the GPU busy). Batched (H200, 2026-12-02, benchmarks/probe_s3gen.py): 8 requests took 2135 ms
-# under 1 GiB, 1709 ms under 8 GiB (8.5 GB peak) and 1679 ms unbounded (20.8 GB); 32 requests 7496, 6513 (10.4
-# GB) and 6483 ms (37 GB): a fixed budget starves batches, 1 GiB a request up to 8 does not.
-MEMORY_BUDGETS = {"cpu": 256 * 2**20, "gpu": 2**30}
+# Bytes an S3Gen call may hold above the memory in use when it starts ("auto"; see bounded_memory): a lone
+# request's, and each request's of a batched call, for up to AUTO_ROWS requests. Measured at 10 s prompt +
+# 10 s output, full size, fp32 (peak above the weights; time). CPU, 2 cores: 695 -> 446 MiB at 256 MiB, no
+# slower. H200, CUDA graphs of 100 kernels: 5482 MiB, 308 ms unbounded; 2089 MiB, 320 ms at 2 GiB; 1084 MiB,
+# 312-338 ms at 1 GiB; 756 MiB, 508 ms at 512 MiB (too little work stays queued to keep the GPU busy). H100,
+# graphs of 20 (_backend.py, run BA): 1,067 MiB, 301 ms at 1 GiB; 341 MiB, 341-349 ms at 256 MiB, which a
+# lone request takes (issue 25: text -> wav peaks no higher than upstream's). Batched (H200, 2026-12-02,
+# graphs of 100, benchmarks/probe_s3gen.py): 8 requests took 2135 ms under 1 GiB, 1709 ms under 8 GiB (8.5
+# GB peak) and 1679 ms unbounded (20.8 GB); 32 requests 7496, 6513 (10.4 GB) and 6483 ms (37 GB): a fixed
+# budget starves batches, 1 GiB a request up to 8 does not.
+MEMORY_BUDGETS = {"cpu": (256 * 2**20, 256 * 2**20), "gpu": (256 * 2**20, 2**30)}
 AUTO_ROWS = 8
 
 
@@ -103,10 +106,11 @@ def use_tiled_products(on: bool) -> None:
 
 def resolve_memory_budget(budget: int | str | None, requests: int = 1) -> int | None:
     """``S3Gen.memory_budget`` -> bytes (or None: unbounded) for a call that vocodes ``requests`` requests;
-    "auto" gives each of them (up to ``AUTO_ROWS``) the default device's ``MEMORY_BUDGETS``, a number of bytes is
-    the whole call's."""
+    "auto" gives a lone request the default device's lone budget (``MEMORY_BUDGETS``), and each request of a
+    batched call (up to ``AUTO_ROWS``) its budget a request; a number of bytes is the whole call's."""
     if budget == "auto":
-        return MEMORY_BUDGETS["cpu" if mx.default_device() == mx.cpu else "gpu"] * min(requests, AUTO_ROWS)
+        lone, each = MEMORY_BUDGETS["cpu" if mx.default_device() == mx.cpu else "gpu"]
+        return lone if requests == 1 else each * min(requests, AUTO_ROWS)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
         raise ValueError(f"memory_budget={budget!r} must be a number of bytes >= 0, 'auto' or None")
     return budget
@@ -115,9 +119,9 @@ def resolve_memory_budget(budget: int | str | None, requests: int = 1) -> int | 
 @dataclass
 class S3Gen:
     """The three networks that turn speech tokens into audio. ``memory_budget``: bytes a call may hold above
-    the memory in use when it starts; "auto" (``MEMORY_BUDGETS`` for the default device, per request of a
-    batched call) or None (no bound beyond MLX's own limit: fastest on GPUs, 5x the memory). See
-    ``bounded_memory``."""
+    the memory in use when it starts; "auto" (``MEMORY_BUDGETS`` for the default device: a lone request's, or
+    each request's of a batched call) or None (no bound beyond MLX's own limit: fastest on GPUs, 5x the
+    memory). See ``bounded_memory``."""
 
     flow: Flow
     estimator: Estimator

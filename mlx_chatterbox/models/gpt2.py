@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import memory
 from .cache import KVCache
 from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
@@ -238,10 +237,9 @@ class T3Turbo(nn.Module):
                 f"the prefill is {embeds.shape[1]} positions long; the model has {self.config.n_positions}"
             )
         kv: list[mx.array] = []
-        with memory.prefill_bound(embeds.shape[0]):
-            h = self.tfmr(embeds, kv, pad)
-            logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
-            mx.async_eval(logits, *cache.kv)
+        h = self.tfmr(embeds, kv, pad)
+        logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
+        mx.async_eval(logits, *cache.kv)
         return logits, cache
 
     def decode(

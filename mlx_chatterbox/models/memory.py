@@ -5,7 +5,10 @@ MLX's evaluation runs ahead of the kernels, and what queued kernels use (their i
 or cuDNN call's workspace) stays allocated until the run of kernels they belong to has finished. Above its
 limit MLX waits for queued work before queueing more, so a bounded call peaks near its budget (plus its
 largest single kernels) and computes the same numbers; a call under the budget is never held back. S3Gen's
-calls (generation/vocode.py) run under such bounds, and T3's prefill can (``PREFILL_BUDGET_PER_ROW``).
+calls (generation/vocode.py) run under such bounds. On CUDA, MLX can wait only for kernels whose CUDA graph it
+has closed, so an open graph's work passes any bound: hence graphs of 20 kernels, not 100 (``_backend.py``).
+T3's prefill had a bound of its own until those graphs cut its rise from 590-877 to 306-399 MiB (runs AX and
+BA).
 
 The limit is process-wide, and bounded calls may run on two threads at once (the server's worker and its
 vocoding thread): the limit is the highest any running call asked for, and the caller's own limit comes back
@@ -20,16 +23,6 @@ import threading
 from collections.abc import Iterator
 
 import mlx.core as mx
-
-# Bytes a prefill may hold above the memory in use, per row (a CFG pair is two); None: no bound (the default).
-# Unbounded, T3's English prefill (fp32, 2 rows of ~70 positions) held 1,046 MiB above the weights on an H100,
-# where its outputs (the logits and a key/value cache of 256 positions) are 120 MiB. Bounded, it held 741 MiB
-# at 384 MiB a row and 349 at 128, but a lone stream's first audio came 4 and 10-12 ms later (115 ms unbounded):
-# once a call is over its limit, MLX commits and waits after every kernel until enough queued work has ended,
-# and the prefill's own outputs (the cache, padded once: twice its size for a moment) take most of a small
-# budget. Text -> wav peaked in S3Gen all the same (run AV, benchmarks/RESULTS.md), so first audio keeps the
-# unbounded prefill; a server given ``--memory-limit`` has MLX hold all its work back at that limit.
-PREFILL_BUDGET_PER_ROW: int | None = None
 
 _lock = threading.Lock()
 _calls: list = [0, None]  # bounded calls running, MLX's limit before the first
@@ -68,9 +61,3 @@ def bounded(budget: int | None) -> Iterator[None]:
         yield
     finally:
         lower_limit()
-
-
-def prefill_bound(rows: int) -> contextlib.AbstractContextManager:
-    """The bound of a prefill of ``rows`` rows (``PREFILL_BUDGET_PER_ROW`` each; none by default)."""
-    per_row = PREFILL_BUDGET_PER_ROW
-    return bounded(None if per_row is None else per_row * rows)

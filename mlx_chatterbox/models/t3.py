@@ -14,7 +14,6 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import memory
 from .cache import KVCache
 from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
@@ -403,10 +402,9 @@ class T3(nn.Module):
         the cache for ``decode``. pad: (B,) for left-padded rows (``Llama.__call__``). taps: attention maps
         to fill in as well (``AttentionTaps``)."""
         kv: list[mx.array] = []
-        with memory.prefill_bound(embeds.shape[0]):
-            h = self.tfmr(embeds, kv, pad, taps)
-            logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
-            mx.async_eval(logits, *cache.kv)
+        h = self.tfmr(embeds, kv, pad, taps)
+        logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
+        mx.async_eval(logits, *cache.kv)
         return logits, cache
 
     def decode(
