@@ -752,6 +752,7 @@ def test_a_vocoding_process_that_fails_to_start_or_dies(folder, tmp_path, monkey
         worker._process._process.kill()
         with pytest.raises(RuntimeError, match=r"the vocoding process ended \(exit code -9\)"):
             list(ticket)
+        assert not worker._failed  # its job has ended: nothing of it is kept
         assert len(np.concatenate(list(worker.submit(whole)))) > 0  # through a new process
         assert worker.metrics()["vocoder_restarts"] == 1
         assert "a new vocoding process runs (restart 1)" in caplog.text

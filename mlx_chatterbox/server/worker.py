@@ -349,12 +349,12 @@ class Worker:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._device = mx.default_device()  # MLX streams belong to a thread: the worker makes its own
-        # S3Gen's side: on the worker thread (whole pieces; streams decode through their own vocoders there), on
-        # the vocoding thread, or in the vocoding process (``_remote``: what was sent there and not answered, by
-        # serial; ``_lost``: the error that ended it, until a new one starts; ``_failed``: the serials it held,
-        # whose later messages go nowhere). The worker's messages for it, oldest first, under _ready
-        # (``Vocoding``'s: ("piece", _Piece, order), ("open", job, order), ("take"/"end", job, tokens), ("drop",
-        # job)); ``_outbox``: those not yet sent (``_send``).
+        # S3Gen's side: on the worker thread (whole pieces; streams decode through their own vocoders there),
+        # on the vocoding thread, or in the vocoding process (``_remote``: what was sent there and not
+        # answered, by serial; ``_lost``: the error that ended it, until a new one starts; ``_failed``: the
+        # serials of the jobs it held, whose later messages go nowhere until they end). The worker's messages
+        # for it, oldest first, under _ready (``Vocoding``'s: ("piece", _Piece, order), ("open", job, order),
+        # ("take"/"end", job, tokens), ("drop", job)); ``_outbox``: those not yet sent (``_send``).
         one = None
         if tts.torch_s3gen is not None:  # hybrid mode: upstream's S3Gen, one piece at a time
             one = lambda o: tts.vocode(
@@ -1065,9 +1065,10 @@ class Worker:
         with self._remote_lock:
             self._lost = error
             held, self._remote = list(self._remote.values()), {}
-            self._failed.update(key.serial for key in held)
+            jobs = [key for key in held if isinstance(key, _Job)]
+            # until they end (_done): their later messages; a piece has none after its one
+            self._failed.update(j.serial for j in jobs)
         pieces = [key for key in held if isinstance(key, _Piece)]
-        jobs = [key for key in held if isinstance(key, _Job)]
         if pieces:
             self._inbox.put(Vocoded(pieces, None, error))
         if jobs:
@@ -1211,6 +1212,8 @@ class Worker:
         if j.ended:  # e.g. a failed stream's job again, among the running ones at shutdown
             return
         j.ended = True
+        with self._remote_lock:  # it sends nothing more: a message queued before is ignored by a new process
+            self._failed.discard(j.serial)
         if j.piped:  # the vocoding thread forgets its stream
             self._post("drop", j)
         # Counted before the reader is told, so a client that saw its request end finds it in /metrics.
