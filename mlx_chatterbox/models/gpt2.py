@@ -238,9 +238,7 @@ class T3Turbo(nn.Module):
             )
         kv: list[mx.array] = []
         h = self.tfmr(embeds, kv, pad)
-        logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
-        mx.async_eval(logits, *cache.kv)
-        return logits, cache
+        return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
 
     def decode(
         self, token: mx.array, position: mx.array, kv: list[mx.array], pad: mx.array | None = None

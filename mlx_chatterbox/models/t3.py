@@ -403,9 +403,7 @@ class T3(nn.Module):
         to fill in as well (``AttentionTaps``)."""
         kv: list[mx.array] = []
         h = self.tfmr(embeds, kv, pad, taps)
-        logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
-        mx.async_eval(logits, *cache.kv)
-        return logits, cache
+        return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
 
     def decode(
         self,
