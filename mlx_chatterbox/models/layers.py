@@ -644,35 +644,21 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     """
     if not _fast_path(q):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    b, h, t_q, _ = q.shape
+    per_row = b * h * k.shape[-2]
+    rows = min(t_q, max(1, _CHUNK_SCORES // per_row))
     # k and v made contiguous once (v by the concatenation): a head-split view would be copied again for every
-    # piece's product.
-    k_t = mx.contiguous(k).swapaxes(-1, -2)
+    # chunk's product.
+    q, k_t = q * scale, mx.contiguous(k).swapaxes(-1, -2)
     v_ones = mx.concatenate([v, mx.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
     out = []
-    for rows, rows_mask in _query_pieces(q * scale, k, mask, _CHUNK_SCORES):
-        scores = rows @ k_t
-        if rows_mask is not None:
-            scores = scores + rows_mask
+    for start in range(0, t_q, rows):
+        scores = q[:, :, start : start + rows] @ k_t
+        if mask is not None:
+            scores = scores + (mask if mask.shape[-2] == 1 else mask[..., start : start + rows, :])
         weighted = _shifted_exp_cpu(scores) @ v_ones
         out.append(weighted[..., :-1] / weighted[..., -1:])
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
-
-
-def _query_pieces(
-    q: mx.array, k: mx.array, mask: mx.array | None, scores: int
-) -> list[tuple[mx.array, mx.array | None]]:
-    """q's query rows in pieces of at most ``scores`` scores against k (whole if they fit), each with its rows
-    of ``mask`` (a mask of one row is every piece's)."""
-    rows = max(1, scores // (q.shape[0] * q.shape[1] * k.shape[-2]))
-    if rows >= q.shape[2]:
-        return [(q, mask)]
-    return [
-        (
-            q[:, :, start : start + rows],
-            mask if mask is None or mask.shape[-2] == 1 else mask[..., start : start + rows, :],
-        )
-        for start in range(0, q.shape[2], rows)
-    ]
 
 
 def left_pad_mask(n: int, pad: mx.array) -> mx.array:

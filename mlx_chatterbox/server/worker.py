@@ -1066,7 +1066,7 @@ class Worker:
             self._lost = error
             held, self._remote = list(self._remote.values()), {}
             jobs = [key for key in held if isinstance(key, _Job)]
-            # until they end (_done): their later messages; a piece has none after its one
+            # their later messages go nowhere until they end (_done); a piece sends none after its own
             self._failed.update(j.serial for j in jobs)
         pieces = [key for key in held if isinstance(key, _Piece)]
         if pieces:
