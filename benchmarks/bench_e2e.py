@@ -38,8 +38,10 @@ from common import (
     bare_upstream,
     machine_info,
     memory_budget,
+    prefill_way,
     refuse_torch_cpu_beside_preload,
     request_budget,
+    set_prefill_way,
     write_line,
 )
 
@@ -199,6 +201,7 @@ def bench_ours(
     cfg = tts.t3.config
     # MLX's peak in each stage, over the runs; T3's prefill (to its first token) apart from its decode steps
     stage_peaks = dict.fromkeys(("t3_prefill", "t3", "s3gen", "watermark"), 0)
+    first: list[float] = []  # seconds from the text to T3's first token, a run each
 
     def peak(stage: str) -> None:
         """Note the stage's peak (every stage ends synchronised: tokens, then numpy samples) and start anew."""
@@ -215,6 +218,7 @@ def bench_ours(
             tts.t3, voice, ids, params, key=mx.random.key(seed), stop_on_eos=False
         )
         raw = [next(speech)]
+        first.append(time.perf_counter() - t0)
         peak("t3_prefill")
         raw += speech
         t1 = time.perf_counter()
@@ -231,6 +235,7 @@ def bench_ours(
 
     once(0)  # warm-up (also loads the watermarker)
     stage_peaks.update(dict.fromkeys(stage_peaks, 0))
+    first.clear()
     result = summarize([once(1 + i) for i in range(repeats)])
     result.update(
         model=(
@@ -245,6 +250,7 @@ def bench_ours(
         peak_mem_bytes=max(stage_peaks.values()),
         peak_mem_kind="mx.get_peak_memory over the text -> wav runs, weights included",
         stage_peak_mib={stage: round(b / 2**20) for stage, b in stage_peaks.items()},
+        first_token_ms=round(statistics.median(first) * 1e3, 1),
         resident_mib=round(mx.get_active_memory() / 2**20),
         backend=_backend.STATUS,
         text_ids=len(tts.text_ids(TEXT)),
@@ -438,6 +444,12 @@ def main(argv: list[str] | None = None) -> None:
         type=memory_budget,
         help="ours: S3Gen.memory_budget (auto, none, or MiB): the bytes a vocoding call may hold above the weights",
     )
+    p.add_argument(
+        "--prefill-way",
+        default="shipped",
+        type=prefill_way,
+        help="ours: T3's prefill as shipped, late-pad or bound:MiB a row (common.set_prefill_way; issue 25's A/B)",
+    )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -461,6 +473,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.mark_spectra != "auto" and (args.no_watermark or set(systems) != {"ours"}):
         p.error("--mark-spectra applies to ours (--systems ours) with the watermark on")
     watermark_module.SPECTRA_ON_DEVICE = {"auto": None, "device": True, "host": False}[args.mark_spectra]
+    if args.prefill_way != "shipped" and set(systems) != {"ours"}:
+        p.error("--prefill-way applies to ours (--systems ours)")
+    set_prefill_way(args.prefill_way)
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
@@ -524,6 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                 tiled_products=not args.plain_products,
                 mark_on_device=watermark_module.spectra_on_device(),
                 memory_budget=args.memory_budget,
+                prefill_way=args.prefill_way,
             )
         write_line(row, args.out)
         rows.append(row)
@@ -542,7 +558,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         if "stage_peak_mib" in r:
             stages = ", ".join(f"{stage} {mib}" for stage, mib in r["stage_peak_mib"].items())
-            print(f"  {r['system']}: peak MiB by stage {stages}; {r['resident_mib']} after", file=sys.stderr)
+            print(
+                f"  {r['system']}: peak MiB by stage {stages}; {r['resident_mib']} after; first token "
+                f"{r['first_token_ms']} ms",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":
