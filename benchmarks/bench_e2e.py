@@ -38,15 +38,13 @@ from common import (
     bare_upstream,
     machine_info,
     memory_budget,
-    prefill_way,
     refuse_torch_cpu_beside_preload,
     request_budget,
-    set_prefill_way,
     write_line,
 )
 
 from mlx_chatterbox.generation import watermark as watermark_module
-from mlx_chatterbox.models import cfm
+from mlx_chatterbox.models import cfm, memory
 
 SAMPLE_RATE = 24000
 TOKEN_SECONDS = 0.04
@@ -445,10 +443,11 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: S3Gen.memory_budget (auto, none, or MiB): the bytes a vocoding call may hold above the weights",
     )
     p.add_argument(
-        "--prefill-way",
-        default="shipped",
-        type=prefill_way,
-        help="ours: T3's prefill as shipped, late-pad or bound:MiB a row (common.set_prefill_way; issue 25's A/B)",
+        "--prefill-budget",
+        default="auto",
+        type=memory_budget,
+        help="ours: memory.PREFILL_BUDGET_PER_ROW (auto: the library's, none, or MiB): the bytes T3's prefill may "
+        "hold above the memory in use, a row",
     )
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args(argv)
@@ -473,9 +472,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.mark_spectra != "auto" and (args.no_watermark or set(systems) != {"ours"}):
         p.error("--mark-spectra applies to ours (--systems ours) with the watermark on")
     watermark_module.SPECTRA_ON_DEVICE = {"auto": None, "device": True, "host": False}[args.mark_spectra]
-    if args.prefill_way != "shipped" and set(systems) != {"ours"}:
-        p.error("--prefill-way applies to ours (--systems ours)")
-    set_prefill_way(args.prefill_way)
+    if args.prefill_budget != "auto":
+        if set(systems) != {"ours"}:
+            p.error("--prefill-budget applies to ours (--systems ours)")
+        memory.PREFILL_BUDGET_PER_ROW = args.prefill_budget
     checkpoint = Path(args.checkpoint)
     if args.write_checkpoint:
         write_checkpoint(checkpoint, args.upstream_src)
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                 tiled_products=not args.plain_products,
                 mark_on_device=watermark_module.spectra_on_device(),
                 memory_budget=args.memory_budget,
-                prefill_way=args.prefill_way,
+                prefill_budget=memory.PREFILL_BUDGET_PER_ROW,
             )
         write_line(row, args.out)
         rows.append(row)

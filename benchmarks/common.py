@@ -87,43 +87,6 @@ def set_cache_step(step: int) -> None:
     T3.prefill = prefill if step == default else functools.partialmethod(prefill, cache_step=step)
 
 
-def prefill_way(value: str) -> str:
-    """An argparse type for ``--prefill-way`` (``set_prefill_way``): shipped, late-pad, or bound:MiB."""
-    if value in ("shipped", "late-pad") or (value.startswith("bound:") and value[6:].isdigit()):
-        return value
-    raise argparse.ArgumentTypeError(f"{value!r}: shipped, late-pad, or bound:MiB (a row), e.g. bound:128")
-
-
-def set_prefill_way(way: str) -> None:
-    """Issue 25's A/B of T3's prefill peak on a GPU, here and not in the library until a way pays (run BB: text
-    -> wav of 10 s peaked in the prefill, 3,649 MiB against upstream's 3,647). "bound:N": the prefill queued under
-    MLX's memory limit at the memory in use + N MiB a row, as S3Gen's calls (run AX, graphs of 100: 4-12 ms of
-    first audio); "late-pad": the cache keeps the prefill's positions unpadded and the first decode step pads it
-    to whole steps (``KVCache.claim``), so that the padded copy is not made while the prefill's CUDA graphs
-    still hold their cuBLAS workspaces."""
-    import mlx.core as mx
-
-    from mlx_chatterbox.generation import vocode
-    from mlx_chatterbox.models.cache import KVCache
-    from mlx_chatterbox.models.t3 import T3
-
-    if way == "late-pad":
-        KVCache.from_prefill = classmethod(lambda cls, kv, step=256: cls(list(kv), kv[0].shape[2], step))
-    elif way.startswith("bound:"):
-        per_row, prefill = int(way[6:]) * 2**20, T3.prefill
-
-        def bounded(self, embeds, *args, **kwargs):
-            vocode._raise_memory_limit(mx.get_active_memory() + per_row * embeds.shape[0])
-            try:
-                logits, cache = prefill(self, embeds, *args, **kwargs)
-                mx.async_eval(logits, *cache.kv)  # queued under the bound
-            finally:
-                vocode._lower_memory_limit()
-            return logits, cache
-
-        T3.prefill = bounded
-
-
 def memory_budget(value: str) -> int | str | None:
     """``--memory-budget`` (``S3Gen.memory_budget``): auto, none, or a whole number of MiB (argparse type)."""
     if value in ("auto", "none"):

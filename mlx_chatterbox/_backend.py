@@ -30,7 +30,7 @@
    plans nothing; the cache serves the rest, and every convolution with the kernel turned off.
 6. Small CUDA graphs. MLX-CUDA records a stream's kernels as CUDA graphs of up to 100 kernels on Hopper
    (``MLX_MAX_OPS_PER_BUFFER``), and a kernel's inputs and each cuBLAS/cuDNN workspace stay allocated until
-   its whole graph has run. S3Gen's memory bound (``generation/vocode.py``) can wait only for graphs already closed, so
+   its whole graph has run. A memory bound (``models/memory.py``) can wait only for graphs already closed, so
    an open graph's kernels rose above any bound: S3Gen held 714-857 MiB above the memory in use at a budget of
    0 or 256 MiB, against 219-355 MiB with graphs of 20 (H100, benchmarks/RESULTS.md run BA). With 20 and
    S3Gen's budget of 256 MiB, text -> wav of 10 s peaked at 3,042-3,096 MiB against 3,521-3,897 (T3's prefill

@@ -54,6 +54,9 @@ ALLOWED = {
 }
 
 
+# The modules of models/ that are not networks: the KV cache, shared layers and kernels, bounds on queued work.
+SHARED = ("cache", "layers", "memory")
+
 # Hybrid mode imports torch and upstream inside the function that loads them, never at module level.
 LAZY_TORCH = {"hybrid.py"}
 
@@ -96,6 +99,6 @@ def test_imports_point_down_the_levels():
             if len(target) == 1:
                 continue
             assert target[1] in ALLOWED[part], f"{path.relative_to(PACKAGE)} imports {name}"
-            if part == "models" and target[1] == "models" and rel[-1] not in ("cache", "layers"):
-                # A network file may import only cache.py and layers.py, never another network.
-                assert target[-1] in ("cache", "layers", "models"), f"{path} imports network {name}"
+            if part == "models" and target[1] == "models" and rel[-1] not in SHARED:
+                # A network file may import only the shared modules, never another network.
+                assert target[-1] in (*SHARED, "models"), f"{path} imports network {name}"

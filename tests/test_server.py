@@ -893,12 +893,13 @@ def test_auto_vocoding_keeps_upstreams_s3gen_on_the_thread(monkeypatch):
 )
 def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, budget):
     """``--vocode-memory`` is the budget of the server's S3Gen calls above the memory in use (auto: 256 MiB a
-    request on a CPU; on a GPU 256 MiB alone, 1 GiB a request of a batch; none: no bound of ours), reported by /health; a whole request is
-    vocoded under it."""
+    request on a CPU; on a GPU 256 MiB alone, 1 GiB a request of a batch; none: no bound of ours), reported by
+    /health; a whole request is vocoded under it."""
     from mlx_chatterbox.generation import vocode
+    from mlx_chatterbox.models import memory
 
     seen, budgets = {}, []
-    real = vocode._raise_memory_limit
+    real = memory.raise_limit
 
     def raise_limit(limit):
         budgets.append(limit - mx.get_active_memory())  # on the calling thread, right after the call read it
@@ -912,7 +913,8 @@ def test_serve_vocode_memory_flag(tts, tmp_path, monkeypatch, flag, reported, bu
             seen["speech"] = http.post("/v1/audio/speech", json={**body, "stream": False})
 
     monkeypatch.setattr(run_module, "serve", serve)
-    monkeypatch.setattr(vocode, "_raise_memory_limit", raise_limit)
+    monkeypatch.setattr(memory, "raise_limit", raise_limit)
+    monkeypatch.setattr(memory, "PREFILL_BUDGET_PER_ROW", None)  # S3Gen's calls alone: T3's prefill unbounded
     random_voice(seed=7).save(tmp_path / "mine.safetensors")
     args = ["serve", "--model", str(tts.path), "--voices", str(tmp_path / "voices"), "--no-ui", *flag]
     assert main([*args, "--voice", str(tmp_path / "mine.safetensors"), "--vocode-thread", "off"]) == 0

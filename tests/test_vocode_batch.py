@@ -216,42 +216,6 @@ def test_auto_budget_grows_with_the_requests_of_a_call(tts, monkeypatch):
     assert abs(limits[0] - 3 * one - active) < one  # the call raised it by 3 requests' budgets
 
 
-def test_interleaved_memory_bounds_restore_the_callers_limit():
-    """Bounded calls on two threads (the server's worker and its vocoding thread) interleave: the limit is the
-    highest bound of the calls running, never above the caller's own limit, and the caller's limit comes back
-    when the last one ends, whatever the order they end in."""
-    from mlx_chatterbox.generation.vocode import _lower_memory_limit, _raise_memory_limit
-
-    limit = mx.get_memory_limit()
-    _raise_memory_limit(limit // 2)
-    _raise_memory_limit(limit // 4)  # a lower bound while the first call runs keeps the first's
-    assert mx.get_memory_limit() == limit // 2
-    _lower_memory_limit()  # the first call ends first
-    assert mx.get_memory_limit() == limit // 2
-    _raise_memory_limit(limit // 3 * 2)
-    assert mx.get_memory_limit() == limit // 3 * 2
-    _lower_memory_limit()
-    _lower_memory_limit()
-    assert mx.get_memory_limit() == limit
-    _raise_memory_limit(2 * limit)  # above the caller's limit (serve --memory-limit): capped at it
-    assert mx.get_memory_limit() == limit
-    _lower_memory_limit()
-    assert mx.get_memory_limit() == limit
-
-
-def test_a_bound_is_given_back_when_its_call_fails(tts):
-    limit = mx.get_memory_limit()
-
-    @vocode.bounded_memory
-    def fails(s3gen, tokens):
-        assert mx.get_memory_limit() < limit
-        raise RuntimeError("failed inside")
-
-    with pytest.raises(RuntimeError, match="failed inside"):
-        fails(tts.s3gen, mx.zeros((1, 3), dtype=mx.int32))
-    assert mx.get_memory_limit() == limit
-
-
 @pytest.mark.parametrize(
     ("new_tokens", "bucket", "finalize", "masked"),
     [

@@ -12,9 +12,13 @@ python3 -c "import chatterbox.tts, perth, librosa; print('upstream imports: ok')
 echo "== compare at $(date +%T)"
 timeout 900 python3 benchmarks/compare.py --preset gpu --skip t3,s3gen --out ~/res/compare.jsonl 2>&1
 # Issue 25's peak-memory goal on the same checkpoint and voice: run AV had ours at 4,403 MiB against upstream's
-# 3,647 with MLX's CUDA graphs of 100 kernels and S3Gen's budget of 1 GiB; the package now has graphs of 20 and a
-# lone request's budget of 256 MiB (run BA, built model: 3,042-3,096 MiB). Ours again as it was (~40 s).
-echo "== ours with MLX's graphs of 100 kernels and S3Gen's budget of 1 GiB at $(date +%T)"
+# 3,647 with MLX's CUDA graphs of 100 kernels, S3Gen's budget of 1 GiB and T3's prefill unbounded; the package
+# has graphs of 20, a lone request's budget of 256 MiB and a prefill bound of 192 MiB a row (runs BA and BB).
+# Ours without the prefill bound, then as it was (~40 s each).
+echo "== ours without T3's prefill bound at $(date +%T)"
+timeout 300 python3 benchmarks/bench_e2e.py --systems ours --prefill-budget none --out ~/res/compare_budget.jsonl \
+    2>&1 | grep -v '^{' | tail -2
+echo "== ours with MLX's graphs of 100 kernels, S3Gen's budget of 1 GiB, no prefill bound at $(date +%T)"
 MLX_MAX_OPS_PER_BUFFER=100 timeout 300 python3 benchmarks/bench_e2e.py --systems ours --memory-budget 1024 \
-    --out ~/res/compare_budget.jsonl 2>&1 | grep -v '^{' | tail -2
+    --prefill-budget none --out ~/res/compare_budget.jsonl 2>&1 | grep -v '^{' | tail -2
 echo "== done"

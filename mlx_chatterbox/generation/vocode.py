@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
-from ..models import cfm
+from ..models import cfm, memory
 from ..models.cfm import Estimator, Steps, drain, meanflow_steps, solve_steps
 from ..models.flow import Flow
 from ..models.hift import HiFT
@@ -61,27 +60,18 @@ AUTO_ROWS = 8
 
 
 def bounded_memory(method: Callable[..., R]) -> Callable[..., R]:
-    """Run an ``S3Gen`` method under MLX's memory limit of (active memory + the call's memory budget), and
-    queue its result (``mx.async_eval``) before the limit is restored.
-
-    MLX's evaluation runs ahead of the kernels, and what queued kernels use stays allocated until they have
-    run: an unbounded call held 5.4 GiB above the weights on an H200, and HiFT alone 691 MiB on the CPU. Above
-    its limit MLX waits for queued work before queueing more, so the peak stays near the budget (plus the
-    largest single kernels) and the numbers do not change; a call under the budget is never held back. The
-    limit is process-wide while the method runs: evaluations in other threads meanwhile are held back too."""
+    """Run an ``S3Gen`` method under ``memory.bounded`` with the call's memory budget, and queue its result
+    (``mx.async_eval``) inside the bound. Unbounded, a call held 5.4 GiB above the weights on an H200, and
+    HiFT alone 691 MiB on the CPU."""
 
     @functools.wraps(method)
     def run(self: S3Gen, *args, **kwargs) -> R:
         tokens = args[0] if args else kwargs.get("tokens")
-        budget = resolve_memory_budget(self.memory_budget, len(tokens) if isinstance(tokens, list) else 1)
-        if budget is None:
-            return method(self, *args, **kwargs)
-        _raise_memory_limit(mx.get_active_memory() + budget)
-        try:
+        with memory.bounded(
+            resolve_memory_budget(self.memory_budget, len(tokens) if isinstance(tokens, list) else 1)
+        ):
             out = method(self, *args, **kwargs)
             mx.async_eval(out)  # queued under the limit: the caller's later eval finds the work in flight
-        finally:
-            _lower_memory_limit()
         return out
 
     return run
@@ -96,48 +86,22 @@ def bounded_steps(s3gen: S3Gen, requests: int, steps: Steps[R]) -> Steps[R]:
         return (yield from steps)
     limit = mx.get_active_memory() + budget
     while True:
-        _raise_memory_limit(limit)
+        memory.raise_limit(limit)
         try:
             next(steps)
         except StopIteration as stop:
             mx.async_eval(stop.value)  # queued under the limit, as bounded_memory's result
             return stop.value
         finally:
-            _lower_memory_limit()
+            memory.lower_limit()
         yield
-
-
-# MLX's memory limit is process-wide, and bounded calls may run on two threads at once (the server's worker and
-# its vocoding thread): the limit is the highest any running call asked for, and the caller's own limit comes
-# back when the last one ends (a plain save and restore per call, interleaved, could leave a call's bound set);
-# no bound goes above the caller's limit. On CUDA, MLX can wait only for kernels whose CUDA graph it has closed,
-# so an open graph's work passes any bound: hence graphs of 20 kernels, not 100 (_backend.py, run BA).
-_limit_lock = threading.Lock()
-_limit_calls: list = [0, None]  # bounded calls running, MLX's limit before the first
-
-
-def _raise_memory_limit(limit: int) -> None:
-    with _limit_lock:
-        if _limit_calls[0] == 0:
-            _limit_calls[1] = mx.get_memory_limit()
-        else:  # another call's bound may be higher: keep it
-            limit = max(limit, mx.get_memory_limit())
-        # Never above the caller's own limit (serve --memory-limit): a bound only holds work back.
-        mx.set_memory_limit(min(limit, _limit_calls[1]))
-        _limit_calls[0] += 1
-
-
-def _lower_memory_limit() -> None:
-    with _limit_lock:
-        _limit_calls[0] -= 1
-        if _limit_calls[0] == 0:
-            mx.set_memory_limit(_limit_calls[1])
 
 
 def use_tiled_products(on: bool) -> None:
     """Whether this process's estimator runs its products as our tensor-core kernel where that applies
     (``cfm.TILED_PRODUCTS``: CUDA, a half-precision estimator, one request's rows): on by default; the server's
-    vocoding process turns it off under MLX_USE_CUDA_GRAPHS=0, as it pays only with graphs (server/vocoding.py)."""
+    vocoding process turns it off under MLX_USE_CUDA_GRAPHS=0, as it pays only with graphs (server/vocoding.py).
+    """
     cfm.TILED_PRODUCTS = on
 
 

@@ -14,6 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import memory
 from .cache import KVCache
 from .layers import BufferState, LayerParts, Linear, WindowState, decode_layer, left_pad_mask, project
 
@@ -402,8 +403,11 @@ class T3(nn.Module):
         the cache for ``decode``. pad: (B,) for left-padded rows (``Llama.__call__``). taps: attention maps
         to fill in as well (``AttentionTaps``)."""
         kv: list[mx.array] = []
-        h = self.tfmr(embeds, kv, pad, taps)
-        return self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
+        with memory.prefill_bound(embeds.shape[0]):  # text -> wav's peak without it (memory.py)
+            h = self.tfmr(embeds, kv, pad, taps)
+            logits, cache = self.speech_head(h[:, -1]), KVCache.from_prefill(kv, cache_step)
+            mx.async_eval(logits, *cache.kv)  # queued under the bound
+        return logits, cache
 
     def decode(
         self,
