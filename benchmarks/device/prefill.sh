@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 25's memory goal, T3's prefill budgets beside upstream (~8 minutes after the installs, upstream's wheels
 # included: install.sh e, h): bash benchmarks/device/start.sh prefill 560
-# Run BB (tree 7bd83c8, the bound then a bench-side way): with S3Gen bounded, text -> wav of 10 s peaked in T3's
+# Run BC (tree 7bd83c8, the bound then a bench-side way): with S3Gen bounded, text -> wav of 10 s peaked in T3's
 # prefill, 3,649-3,880 MiB against upstream's 3,647; at 192 MiB a row 3,589, T3's first token 0.9 ms later (the
 # library's budget since). compare.py writes its checkpoint and runs both systems as shipped; then ours alone on
 # that checkpoint and cloned voice, a prefill budget (bench_e2e --prefill-budget, MiB a row) a process,

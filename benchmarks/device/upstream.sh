@@ -13,8 +13,8 @@ echo "== compare at $(date +%T)"
 timeout 900 python3 benchmarks/compare.py --preset gpu --skip t3,s3gen --out ~/res/compare.jsonl 2>&1
 # Issue 25's peak-memory goal on the same checkpoint and voice: run AV had ours at 4,403 MiB against upstream's
 # 3,647 with MLX's CUDA graphs of 100 kernels, S3Gen's budget of 1 GiB and T3's prefill unbounded; the package
-# has graphs of 20, a lone request's budget of 256 MiB and a prefill bound of 192 MiB a row (runs BA and BB).
-# Ours without the prefill bound, then as it was (~40 s each).
+# has graphs of 20, a lone request's budget of 256 MiB and a prefill bound of 192 MiB a row (runs BA and BC; run
+# BD: 3,610 MiB). Ours without the prefill bound, then as it was (~40 s each).
 echo "== ours without T3's prefill bound at $(date +%T)"
 timeout 300 python3 benchmarks/bench_e2e.py --systems ours --prefill-budget none --out ~/res/compare_budget.jsonl \
     2>&1 | grep -v '^{' | tail -2

@@ -23,13 +23,13 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-# Bytes T3's prefill may hold above the memory in use, per row (a CFG pair is two). On an H100 (compare's
-# checkpoint and cloned voice, fp32, graphs of 20 kernels; run BB, benchmarks/RESULTS.md) the unbounded English
-# prefill (2 rows of ~70 positions) rose 446-677 MiB above the resident 3,203 MiB, its outputs (the logits and a
-# key/value cache of 256 positions) 120 of that and the rest the queued kernels' inputs and cuBLAS workspaces
-# (32 MiB each on Hopper), and was text -> wav's peak: 3,649-3,881 MiB against upstream's 3,647. At 192 MiB a
-# row it rose 386 (3,589), the first token came 0.9 ms later (15.8 ms against 14.9); at 128, 272-277 MiB and 4
-# ms later; at 96, 213 MiB and 6 ms. Once a call is over its limit MLX waits after every kernel until queued
+# Bytes T3's prefill may hold above the memory in use, per row (a CFG pair is two). On H100s (compare's
+# checkpoint and cloned voice, fp32, graphs of 20 kernels; runs BB-BD, benchmarks/RESULTS.md) the unbounded
+# English prefill (2 rows of ~70 positions) rose 446-677 MiB above the resident 3,203 MiB, its outputs (the
+# logits and a key/value cache of 256 positions) 120 of that and the rest the queued kernels' inputs and cuBLAS
+# workspaces (32 MiB each on Hopper), and was text -> wav's peak: 3,649-3,880 MiB against upstream's 3,647. At
+# 192 MiB a row it rose 386-407 (3,589-3,610) and the first token came 0.9-2.1 ms later; at 128, 272-277 MiB and
+# 4 ms later; at 96, 213 MiB and 6 ms. Once a call is over its limit MLX waits after every kernel until queued
 # work has ended, hence the cost of a small budget. Turbo's prefill (one row, GPT-2) has no bound: its memory
 # is no goal, its first audio is (issue 25's 120 ms).
 PREFILL_BUDGET_PER_ROW: int | None = 192 * 2**20  # None: no bound
