@@ -31,8 +31,8 @@ import mlx.core as mx
 # 192 MiB a row it rose 386-407 (3,589-3,610) and the first token came 0.9-2.1 ms later; at 128, 272-277 MiB and
 # 4 ms later; at 96, 213 MiB and 6 ms. Once a call is over its limit MLX waits after every kernel until queued
 # work has ended, hence the cost of a small budget. On the CPU (2 cores, built full-size model) the prefill rose
-# 272 MiB, under the bound: first token 2.64 s against 2.63 unbounded. Turbo's prefill (one row, GPT-2) has no bound: its memory
-# is no goal, its first audio is (issue 25's 120 ms).
+# 272 MiB, under the bound: first token 2.64 s against 2.63 unbounded. Turbo's prefill (one row, GPT-2) has no
+# bound: its memory is no goal, its first audio is (issue 25's 120 ms).
 PREFILL_BUDGET_PER_ROW: int | None = 192 * 2**20  # None: no bound
 
 _lock = threading.Lock()
