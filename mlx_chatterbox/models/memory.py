@@ -5,9 +5,9 @@ MLX's evaluation runs ahead of the kernels, and what queued kernels use (their i
 or cuDNN call's workspace) stays allocated until the run of kernels they belong to has finished. Above its
 limit MLX waits for queued work before queueing more, so a bounded call peaks near its budget (plus its
 largest single kernels) and computes the same numbers; a call under the budget is never held back. S3Gen's
-calls (generation/vocode.py) and T3's prefill (``PREFILL_BUDGET_PER_ROW``) run under such bounds. On CUDA, MLX
-can wait only for kernels whose CUDA graph it has closed, so an open graph's work passes any bound: hence graphs
-of 20 kernels, not 100 (``_backend.py``).
+calls (generation/vocode.py) and T3's prefill (``PREFILL_BUDGET_PER_ROW``) run under such bounds. On CUDA,
+MLX can wait only for kernels whose CUDA graph it has closed, so an open graph's work passes any bound: hence
+graphs of 20 kernels, not 100 (``_backend.py``).
 
 The limit is process-wide, and bounded calls may run on two threads at once (the server's worker and its
 vocoding thread): the limit is the highest any running call asked for, and the caller's own limit comes back
@@ -26,13 +26,13 @@ import mlx.core as mx
 # Bytes T3's prefill may hold above the memory in use, per row (a CFG pair is two). On H100s (compare's
 # checkpoint and cloned voice, fp32, graphs of 20 kernels; runs BB-BD, benchmarks/RESULTS.md) the unbounded
 # English prefill (2 rows of ~70 positions) rose 446-677 MiB above the resident 3,203 MiB, its outputs (the
-# logits and a key/value cache of 256 positions) 120 of that and the rest the queued kernels' inputs and cuBLAS
-# workspaces (32 MiB each on Hopper), and was text -> wav's peak: 3,649-3,880 MiB against upstream's 3,647. At
-# 192 MiB a row it rose 386-407 (3,589-3,610) and the first token came 0.9-2.1 ms later; at 128, 272-277 MiB and
-# 4 ms later; at 96, 213 MiB and 6 ms. Once a call is over its limit MLX waits after every kernel until queued
-# work has ended, hence the cost of a small budget. On the CPU (2 cores, built full-size model) the prefill rose
-# 272 MiB, under the bound: first token 2.64 s against 2.63 unbounded. Turbo's prefill (one row, GPT-2) has no
-# bound: its memory is no goal, its first audio is (issue 25's 120 ms).
+# logits and a key/value cache of 256 positions) 120 of that and the rest the queued kernels' inputs and
+# cuBLAS workspaces (32 MiB each on Hopper), and was text -> wav's peak: 3,649-3,880 MiB against upstream's
+# 3,647. At 192 MiB a row it rose 386-407 (3,589-3,610) and the first token came 0.9-2.1 ms later; at 128,
+# 272-277 MiB and 4 ms later; at 96, 213 MiB and 6 ms. Once a call is over its limit MLX waits after every
+# kernel until queued work has ended, hence the cost of a small budget. On the CPU (2 cores, built full-size
+# model) the prefill rose 272 MiB, under the bound: first token 2.64 s against 2.63 unbounded. Turbo's prefill
+# (one row, GPT-2) has no bound: its memory is no goal, its first audio is (issue 25's 120 ms).
 PREFILL_BUDGET_PER_ROW: int | None = 192 * 2**20  # None: no bound
 
 _lock = threading.Lock()
