@@ -100,7 +100,8 @@ def bounded_steps(s3gen: S3Gen, requests: int, steps: Steps[R]) -> Steps[R]:
 def use_tiled_products(on: bool) -> None:
     """Whether this process's estimator runs its products as our tensor-core kernel where that applies
     (``cfm.TILED_PRODUCTS``: CUDA, a half-precision estimator, one request's rows): on by default; the server's
-    vocoding process turns it off under MLX_USE_CUDA_GRAPHS=0, as it pays only with graphs (server/vocoding.py)."""
+    vocoding process turns it off under MLX_USE_CUDA_GRAPHS=0, as it pays only with graphs (server/vocoding.py).
+    """
     cfm.TILED_PRODUCTS = on
 
 
